@@ -1,0 +1,7 @@
+"""lowp_ops: low-precision training ops that stay inside torch.compile graphs and CUDA graphs."""
+
+from . import library  # noqa: F401  (registers torch.ops.lowp.*)
+from .formats import MXFP8Tensor
+from .mxfp8 import mxfp8_dequantize, mxfp8_quantize
+
+__all__ = ["MXFP8Tensor", "mxfp8_dequantize", "mxfp8_quantize"]

@@ -1,0 +1,98 @@
+"""Format constants and quantized containers.
+
+The containers are plain pytree-registered dataclasses of tensors, not ``torch.Tensor`` subclasses: a
+subclass returned as the ``.grad`` of a compiled graph input fails in AOTAutograd (torch 2.11 and 2.13).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import torch
+from torch.utils import _pytree as pytree
+
+MXFP8_BLOCK_SIZE = 32
+"""Elements that share one E8M0 scale (1x32 row-wise, 32x1 column-wise)."""
+
+SCALE_TILE_ROWS = 128
+SCALE_TILE_COLS = 4
+"""Compact scale buffers are padded to multiples of a 128x4 tile (the GEMM-swizzle tile)."""
+
+F8E4M3_MAX = 448.0
+F8E5M2_MAX = 57344.0
+
+E8M0_EXPONENT_BIAS = 127
+E8M0_NAN = 255
+"""E8M0 codes: value 2^(e - 127) for e in 0..254; 255 is NaN; there is no zero."""
+
+# fp32 bit patterns of 1/max_norm as TE's CUDA computes them (TE B.5 step 3: a multiply, not a divide).
+E4M3_MAX_RCP_BITS = 0x3B124925
+E5M2_MAX_RCP_BITS = 0x37924925
+
+FP8_DTYPES: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+FP8_MAX: dict[str, float] = {"e4m3": F8E4M3_MAX, "e5m2": F8E5M2_MAX}
+FP8_MAX_RCP_BITS: dict[str, int] = {"e4m3": E4M3_MAX_RCP_BITS, "e5m2": E5M2_MAX_RCP_BITS}
+
+
+def fp32_from_bits(bits: int) -> float:
+    """The fp32 value with the given bit pattern, as an exactly representable Python float."""
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+FP8_MAX_RCP: dict[str, float] = {name: fp32_from_bits(bits) for name, bits in FP8_MAX_RCP_BITS.items()}
+"""fp32 ``1/max_norm`` exactly as TE's CUDA rounds it (448 * R = 1 + 0.375 ulp for E4M3)."""
+
+SCALE_LAYOUTS = ("compact", "swizzled")
+MXFP8_USES = ("rowwise", "columnwise")
+HIGH_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class MXFP8Tensor:
+    """An MXFP8 tensor: FP8 data with one E8M0 scale per 32 elements, in up to two copies.
+
+    The tensor is viewed as 2-D ``(rows, cols)`` with ``rows = prod(shape[:-1])``.
+
+    - ``row_data``: ``shape``, FP8; 1x32 blocks along the last dim. ``row_scale``: uint8 E8M0 codes,
+      ``[roundup(rows, 128), roundup(ceil(cols / 32), 4)]``.
+    - ``col_data``: ``shape`` (not transposed), FP8; 32x1 blocks along the rows. ``col_scale``: uint8,
+      ``[roundup(ceil(rows / 32), 4), roundup(cols, 128)]``.
+    - A copy that was not asked for is ``None``. Scale padding is zero.
+    - ``scale_layout == "swizzled"``: the scale bytes are in the GEMM-swizzled order (128x4 tiles of
+      512 bytes; column-wise scales swizzled as their transpose); the buffers keep the compact shapes.
+    """
+
+    row_data: torch.Tensor | None
+    row_scale: torch.Tensor | None
+    col_data: torch.Tensor | None
+    col_scale: torch.Tensor | None
+    fp8_dtype: str
+    scale_layout: str
+    shape: torch.Size
+
+
+def _flatten_mxfp8(t: MXFP8Tensor):
+    children = [t.row_data, t.row_scale, t.col_data, t.col_scale]
+    return children, (t.fp8_dtype, t.scale_layout, tuple(t.shape))
+
+
+def _unflatten_mxfp8(children, context) -> MXFP8Tensor:
+    fp8_dtype, scale_layout, shape = context
+    return MXFP8Tensor(*children, fp8_dtype=fp8_dtype, scale_layout=scale_layout, shape=torch.Size(shape))
+
+
+pytree.register_pytree_node(
+    MXFP8Tensor,
+    _flatten_mxfp8,
+    _unflatten_mxfp8,
+    serialized_type_name="lowp_ops.formats.MXFP8Tensor",
+)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def round_up(a: int, b: int) -> int:
+    return ceil_div(a, b) * b

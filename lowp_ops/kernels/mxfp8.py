@@ -1,0 +1,228 @@
+"""Triton MXFP8 quantize / dequantize (TE's bit algorithm, te_cross_entropy_mxfp8.md B.5-B.6).
+
+One program owns a 32-row x BLOCK_COLS tile: it reads the tile once and writes the row-wise copy
+(1x32 blocks) and the column-wise copy (32x1 blocks) with their E8M0 scales. The tile helpers are
+shared with the cross-entropy backward, which quantizes its gradient in registers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats import FP8_DTYPES, FP8_MAX, FP8_MAX_RCP, MXFP8_BLOCK_SIZE
+from ..meta.mxfp8 import flat_2d_dims, mxfp8_dequantize_output, mxfp8_quantize_outputs
+
+TILE_ROWS = MXFP8_BLOCK_SIZE
+
+
+@triton.jit
+def e8m0_from_amax(amax, MAX_RCP: tl.constexpr):
+    """E8M0 code (int32) of fp32 block amaxes: ``v = amax * R`` rounded up to a power of two."""
+    v = amax * MAX_RCP
+    bits = v.to(tl.int32, bitcast=True)
+    exponent = bits >> 23
+    mantissa = bits & 0x7FFFFF
+    # TE B.5 step 4: any nonzero mantissa rounds up, except fp32 denormals up to 2^-127.
+    round_up = (mantissa > 0) & (exponent != 0xFE) & ((exponent != 0) | (mantissa > 0x400000))
+    code = exponent + round_up.to(tl.int32)
+    code = tl.where((exponent == 0xFF) & (mantissa == 0), 0xFE, code)
+    return tl.where(v != v, 0xFF, code)
+
+
+@triton.jit
+def quantize_multiplier(code):
+    """fp32 2^(127 - e) from the bits ``(254 - e) << 23`` (TE B.5 step 6)."""
+    bits = (254 - code) << 23
+    bits = tl.where(code == 254, 0x00400000, bits)
+    bits = tl.where(code == 255, 0x7FFFFFFF, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def dequantize_multiplier(code):
+    """fp32 2^(e - 127) of E8M0 codes (TE B.6): 0 -> 2^-127, 255 -> NaN."""
+    bits = code << 23
+    bits = tl.where(code == 0, 0x00400000, bits)
+    bits = tl.where(code == 255, 0x7FFFFFFF, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def block_amax(values, axis: tl.constexpr):
+    """max |values| along ``axis``; NaN if the block holds a NaN (hardware max would drop it)."""
+    amax = tl.max(tl.abs(values), axis=axis)
+    has_nan = tl.max((values != values).to(tl.int32), axis=axis)
+    return tl.where(has_nan > 0, float("nan"), amax)
+
+
+@triton.jit
+def cast_satfinite(scaled, FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """RNE cast to FP8 with +-max saturation and NaN -> 0x7F, as ``cvt.rn.satfinite``.
+
+    The rounding is done in fp32 first (add and subtract 2^23 ulp), so the final cast only sees
+    representable values: the Triton interpreter's own fp32 -> fp8 cast does not round to nearest.
+    """
+    MANTISSA_BITS: tl.constexpr = 3 if FP8_MAX == 448.0 else 2
+    MIN_ULP_EXPONENT: tl.constexpr = -9 if FP8_MAX == 448.0 else -16
+    scaled = tl.where(scaled > FP8_MAX, FP8_MAX, scaled)
+    scaled = tl.where(scaled < -FP8_MAX, -FP8_MAX, scaled)
+    magnitude = tl.abs(scaled)
+    exponent = (magnitude.to(tl.int32, bitcast=True) >> 23) - 127
+    ulp_exponent = tl.maximum(exponent - MANTISSA_BITS, MIN_ULP_EXPONENT)
+    shifter = ((ulp_exponent + 23 + 127) << 23).to(tl.float32, bitcast=True)
+    rounded = (magnitude + shifter) - shifter
+    rounded = tl.where(scaled < 0, -rounded, rounded)
+    code = rounded.to(OUT_DTYPE).to(tl.uint8, bitcast=True)
+    # NaN becomes the canonical 0x7F in both formats, as cvt.rn.satfinite writes it.
+    return tl.where(scaled != scaled, 0x7F, code).to(OUT_DTYPE, bitcast=True)
+
+
+@triton.jit
+def swizzled_scale_offset(i, j, n_tiles_x):
+    """Byte offset of scale (i, j) in the GEMM-swizzled layout: 128x4 tiles of 512 bytes (TE B.4)."""
+    tile = (i // 128) * n_tiles_x + j // 4
+    return tile * 512 + (i % 32) * 16 + ((i % 128) // 32) * 4 + (j % 4)
+
+
+@triton.jit
+def quantize_tile_rowwise(x, rows_idx, cols_idx, rows, cols, tile_col0,
+                          data_ptr, scale_ptr, scale_cols,
+                          BLOCK_COLS: tl.constexpr, FP8_MAX: tl.constexpr, MAX_RCP: tl.constexpr,
+                          OUT_DTYPE: tl.constexpr, SWIZZLED: tl.constexpr):
+    """Quantize an fp32 tile ``x`` [32, BLOCK_COLS] (out-of-bounds lanes hold 0) in 1x32 blocks and store
+    the data at ``data_ptr[row * cols + col]`` and the codes in the row-wise scale buffer."""
+    N_BLOCKS: tl.constexpr = BLOCK_COLS // 32
+    blocks = tl.reshape(x, [32, N_BLOCKS, 32])
+    code = e8m0_from_amax(block_amax(blocks, 2), MAX_RCP)
+    scaled = blocks * quantize_multiplier(code)[:, :, None]
+    data = tl.reshape(cast_satfinite(scaled, FP8_MAX, OUT_DTYPE), [32, BLOCK_COLS])
+    in_bounds = (rows_idx[:, None] < rows) & (cols_idx[None, :] < cols)
+    tl.store(data_ptr + rows_idx[:, None].to(tl.int64) * cols + cols_idx[None, :], data, mask=in_bounds)
+
+    block_idx = tile_col0 // 32 + tl.arange(0, N_BLOCKS)
+    scale_mask = (rows_idx[:, None] < rows) & (block_idx[None, :] * 32 < cols)
+    if SWIZZLED:
+        offset = swizzled_scale_offset(rows_idx[:, None], block_idx[None, :], scale_cols // 4)
+    else:
+        offset = rows_idx[:, None] * scale_cols + block_idx[None, :]
+    tl.store(scale_ptr + offset, code.to(tl.uint8), mask=scale_mask)
+
+
+@triton.jit
+def quantize_tile_columnwise(x, rows_idx, cols_idx, rows, cols, tile_row_block,
+                             data_ptr, scale_ptr, scale_rows, scale_cols,
+                             FP8_MAX: tl.constexpr, MAX_RCP: tl.constexpr,
+                             OUT_DTYPE: tl.constexpr, SWIZZLED: tl.constexpr):
+    """Quantize an fp32 tile ``x`` [32, BLOCK_COLS] in 32x1 blocks (the tile is one block high) and store
+    the data (not transposed) and the codes in the column-wise scale buffer."""
+    code = e8m0_from_amax(block_amax(x, 0), MAX_RCP)
+    scaled = x * quantize_multiplier(code)[None, :]
+    data = cast_satfinite(scaled, FP8_MAX, OUT_DTYPE)
+    in_bounds = (rows_idx[:, None] < rows) & (cols_idx[None, :] < cols)
+    tl.store(data_ptr + rows_idx[:, None].to(tl.int64) * cols + cols_idx[None, :], data, mask=in_bounds)
+
+    if SWIZZLED:
+        # Column-wise scales are swizzled as their transpose: i = column, j = 32-row block.
+        offset = swizzled_scale_offset(cols_idx, tile_row_block, scale_rows // 4)
+    else:
+        offset = tile_row_block * scale_cols + cols_idx
+    tl.store(scale_ptr + offset, code.to(tl.uint8), mask=cols_idx < cols)
+
+
+@triton.jit
+def mxfp8_quantize_kernel(x_ptr, stride_row, stride_col, rows, cols,
+                          row_data_ptr, row_scale_ptr, row_scale_cols,
+                          col_data_ptr, col_scale_ptr, col_scale_rows, col_scale_cols,
+                          BLOCK_COLS: tl.constexpr, FP8_MAX: tl.constexpr, MAX_RCP: tl.constexpr,
+                          OUT_DTYPE: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
+                          SWIZZLED: tl.constexpr):
+    tile_row_block = tl.program_id(0)
+    tile_col0 = tl.program_id(1) * BLOCK_COLS
+    rows_idx = tile_row_block * 32 + tl.arange(0, 32)
+    cols_idx = tile_col0 + tl.arange(0, BLOCK_COLS)
+    in_bounds = (rows_idx[:, None] < rows) & (cols_idx[None, :] < cols)
+    offsets = rows_idx[:, None].to(tl.int64) * stride_row + cols_idx[None, :].to(tl.int64) * stride_col
+    # Upcast right after the load (bf16 math is wrong in the Triton interpreter); padding lanes are 0.
+    x = tl.load(x_ptr + offsets, mask=in_bounds, other=0.0).to(tl.float32)
+    if ROWWISE:
+        quantize_tile_rowwise(x, rows_idx, cols_idx, rows, cols, tile_col0,
+                              row_data_ptr, row_scale_ptr, row_scale_cols,
+                              BLOCK_COLS, FP8_MAX, MAX_RCP, OUT_DTYPE, SWIZZLED)
+    if COLWISE:
+        quantize_tile_columnwise(x, rows_idx, cols_idx, rows, cols, tile_row_block,
+                                 col_data_ptr, col_scale_ptr, col_scale_rows, col_scale_cols,
+                                 FP8_MAX, MAX_RCP, OUT_DTYPE, SWIZZLED)
+
+
+@triton.jit
+def mxfp8_dequantize_kernel(data_ptr, scale_ptr, out_ptr, rows, cols, scale_rows, scale_cols,
+                            BLOCK_COLS: tl.constexpr, COLUMNWISE: tl.constexpr, SWIZZLED: tl.constexpr):
+    rows_idx = tl.program_id(0) * 32 + tl.arange(0, 32)
+    cols_idx = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    in_bounds = (rows_idx[:, None] < rows) & (cols_idx[None, :] < cols)
+    offsets = rows_idx[:, None].to(tl.int64) * cols + cols_idx[None, :]
+    values = tl.load(data_ptr + offsets, mask=in_bounds, other=0.0).to(tl.float32)
+    if COLUMNWISE:
+        i = cols_idx[None, :]
+        j = rows_idx[:, None] // 32
+        n_tiles_x = scale_rows // 4
+        compact = j * scale_cols + i
+    else:
+        i = rows_idx[:, None]
+        j = cols_idx[None, :] // 32
+        n_tiles_x = scale_cols // 4
+        compact = i * scale_cols + j
+    scale_offset = swizzled_scale_offset(i, j, n_tiles_x) if SWIZZLED else compact
+    code = tl.load(scale_ptr + scale_offset, mask=in_bounds, other=0).to(tl.int32)
+    out = values * dequantize_multiplier(code)
+    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=in_bounds)
+
+
+TRITON_FP8 = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
+
+
+def quantize_block_cols(cols: int) -> int:
+    """Tile width from the shape: 128 columns (one 32x128 tile = 4096 elements), narrower for thin inputs."""
+    return max(32, min(128, triton.next_power_of_2(cols)))
+
+
+def launch_mxfp8_quantize(x: torch.Tensor, fp8_dtype: str, rowwise: bool, columnwise: bool,
+                          scale_layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``lowp::mxfp8_quantize`` on a CUDA (or interpreted CPU) tensor; any strides."""
+    outputs = mxfp8_quantize_outputs(x, fp8_dtype, rowwise, columnwise, scale_layout)
+    row_data, row_scale, col_data, col_scale = outputs
+    rows, cols = flat_2d_dims(x.shape)
+    if rows == 0 or cols == 0:
+        return outputs
+    x2d = x.reshape(rows, cols)
+    block_cols = quantize_block_cols(cols)
+    grid = (triton.cdiv(rows, TILE_ROWS), triton.cdiv(cols, block_cols))
+    mxfp8_quantize_kernel[grid](
+        x2d, x2d.stride(0), x2d.stride(1), rows, cols,
+        row_data.view(FP8_DTYPES[fp8_dtype]), row_scale, row_scale.shape[1] if rowwise else 0,
+        col_data.view(FP8_DTYPES[fp8_dtype]), col_scale, col_scale.shape[0] if columnwise else 0,
+        col_scale.shape[1] if columnwise else 0,
+        BLOCK_COLS=block_cols, FP8_MAX=FP8_MAX[fp8_dtype], MAX_RCP=FP8_MAX_RCP[fp8_dtype],
+        OUT_DTYPE=TRITON_FP8[fp8_dtype], ROWWISE=rowwise, COLWISE=columnwise,
+        SWIZZLED=scale_layout == "swizzled", num_warps=4,
+    )
+    return outputs
+
+
+def launch_mxfp8_dequantize(data: torch.Tensor, scale: torch.Tensor, fp8_dtype: str, use: str,
+                            scale_layout: str, dtype: torch.dtype) -> torch.Tensor:
+    """``lowp::mxfp8_dequantize`` on a CUDA (or interpreted CPU) tensor."""
+    out = mxfp8_dequantize_output(data, scale, fp8_dtype, use, scale_layout, dtype)
+    rows, cols = flat_2d_dims(data.shape)
+    if rows == 0 or cols == 0:
+        return out
+    block_cols = quantize_block_cols(cols)
+    grid = (triton.cdiv(rows, TILE_ROWS), triton.cdiv(cols, block_cols))
+    mxfp8_dequantize_kernel[grid](
+        data.contiguous().view(FP8_DTYPES[fp8_dtype]), scale.contiguous(), out, rows, cols, scale.shape[0], scale.shape[1],
+        BLOCK_COLS=block_cols, COLUMNWISE=use == "columnwise", SWIZZLED=scale_layout == "swizzled",
+        num_warps=4,
+    )
+    return out

@@ -1,0 +1,122 @@
+"""Argument checks and output allocation for ``lowp::mxfp8_quantize`` / ``lowp::mxfp8_dequantize``.
+
+The fake implementations and the Triton launchers both allocate through these functions, so they
+cannot disagree on shapes, dtypes or strides.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import (
+    FP8_DTYPES,
+    HIGH_PRECISION_DTYPES,
+    MXFP8_BLOCK_SIZE,
+    MXFP8_USES,
+    SCALE_LAYOUTS,
+    SCALE_TILE_COLS,
+    SCALE_TILE_ROWS,
+)
+
+
+def _round_up(a, b):
+    return (a + b - 1) // b * b
+
+
+def flat_2d_dims(shape) -> tuple[int, int]:
+    """(rows, cols) of a tensor viewed as 2-D: rows are all leading dims."""
+    rows = 1
+    for size in shape[:-1]:
+        rows = rows * size
+    return rows, shape[-1]
+
+
+def row_scale_shape(rows, cols) -> tuple[int, int]:
+    """Compact row-wise scale shape ``[roundup(rows, 128), roundup(ceil(cols / 32), 4)]``."""
+    col_blocks = (cols + MXFP8_BLOCK_SIZE - 1) // MXFP8_BLOCK_SIZE
+    return _round_up(rows, SCALE_TILE_ROWS), _round_up(col_blocks, SCALE_TILE_COLS)
+
+
+def col_scale_shape(rows, cols) -> tuple[int, int]:
+    """Compact column-wise scale shape ``[roundup(ceil(rows / 32), 4), roundup(cols, 128)]``."""
+    row_blocks = (rows + MXFP8_BLOCK_SIZE - 1) // MXFP8_BLOCK_SIZE
+    return _round_up(row_blocks, SCALE_TILE_COLS), _round_up(cols, SCALE_TILE_ROWS)
+
+
+def check_fp8_dtype(fp8_dtype: str) -> None:
+    torch._check(
+        fp8_dtype in FP8_DTYPES,
+        lambda: f"fp8_dtype must be one of {sorted(FP8_DTYPES)}, got {fp8_dtype!r}",
+    )
+
+
+def check_scale_layout(scale_layout: str) -> None:
+    torch._check(
+        scale_layout in SCALE_LAYOUTS,
+        lambda: f"scale_layout must be one of {list(SCALE_LAYOUTS)}, got {scale_layout!r}",
+    )
+
+
+def check_quantize_args(x: torch.Tensor, fp8_dtype: str, rowwise: bool, columnwise: bool,
+                        scale_layout: str) -> None:
+    torch._check(
+        x.dtype in HIGH_PRECISION_DTYPES,
+        lambda: f"x must be float32, bfloat16 or float16, got {x.dtype}",
+    )
+    torch._check(x.dim() >= 1, lambda: "x must have at least one dimension, got a 0-d tensor")
+    check_fp8_dtype(fp8_dtype)
+    check_scale_layout(scale_layout)
+    torch._check(rowwise or columnwise, lambda: "at least one of rowwise and columnwise must be True")
+
+
+def mxfp8_quantize_outputs(x: torch.Tensor, fp8_dtype: str, rowwise: bool, columnwise: bool,
+                           scale_layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Allocate ``(row_data, row_scale, col_data, col_scale)``; a copy not asked for is a 0-element tensor.
+
+    Data have x's shape (contiguous) and hold FP8 bit patterns as uint8 (``opcheck`` cannot compare
+    float8 tensors; the public API views them as float8_e4m3fn / float8_e5m2). Scales are uint8 E8M0
+    codes, zero-filled so that the padding is zero whatever the kernel writes.
+    """
+    check_quantize_args(x, fp8_dtype, rowwise, columnwise, scale_layout)
+    rows, cols = flat_2d_dims(x.shape)
+
+    def data(wanted: bool) -> torch.Tensor:
+        return x.new_empty(x.shape if wanted else (0,), dtype=torch.uint8)
+
+    def scale(wanted: bool, shape) -> torch.Tensor:
+        return x.new_zeros(shape if wanted else (0, 0), dtype=torch.uint8)
+
+    return (
+        data(rowwise),
+        scale(rowwise, row_scale_shape(rows, cols)),
+        data(columnwise),
+        scale(columnwise, col_scale_shape(rows, cols)),
+    )
+
+
+def check_dequantize_args(data: torch.Tensor, scale: torch.Tensor, fp8_dtype: str, use: str,
+                          scale_layout: str, dtype: torch.dtype) -> None:
+    torch._check(data.dtype == torch.uint8, lambda: f"data must be uint8 FP8 bit patterns, got {data.dtype}")
+    check_fp8_dtype(fp8_dtype)
+    torch._check(data.dim() >= 1, lambda: "data must have at least one dimension, got a 0-d tensor")
+    torch._check(scale.dtype == torch.uint8, lambda: f"scale must be uint8 E8M0 codes, got {scale.dtype}")
+    torch._check(use in MXFP8_USES, lambda: f"use must be one of {list(MXFP8_USES)}, got {use!r}")
+    check_scale_layout(scale_layout)
+    torch._check(
+        dtype in HIGH_PRECISION_DTYPES,
+        lambda: f"dtype must be float32, bfloat16 or float16, got {dtype}",
+    )
+    rows, cols = flat_2d_dims(data.shape)
+    expected = row_scale_shape(rows, cols) if use == "rowwise" else col_scale_shape(rows, cols)
+    torch._check(
+        tuple(scale.shape) == tuple(expected),
+        lambda: f"scale must have shape {tuple(expected)} for {use} data of shape {tuple(data.shape)}, "
+        f"got {tuple(scale.shape)}",
+    )
+
+
+def mxfp8_dequantize_output(data: torch.Tensor, scale: torch.Tensor, fp8_dtype: str, use: str,
+                            scale_layout: str, dtype: torch.dtype) -> torch.Tensor:
+    """Allocate the dequantized tensor: data's shape, contiguous, ``dtype``."""
+    check_dequantize_args(data, scale, fp8_dtype, use, scale_layout, dtype)
+    return data.new_empty(data.shape, dtype=dtype)

@@ -1,0 +1,55 @@
+"""Public MXFP8 functions (thin wrappers over ``torch.ops.lowp``)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import library  # noqa: F401  (registers the ops)
+from .formats import FP8_DTYPES, MXFP8Tensor
+from .meta.mxfp8 import check_quantize_args
+
+
+def mxfp8_quantize(x: torch.Tensor, fp8_dtype: str = "e4m3", rowwise: bool = True, columnwise: bool = True,
+                   scale_layout: str = "compact") -> MXFP8Tensor:
+    """Quantize ``x`` (bf16/fp16/fp32, any shape with >= 1 dim) to MXFP8, bit for bit as TransformerEngine.
+
+    Args:
+        x: the tensor; viewed as ``(rows, cols)`` with rows = all leading dims. Any rows/cols work: a
+            partial 32-block quantizes its valid elements.
+        fp8_dtype: ``"e4m3"`` (max 448) or ``"e5m2"`` (max 57344).
+        rowwise / columnwise: which copies to write (1x32 blocks along the last dim / 32x1 along rows),
+            both from one read of ``x``.
+        scale_layout: ``"compact"`` or ``"swizzled"`` (the GEMM tile order of TE's ``optimize_for_gemm``).
+
+    Returns an :class:`~lowp_ops.formats.MXFP8Tensor`. Numerics: per block ``e = roundup_pow2(amax *
+    R)`` as E8M0 and ``q = rne_satfinite(x * 2^(127 - e))``. A block holding NaN gets scale code 255 and
+    NaN data (0x7F); Inf saturates to +-max in a block with scale code 254.
+    """
+    check_quantize_args(x, fp8_dtype, rowwise, columnwise, scale_layout)
+    row_data, row_scale, col_data, col_scale = torch.ops.lowp.mxfp8_quantize(
+        x, fp8_dtype, rowwise, columnwise, scale_layout)
+    data_dtype = FP8_DTYPES[fp8_dtype]
+    return MXFP8Tensor(
+        row_data=row_data.view(data_dtype) if rowwise else None,
+        row_scale=row_scale if rowwise else None,
+        col_data=col_data.view(data_dtype) if columnwise else None,
+        col_scale=col_scale if columnwise else None,
+        fp8_dtype=fp8_dtype,
+        scale_layout=scale_layout,
+        shape=x.shape,
+    )
+
+
+def mxfp8_dequantize(q: MXFP8Tensor, dtype: torch.dtype = torch.bfloat16, use: str = "rowwise") -> torch.Tensor:
+    """Dequantize one copy of ``q`` (``use="rowwise"`` or ``"columnwise"``) to ``dtype`` in ``q.shape``.
+
+    Each element is ``dtype(fp32(q) * 2^(e - 127))`` (code 0 is 2^-127, 255 is NaN).
+    """
+    if not isinstance(q, MXFP8Tensor):
+        raise TypeError(f"q must be an MXFP8Tensor, got {type(q).__name__}")
+    if use not in ("rowwise", "columnwise"):
+        raise ValueError(f"use must be 'rowwise' or 'columnwise', got {use!r}")
+    data, scale = (q.row_data, q.row_scale) if use == "rowwise" else (q.col_data, q.col_scale)
+    if data is None:
+        raise ValueError(f"use={use!r} but q holds no {use} copy")
+    return torch.ops.lowp.mxfp8_dequantize(data.view(torch.uint8), scale, q.fp8_dtype, use, q.scale_layout, dtype)

@@ -1,0 +1,44 @@
+"""Test layers: plain = CPU (references, opcheck, compile); ``interp`` = Triton kernels on CPU tensors
+under TRITON_INTERPRET=1 (its own pytest run, see README); ``gpu`` / ``cudagraph`` = need CUDA."""
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+HAS_CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+settings.register_profile(
+    "ci", max_examples=30, deadline=None, derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile("gpu", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "gpu" if HAS_CUDA else "ci"))
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA device")
+    skip_interp = pytest.mark.skip(reason="runs only under TRITON_INTERPRET=1 (the interpreter suite)")
+    skip_non_interp = pytest.mark.skip(reason="not part of the interpreter suite")
+    for item in items:
+        if ("gpu" in item.keywords or "cudagraph" in item.keywords) and not HAS_CUDA:
+            item.add_marker(skip_cuda)
+        if "interp" in item.keywords and not INTERPRET:
+            item.add_marker(skip_interp)
+        if INTERPRET and "interp" not in item.keywords:
+            item.add_marker(skip_non_interp)
+
+
+@pytest.fixture(autouse=True)
+def _reset_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def kernel_device() -> str:
+    """Where the Triton kernels run: CUDA on a GPU machine, CPU tensors under the interpreter."""
+    return "cuda" if HAS_CUDA and not INTERPRET else "cpu"
