@@ -2,6 +2,16 @@
 
 from . import library  # noqa: F401  (registers torch.ops.lowp.*)
 from .formats import MXFP8Tensor
+from .functional import cross_entropy, cross_entropy_with_mxfp8_grad, log_softmax, logsumexp, softmax
 from .mxfp8 import mxfp8_dequantize, mxfp8_quantize
 
-__all__ = ["MXFP8Tensor", "mxfp8_dequantize", "mxfp8_quantize"]
+__all__ = [
+    "MXFP8Tensor",
+    "cross_entropy",
+    "cross_entropy_with_mxfp8_grad",
+    "log_softmax",
+    "logsumexp",
+    "mxfp8_dequantize",
+    "mxfp8_quantize",
+    "softmax",
+]

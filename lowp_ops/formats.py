@@ -40,6 +40,11 @@ def fp32_from_bits(bits: int) -> float:
     return struct.unpack("<f", struct.pack("<I", bits))[0]
 
 
+def round_to_fp32(value: float) -> float:
+    """``value`` rounded to the nearest fp32 (what a Triton fp32 scalar argument holds)."""
+    return struct.unpack("<f", struct.pack("<f", value))[0]
+
+
 FP8_MAX_RCP: dict[str, float] = {name: fp32_from_bits(bits) for name, bits in FP8_MAX_RCP_BITS.items()}
 """fp32 ``1/max_norm`` exactly as TE's CUDA rounds it (448 * R = 1 + 0.375 ulp for E4M3)."""
 

@@ -9,13 +9,18 @@ in the interpreter instead, so the same op-level tests exercise them without a G
 
 from __future__ import annotations
 
+import importlib
 import os
+from collections.abc import Callable
 
 import torch
-from torch import Tensor
 
+from .meta import cross_entropy as ce_meta
 from .meta import mxfp8 as mxfp8_meta
+from .meta import softmax as softmax_meta
+from .reference import cross_entropy as ce_ref
 from .reference import mxfp8 as mxfp8_ref
+from .reference import softmax as softmax_ref
 
 
 def cpu_runs_triton() -> bool:
@@ -23,43 +28,116 @@ def cpu_runs_triton() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("LOWP_OPS_CPU_KERNELS") == "triton"
 
 
+def _define(name: str, schema: str, reference: Callable, launcher: str, fake: Callable):
+    """Define ``lowp::<name>``: reference by default, ``kernels.<launcher>`` on CUDA, ``fake`` for tracing."""
+    module_name, function_name = launcher.rsplit(".", 1)
+
+    def triton_kernel(*args):
+        # Lazy: importing triton only when a kernel runs keeps CPU-only use light.
+        module = importlib.import_module(f"{__package__}.kernels.{module_name}")
+        return getattr(module, function_name)(*args)
+
+    def default(*args):
+        return triton_kernel(*args) if cpu_runs_triton() else reference(*args)
+
+    op = torch.library.custom_op(f"lowp::{name}", default, mutates_args=(), schema=schema)
+    op.register_kernel("cuda")(triton_kernel)
+    op.register_fake(fake)
+    return op
+
+
 # ----------------------------------------------------------------------------------------------- MXFP8
+# Data travel as uint8 FP8 bit patterns (opcheck cannot compare float8 tensors); scales as E8M0 codes.
+
+mxfp8_quantize = _define(
+    "mxfp8_quantize",
+    "(Tensor x, str fp8_dtype, bool rowwise, bool columnwise, str scale_layout) -> (Tensor, Tensor, Tensor, Tensor)",
+    mxfp8_ref.mxfp8_quantize, "mxfp8.launch_mxfp8_quantize", mxfp8_meta.mxfp8_quantize_outputs,
+)
+
+mxfp8_dequantize = _define(
+    "mxfp8_dequantize",
+    "(Tensor data, Tensor scale, str fp8_dtype, str use, str scale_layout, ScalarType dtype) -> Tensor",
+    mxfp8_ref.mxfp8_dequantize, "mxfp8.launch_mxfp8_dequantize", mxfp8_meta.mxfp8_dequantize_output,
+)
+
+# --------------------------------------------------------------------------------------------- softmax
+
+logsumexp = _define(
+    "logsumexp", "(Tensor x) -> Tensor",
+    softmax_ref.logsumexp, "softmax.launch_logsumexp", softmax_meta.logsumexp_output,
+)
+
+softmax_fwd = _define(
+    "softmax_fwd", "(Tensor x, bool log, str masked_rows) -> Tensor",
+    softmax_ref.softmax_fwd, "softmax.launch_softmax_fwd", softmax_meta.softmax_fwd_output,
+)
+
+softmax_bwd = _define(
+    "softmax_bwd", "(Tensor out, Tensor grad, bool log) -> Tensor",
+    softmax_ref.softmax_bwd, "softmax.launch_softmax_bwd", softmax_meta.softmax_bwd_output,
+)
 
 
-@torch.library.custom_op("lowp::mxfp8_quantize", mutates_args=())
-def mxfp8_quantize(x: Tensor, fp8_dtype: str, rowwise: bool, columnwise: bool,
-                   scale_layout: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """-> (row_data, row_scale, col_data, col_scale), all uint8 (data hold FP8 bit patterns); a copy not
-    asked for is a 0-element tensor."""
-    if cpu_runs_triton():
-        return _mxfp8_quantize_triton(x, fp8_dtype, rowwise, columnwise, scale_layout)
-    return mxfp8_ref.mxfp8_quantize(x, fp8_dtype, rowwise, columnwise, scale_layout)
+def _logsumexp_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], output)
 
 
-@mxfp8_quantize.register_kernel("cuda")
-def _mxfp8_quantize_triton(x, fp8_dtype, rowwise, columnwise, scale_layout):
-    from .kernels.mxfp8 import launch_mxfp8_quantize
-
-    return launch_mxfp8_quantize(x, fp8_dtype, rowwise, columnwise, scale_layout)
+def _logsumexp_backward(ctx, grad):
+    x, lse = ctx.saved_tensors
+    return (torch.exp(x.float() - lse.unsqueeze(1)) * grad.unsqueeze(1)).to(x.dtype)
 
 
-mxfp8_quantize.register_fake(mxfp8_meta.mxfp8_quantize_outputs)
+def _softmax_setup(ctx, inputs, output):
+    ctx.log = inputs[1]
+    ctx.save_for_backward(output)
 
 
-@torch.library.custom_op("lowp::mxfp8_dequantize", mutates_args=())
-def mxfp8_dequantize(data: Tensor, scale: Tensor, fp8_dtype: str, use: str, scale_layout: str,
-                     dtype: torch.dtype) -> Tensor:
-    """-> ``dtype(fp8(data) * 2^(scale - 127))`` in data's shape; data holds FP8 bits as uint8."""
-    if cpu_runs_triton():
-        return _mxfp8_dequantize_triton(data, scale, fp8_dtype, use, scale_layout, dtype)
-    return mxfp8_ref.mxfp8_dequantize(data, scale, fp8_dtype, use, scale_layout, dtype)
+def _softmax_backward(ctx, grad):
+    (out,) = ctx.saved_tensors
+    return softmax_bwd(out, grad, ctx.log), None, None
 
 
-@mxfp8_dequantize.register_kernel("cuda")
-def _mxfp8_dequantize_triton(data, scale, fp8_dtype, use, scale_layout, dtype):
-    from .kernels.mxfp8 import launch_mxfp8_dequantize
+logsumexp.register_autograd(_logsumexp_backward, setup_context=_logsumexp_setup)
+softmax_fwd.register_autograd(_softmax_backward, setup_context=_softmax_setup)
 
-    return launch_mxfp8_dequantize(data, scale, fp8_dtype, use, scale_layout, dtype)
+# ------------------------------------------------------------------------------------- cross entropy
+
+cross_entropy_fwd = _define(
+    "cross_entropy_fwd",
+    "(Tensor logits, Tensor target, float label_smoothing, SymInt ignore_index) -> (Tensor, Tensor)",
+    ce_ref.cross_entropy_fwd, "cross_entropy.launch_cross_entropy_fwd", ce_meta.cross_entropy_fwd_outputs,
+)
+
+cross_entropy_bwd = _define(
+    "cross_entropy_bwd",
+    "(Tensor logits, Tensor target, Tensor lse, Tensor grad_rows, float label_smoothing, SymInt ignore_index)"
+    " -> Tensor",
+    ce_ref.cross_entropy_bwd, "cross_entropy.launch_cross_entropy_bwd", ce_meta.cross_entropy_bwd_output,
+)
+
+cross_entropy_bwd_mxfp8 = _define(
+    "cross_entropy_bwd_mxfp8",
+    "(Tensor logits, Tensor target, Tensor lse, Tensor grad_rows, float label_smoothing, SymInt ignore_index,"
+    " str fp8_dtype, bool rowwise, bool columnwise, str scale_layout) -> (Tensor, Tensor, Tensor, Tensor)",
+    ce_ref.cross_entropy_bwd_mxfp8, "cross_entropy.launch_cross_entropy_bwd_mxfp8",
+    ce_meta.cross_entropy_bwd_mxfp8_outputs,
+)
 
 
-mxfp8_dequantize.register_fake(mxfp8_meta.mxfp8_dequantize_output)
+def _cross_entropy_setup(ctx, inputs, output):
+    logits, target, label_smoothing, ignore_index = inputs
+    ctx.label_smoothing = label_smoothing
+    ctx.ignore_index = ignore_index
+    ctx.save_for_backward(logits, target, output[1])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _cross_entropy_backward(ctx, grad_loss, _grad_lse):
+    logits, target, lse = ctx.saved_tensors
+    # grad_loss may be an expanded (stride-0) view: the kernel reads it through its stride.
+    dlogits = cross_entropy_bwd(logits, target, lse, grad_loss.float(), ctx.label_smoothing, ctx.ignore_index)
+    return dlogits, None, None, None
+
+
+cross_entropy_fwd.register_autograd(_cross_entropy_backward, setup_context=_cross_entropy_setup)

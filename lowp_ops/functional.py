@@ -1,0 +1,146 @@
+"""Public loss and softmax functions (thin wrappers over ``torch.ops.lowp``), named like
+``torch.nn.functional`` so that users swap one import."""
+
+from __future__ import annotations
+
+import torch
+
+from . import library  # noqa: F401  (registers the ops)
+from .formats import FP8_DTYPES, MXFP8Tensor
+from .meta.cross_entropy import check_label_smoothing, check_logits_target, check_reduction
+from .meta.mxfp8 import check_fp8_dtype, check_scale_layout
+from .meta.softmax import check_masked_rows
+
+
+def _check_process_group(process_group) -> None:
+    if process_group is not None:
+        raise NotImplementedError(
+            "process_group: vocabulary-parallel cross entropy is not implemented yet; pass process_group=None")
+
+
+def _rows(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float,
+          reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate and view ``(..., V)`` logits and ``(...)`` targets as ``(N, V)`` and ``(N,)``."""
+    check_logits_target(logits, target)
+    check_label_smoothing(label_smoothing)
+    check_reduction(reduction)
+    n_cols = logits.shape[-1]
+    torch._check(n_cols >= 1, lambda: "logits must have a non-empty last (vocabulary) dimension")
+    return logits.reshape(-1, n_cols), target.reshape(-1)
+
+
+def _reduce(loss_rows: torch.Tensor, target_rows: torch.Tensor, target_shape: torch.Size, reduction: str,
+            ignore_index: int) -> torch.Tensor:
+    if reduction == "none":
+        return loss_rows.view(target_shape)
+    if reduction == "sum":
+        return loss_rows.sum()
+    # Mean over non-ignored rows, as PyTorch (NaN when every row is ignored); the count stays on device.
+    return loss_rows.sum() / (target_rows != ignore_index).sum()
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, label_smoothing: float = 0.0,
+                  ignore_index: int = -100, reduction: str = "mean", process_group=None) -> torch.Tensor:
+    """``F.cross_entropy`` on ``(..., V)`` logits (bf16/fp16/fp32, any strides) with int64/int32 targets.
+
+    Returns a float32 loss (0-d for ``mean``/``sum``, ``target.shape`` for ``none``). The forward keeps
+    only per-row statistics (loss, log-sum-exp); the backward recomputes the gradient from the saved
+    logits (never modified) and returns it in the logits' dtype. Masked-safe: ``-inf`` logits anywhere
+    (also whole leading blocks) are exact; an all ``-inf`` row gives NaN like PyTorch. Ignored rows give
+    loss 0 and gradient 0 (also all ``-inf`` ones). A target outside ``[0, V)`` other than
+    ``ignore_index`` gives a NaN loss and NaN gradient row (checked on device, no host sync).
+    """
+    _check_process_group(process_group)
+    logits_rows, target_rows = _rows(logits, target, label_smoothing, reduction)
+    loss_rows, _ = torch.ops.lowp.cross_entropy_fwd(logits_rows, target_rows, float(label_smoothing),
+                                                    int(ignore_index))
+    return _reduce(loss_rows, target_rows, target.shape, reduction, ignore_index)
+
+
+def _grad_rows(grad_loss: torch.Tensor | None, loss: torch.Tensor, target_rows: torch.Tensor, reduction: str,
+               ignore_index: int) -> torch.Tensor:
+    """dloss per row (N,) fp32 from the gradient of the reduced loss."""
+    if grad_loss is None:
+        grad_loss = torch.ones_like(loss)
+    torch._check(
+        grad_loss.shape == loss.shape,
+        lambda: f"grad_loss must have the loss's shape {tuple(loss.shape)}, got {tuple(grad_loss.shape)}",
+    )
+    grad_loss = grad_loss.float()
+    if reduction == "none":
+        return grad_loss.reshape(-1)
+    if reduction == "mean":
+        grad_loss = grad_loss / (target_rows != ignore_index).sum()
+    return grad_loss.expand(target_rows.shape)
+
+
+def cross_entropy_with_mxfp8_grad(logits: torch.Tensor, target: torch.Tensor,
+                                  grad_loss: torch.Tensor | None = None, *, label_smoothing: float = 0.0,
+                                  ignore_index: int = -100, reduction: str = "mean", fp8_dtype: str = "e4m3",
+                                  rowwise: bool = True, columnwise: bool = True,
+                                  scale_layout: str = "compact") -> tuple[torch.Tensor, MXFP8Tensor]:
+    """The loss and the gradient of ``grad_loss · loss`` w.r.t. the logits, written directly as MXFP8.
+
+    For frameworks that consume the quantized gradient. ``grad_loss`` defaults to ones (a scalar for
+    ``mean``/``sum``, ``target.shape`` for ``none``). The returned loss is detached. Contract, byte for
+    byte on one device: the payload equals ``mxfp8_quantize(g)`` where ``g`` is the logits' gradient
+    :func:`cross_entropy` 's backward returns for the same inputs (both copies and both scale tensors).
+    Any N and V.
+    """
+    logits_rows, target_rows = _rows(logits, target, label_smoothing, reduction)
+    check_fp8_dtype(fp8_dtype)
+    check_scale_layout(scale_layout)
+    torch._check(rowwise or columnwise, lambda: "at least one of rowwise and columnwise must be True")
+    with torch.no_grad():
+        loss_rows, lse = torch.ops.lowp.cross_entropy_fwd(logits_rows, target_rows, float(label_smoothing),
+                                                          int(ignore_index))
+        loss = _reduce(loss_rows, target_rows, target.shape, reduction, ignore_index)
+        grad_rows = _grad_rows(grad_loss, loss, target_rows, reduction, ignore_index)
+        row_data, row_scale, col_data, col_scale = torch.ops.lowp.cross_entropy_bwd_mxfp8(
+            logits_rows, target_rows, lse, grad_rows, float(label_smoothing), int(ignore_index), fp8_dtype,
+            rowwise, columnwise, scale_layout)
+    data_dtype = FP8_DTYPES[fp8_dtype]
+    return loss, MXFP8Tensor(
+        row_data=row_data.view(data_dtype).view(logits.shape) if rowwise else None,
+        row_scale=row_scale if rowwise else None,
+        col_data=col_data.view(data_dtype).view(logits.shape) if columnwise else None,
+        col_scale=col_scale if columnwise else None,
+        fp8_dtype=fp8_dtype,
+        scale_layout=scale_layout,
+        shape=logits.shape,
+    )
+
+
+def _as_rows(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Size]:
+    torch._check(x.dim() >= 1, lambda: "x must have at least one dimension, got a 0-d tensor")
+    moved = x.movedim(dim, -1)
+    return moved.reshape(-1, moved.shape[-1]), moved.shape
+
+
+def _softmax(x: torch.Tensor, dim: int, log: bool, masked_rows: str) -> torch.Tensor:
+    check_masked_rows(masked_rows)
+    rows, moved_shape = _as_rows(x, dim)
+    return torch.ops.lowp.softmax_fwd(rows, log, masked_rows).view(moved_shape).movedim(-1, dim)
+
+
+def softmax(x: torch.Tensor, dim: int = -1, *, masked_rows: str = "nan") -> torch.Tensor:
+    """Masked-safe softmax along ``dim`` (bf16/fp16/fp32 in, same dtype out, fp32 math), differentiable.
+
+    ``masked_rows="nan"`` (default): a slice that is all ``-inf`` gives NaN, like PyTorch;
+    ``"zero"``: it gives zeros and a zero gradient (the usual wish for fully masked attention rows).
+    """
+    return _softmax(x, dim, False, masked_rows)
+
+
+def log_softmax(x: torch.Tensor, dim: int = -1, *, masked_rows: str = "nan") -> torch.Tensor:
+    """Masked-safe log_softmax along ``dim``; ``masked_rows="zero"`` makes an all ``-inf`` slice give
+    ``-inf`` (log of zero probabilities) with a zero gradient instead of NaN."""
+    return _softmax(x, dim, True, masked_rows)
+
+
+def logsumexp(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
+    """Masked-safe ``log Σ exp(x)`` along ``dim`` in fp32 math, returned in x's dtype (``-inf`` for an all
+    ``-inf`` slice, like ``torch.logsumexp``); differentiable."""
+    rows, moved_shape = _as_rows(x, dim)
+    lse = torch.ops.lowp.logsumexp(rows).to(x.dtype).view(moved_shape[:-1])
+    return lse.unsqueeze(dim) if keepdim else lse

@@ -1,0 +1,81 @@
+"""Cross entropy on ``(N, V)`` logits with a masked-safe log-sum-exp, in fp32.
+
+Per non-ignored row, with ``lse = log Σ exp(x)`` (masked-safe), ``ls`` the label smoothing and
+``eps = fp32(ls / V)``:
+
+- loss ``= (1 - ls) * (lse - x_y) + ls * (lse - Σ x / V)``; ignored rows: 0; a target outside
+  ``[0, V)`` that is not ``ignore_index``: NaN (documented; no host sync checks it);
+- gradient ``g = (exp(x - lse) - eps - (1 - ls) [i == y]) * grad_row`` rounded to the logits' dtype;
+  ignored rows: exactly 0 (also when the row is all -inf, where PyTorch gives NaN).
+
+An all -inf row gives NaN loss and gradient like PyTorch; ``-inf`` at the target gives loss +inf.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import round_to_fp32
+from ..meta.cross_entropy import (
+    cross_entropy_bwd_mxfp8_outputs,
+    cross_entropy_bwd_output,
+    cross_entropy_fwd_outputs,
+)
+from .mxfp8 import mxfp8_quantize
+from .softmax import masked_safe_logsumexp
+
+
+def _target_logit(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """x[r, target[r]] in fp32; NaN where the target is out of range."""
+    n_cols = x.shape[1]
+    in_range = (target >= 0) & (target < n_cols)
+    picked = x.gather(1, target.clamp(0, max(n_cols - 1, 0)).long().unsqueeze(1)).squeeze(1).float()
+    return torch.where(in_range, picked, float("nan"))
+
+
+def cross_entropy_fwd(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float,
+                      ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (per-row loss (N,) fp32, lse (N,) fp32)."""
+    loss, lse = cross_entropy_fwd_outputs(logits, target, label_smoothing, ignore_index)
+    x = logits.float()
+    row_lse = masked_safe_logsumexp(x)
+    row_loss = row_lse - _target_logit(x, target)
+    if label_smoothing > 0:
+        row_loss = (1.0 - label_smoothing) * row_loss + label_smoothing * (row_lse - x.sum(dim=1) / x.shape[1])
+    loss.copy_(torch.where(target != ignore_index, row_loss, 0.0))
+    lse.copy_(row_lse)
+    return loss, lse
+
+
+def cross_entropy_grad_fp32(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
+                            grad_rows: torch.Tensor, label_smoothing: float, ignore_index: int) -> torch.Tensor:
+    """The fp32 gradient before rounding to the logits' dtype."""
+    x = logits.float()
+    n_cols = x.shape[1]
+    eps = round_to_fp32(label_smoothing / n_cols)
+    grad = torch.exp(x - lse.unsqueeze(1)) - eps
+    is_target = torch.arange(n_cols, device=x.device).unsqueeze(0) == target.unsqueeze(1)
+    grad = torch.where(is_target, grad - (1.0 - label_smoothing), grad)
+    grad = grad * grad_rows.unsqueeze(1)
+    in_range = ((target >= 0) & (target < n_cols)).unsqueeze(1)
+    grad = torch.where(in_range, grad, float("nan"))
+    return torch.where((target != ignore_index).unsqueeze(1), grad, 0.0)
+
+
+def cross_entropy_bwd(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, grad_rows: torch.Tensor,
+                      label_smoothing: float, ignore_index: int) -> torch.Tensor:
+    """-> dlogits (N, V) in the logits' dtype; ``grad_rows`` (N,) fp32 is dloss per row."""
+    dlogits = cross_entropy_bwd_output(logits, target, lse, grad_rows, label_smoothing, ignore_index)
+    dlogits.copy_(cross_entropy_grad_fp32(logits, target, lse, grad_rows, label_smoothing, ignore_index))
+    return dlogits
+
+
+def cross_entropy_bwd_mxfp8(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
+                            grad_rows: torch.Tensor, label_smoothing: float, ignore_index: int, fp8_dtype: str,
+                            rowwise: bool, columnwise: bool,
+                            scale_layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> the MXFP8 payload of :func:`cross_entropy_bwd` (by definition: quantize its output)."""
+    cross_entropy_bwd_mxfp8_outputs(logits, target, lse, grad_rows, label_smoothing, ignore_index,
+                                    fp8_dtype, rowwise, columnwise, scale_layout)
+    dlogits = cross_entropy_bwd(logits, target, lse, grad_rows, label_smoothing, ignore_index)
+    return mxfp8_quantize(dlogits, fp8_dtype, rowwise, columnwise, scale_layout)
