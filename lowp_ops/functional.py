@@ -15,11 +15,13 @@ from .meta.softmax import check_masked_rows
 def _check_process_group(process_group) -> None:
     if process_group is not None:
         raise NotImplementedError(
-            "process_group: vocabulary-parallel cross entropy is not implemented yet; pass process_group=None")
+            "process_group: vocabulary-parallel cross entropy is not implemented yet; pass process_group=None"
+        )
 
 
-def _rows(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float,
-          reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _rows(
+    logits: torch.Tensor, target: torch.Tensor, label_smoothing: float, reduction: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate and view ``(..., V)`` logits and ``(...)`` targets as ``(N, V)`` and ``(N,)``."""
     check_logits_target(logits, target)
     check_label_smoothing(label_smoothing)
@@ -29,8 +31,13 @@ def _rows(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float,
     return logits.reshape(-1, n_cols), target.reshape(-1)
 
 
-def _reduce(loss_rows: torch.Tensor, target_rows: torch.Tensor, target_shape: torch.Size, reduction: str,
-            ignore_index: int) -> torch.Tensor:
+def _reduce(
+    loss_rows: torch.Tensor,
+    target_rows: torch.Tensor,
+    target_shape: torch.Size,
+    reduction: str,
+    ignore_index: int,
+) -> torch.Tensor:
     if reduction == "none":
         return loss_rows.view(target_shape)
     if reduction == "sum":
@@ -39,8 +46,15 @@ def _reduce(loss_rows: torch.Tensor, target_rows: torch.Tensor, target_shape: to
     return loss_rows.sum() / (target_rows != ignore_index).sum()
 
 
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, label_smoothing: float = 0.0,
-                  ignore_index: int = -100, reduction: str = "mean", process_group=None) -> torch.Tensor:
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    process_group=None,
+) -> torch.Tensor:
     """``F.cross_entropy`` on ``(..., V)`` logits (bf16/fp16/fp32, any strides) with int64/int32 targets.
 
     Returns a float32 loss (0-d for ``mean``/``sum``, ``target.shape`` for ``none``). The forward keeps
@@ -52,13 +66,19 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, label_smoothing
     """
     _check_process_group(process_group)
     logits_rows, target_rows = _rows(logits, target, label_smoothing, reduction)
-    loss_rows, _ = torch.ops.lowp.cross_entropy_fwd(logits_rows, target_rows, float(label_smoothing),
-                                                    int(ignore_index))
+    loss_rows, _ = torch.ops.lowp.cross_entropy_fwd(
+        logits_rows, target_rows, float(label_smoothing), int(ignore_index)
+    )
     return _reduce(loss_rows, target_rows, target.shape, reduction, ignore_index)
 
 
-def _grad_rows(grad_loss: torch.Tensor | None, loss: torch.Tensor, target_rows: torch.Tensor, reduction: str,
-               ignore_index: int) -> torch.Tensor:
+def _grad_rows(
+    grad_loss: torch.Tensor | None,
+    loss: torch.Tensor,
+    target_rows: torch.Tensor,
+    reduction: str,
+    ignore_index: int,
+) -> torch.Tensor:
     """dloss per row (N,) fp32 from the gradient of the reduced loss."""
     if grad_loss is None:
         grad_loss = torch.ones_like(loss)
@@ -74,11 +94,19 @@ def _grad_rows(grad_loss: torch.Tensor | None, loss: torch.Tensor, target_rows: 
     return grad_loss.expand(target_rows.shape)
 
 
-def cross_entropy_with_mxfp8_grad(logits: torch.Tensor, target: torch.Tensor,
-                                  grad_loss: torch.Tensor | None = None, *, label_smoothing: float = 0.0,
-                                  ignore_index: int = -100, reduction: str = "mean", fp8_dtype: str = "e4m3",
-                                  rowwise: bool = True, columnwise: bool = True,
-                                  scale_layout: str = "compact") -> tuple[torch.Tensor, MXFP8Tensor]:
+def cross_entropy_with_mxfp8_grad(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    grad_loss: torch.Tensor | None = None,
+    *,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    fp8_dtype: str = "e4m3",
+    rowwise: bool = True,
+    columnwise: bool = True,
+    scale_layout: str = "compact",
+) -> tuple[torch.Tensor, MXFP8Tensor]:
     """The loss and the gradient of ``grad_loss · loss`` w.r.t. the logits, written directly as MXFP8.
 
     For frameworks that consume the quantized gradient. ``grad_loss`` defaults to ones (a scalar for
@@ -92,13 +120,23 @@ def cross_entropy_with_mxfp8_grad(logits: torch.Tensor, target: torch.Tensor,
     check_scale_layout(scale_layout)
     torch._check(rowwise or columnwise, lambda: "at least one of rowwise and columnwise must be True")
     with torch.no_grad():
-        loss_rows, lse = torch.ops.lowp.cross_entropy_fwd(logits_rows, target_rows, float(label_smoothing),
-                                                          int(ignore_index))
+        loss_rows, lse = torch.ops.lowp.cross_entropy_fwd(
+            logits_rows, target_rows, float(label_smoothing), int(ignore_index)
+        )
         loss = _reduce(loss_rows, target_rows, target.shape, reduction, ignore_index)
         grad_rows = _grad_rows(grad_loss, loss, target_rows, reduction, ignore_index)
         row_data, row_scale, col_data, col_scale = torch.ops.lowp.cross_entropy_bwd_mxfp8(
-            logits_rows, target_rows, lse, grad_rows, float(label_smoothing), int(ignore_index), fp8_dtype,
-            rowwise, columnwise, scale_layout)
+            logits_rows,
+            target_rows,
+            lse,
+            grad_rows,
+            float(label_smoothing),
+            int(ignore_index),
+            fp8_dtype,
+            rowwise,
+            columnwise,
+            scale_layout,
+        )
     data_dtype = FP8_DTYPES[fp8_dtype]
     return loss, MXFP8Tensor(
         row_data=row_data.view(data_dtype).view(logits.shape) if rowwise else None,

@@ -51,31 +51,45 @@ def _define(name: str, schema: str, reference: Callable, launcher: str, fake: Ca
 
 mxfp8_quantize = _define(
     "mxfp8_quantize",
-    "(Tensor x, str fp8_dtype, bool rowwise, bool columnwise, str scale_layout) -> (Tensor, Tensor, Tensor, Tensor)",
-    mxfp8_ref.mxfp8_quantize, "mxfp8.launch_mxfp8_quantize", mxfp8_meta.mxfp8_quantize_outputs,
+    "(Tensor x, str fp8_dtype, bool rowwise, bool columnwise, str scale_layout)"
+    " -> (Tensor, Tensor, Tensor, Tensor)",
+    mxfp8_ref.mxfp8_quantize,
+    "mxfp8.launch_mxfp8_quantize",
+    mxfp8_meta.mxfp8_quantize_outputs,
 )
 
 mxfp8_dequantize = _define(
     "mxfp8_dequantize",
     "(Tensor data, Tensor scale, str fp8_dtype, str use, str scale_layout, ScalarType dtype) -> Tensor",
-    mxfp8_ref.mxfp8_dequantize, "mxfp8.launch_mxfp8_dequantize", mxfp8_meta.mxfp8_dequantize_output,
+    mxfp8_ref.mxfp8_dequantize,
+    "mxfp8.launch_mxfp8_dequantize",
+    mxfp8_meta.mxfp8_dequantize_output,
 )
 
 # --------------------------------------------------------------------------------------------- softmax
 
 logsumexp = _define(
-    "logsumexp", "(Tensor x) -> Tensor",
-    softmax_ref.logsumexp, "softmax.launch_logsumexp", softmax_meta.logsumexp_output,
+    "logsumexp",
+    "(Tensor x) -> Tensor",
+    softmax_ref.logsumexp,
+    "softmax.launch_logsumexp",
+    softmax_meta.logsumexp_output,
 )
 
 softmax_fwd = _define(
-    "softmax_fwd", "(Tensor x, bool log, str masked_rows) -> Tensor",
-    softmax_ref.softmax_fwd, "softmax.launch_softmax_fwd", softmax_meta.softmax_fwd_output,
+    "softmax_fwd",
+    "(Tensor x, bool log, str masked_rows) -> Tensor",
+    softmax_ref.softmax_fwd,
+    "softmax.launch_softmax_fwd",
+    softmax_meta.softmax_fwd_output,
 )
 
 softmax_bwd = _define(
-    "softmax_bwd", "(Tensor out, Tensor grad, bool log) -> Tensor",
-    softmax_ref.softmax_bwd, "softmax.launch_softmax_bwd", softmax_meta.softmax_bwd_output,
+    "softmax_bwd",
+    "(Tensor out, Tensor grad, bool log) -> Tensor",
+    softmax_ref.softmax_bwd,
+    "softmax.launch_softmax_bwd",
+    softmax_meta.softmax_bwd_output,
 )
 
 
@@ -106,21 +120,26 @@ softmax_fwd.register_autograd(_softmax_backward, setup_context=_softmax_setup)
 cross_entropy_fwd = _define(
     "cross_entropy_fwd",
     "(Tensor logits, Tensor target, float label_smoothing, SymInt ignore_index) -> (Tensor, Tensor)",
-    ce_ref.cross_entropy_fwd, "cross_entropy.launch_cross_entropy_fwd", ce_meta.cross_entropy_fwd_outputs,
+    ce_ref.cross_entropy_fwd,
+    "cross_entropy.launch_cross_entropy_fwd",
+    ce_meta.cross_entropy_fwd_outputs,
 )
 
 cross_entropy_bwd = _define(
     "cross_entropy_bwd",
     "(Tensor logits, Tensor target, Tensor lse, Tensor grad_rows, float label_smoothing, SymInt ignore_index)"
     " -> Tensor",
-    ce_ref.cross_entropy_bwd, "cross_entropy.launch_cross_entropy_bwd", ce_meta.cross_entropy_bwd_output,
+    ce_ref.cross_entropy_bwd,
+    "cross_entropy.launch_cross_entropy_bwd",
+    ce_meta.cross_entropy_bwd_output,
 )
 
 cross_entropy_bwd_mxfp8 = _define(
     "cross_entropy_bwd_mxfp8",
     "(Tensor logits, Tensor target, Tensor lse, Tensor grad_rows, float label_smoothing, SymInt ignore_index,"
     " str fp8_dtype, bool rowwise, bool columnwise, str scale_layout) -> (Tensor, Tensor, Tensor, Tensor)",
-    ce_ref.cross_entropy_bwd_mxfp8, "cross_entropy.launch_cross_entropy_bwd_mxfp8",
+    ce_ref.cross_entropy_bwd_mxfp8,
+    "cross_entropy.launch_cross_entropy_bwd_mxfp8",
     ce_meta.cross_entropy_bwd_mxfp8_outputs,
 )
 

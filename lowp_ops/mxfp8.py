@@ -9,8 +9,13 @@ from .formats import FP8_DTYPES, MXFP8Tensor
 from .meta.mxfp8 import check_quantize_args
 
 
-def mxfp8_quantize(x: torch.Tensor, fp8_dtype: str = "e4m3", rowwise: bool = True, columnwise: bool = True,
-                   scale_layout: str = "compact") -> MXFP8Tensor:
+def mxfp8_quantize(
+    x: torch.Tensor,
+    fp8_dtype: str = "e4m3",
+    rowwise: bool = True,
+    columnwise: bool = True,
+    scale_layout: str = "compact",
+) -> MXFP8Tensor:
     """Quantize ``x`` (bf16/fp16/fp32, any shape with >= 1 dim) to MXFP8, bit for bit as TransformerEngine.
 
     Args:
@@ -27,7 +32,8 @@ def mxfp8_quantize(x: torch.Tensor, fp8_dtype: str = "e4m3", rowwise: bool = Tru
     """
     check_quantize_args(x, fp8_dtype, rowwise, columnwise, scale_layout)
     row_data, row_scale, col_data, col_scale = torch.ops.lowp.mxfp8_quantize(
-        x, fp8_dtype, rowwise, columnwise, scale_layout)
+        x, fp8_dtype, rowwise, columnwise, scale_layout
+    )
     data_dtype = FP8_DTYPES[fp8_dtype]
     return MXFP8Tensor(
         row_data=row_data.view(data_dtype) if rowwise else None,
@@ -40,7 +46,9 @@ def mxfp8_quantize(x: torch.Tensor, fp8_dtype: str = "e4m3", rowwise: bool = Tru
     )
 
 
-def mxfp8_dequantize(q: MXFP8Tensor, dtype: torch.dtype = torch.bfloat16, use: str = "rowwise") -> torch.Tensor:
+def mxfp8_dequantize(
+    q: MXFP8Tensor, dtype: torch.dtype = torch.bfloat16, use: str = "rowwise"
+) -> torch.Tensor:
     """Dequantize one copy of ``q`` (``use="rowwise"`` or ``"columnwise"``) to ``dtype`` in ``q.shape``.
 
     Each element is ``dtype(fp32(q) * 2^(e - 127))`` (code 0 is 2^-127, 255 is NaN).
@@ -52,4 +60,6 @@ def mxfp8_dequantize(q: MXFP8Tensor, dtype: torch.dtype = torch.bfloat16, use: s
     data, scale = (q.row_data, q.row_scale) if use == "rowwise" else (q.col_data, q.col_scale)
     if data is None:
         raise ValueError(f"use={use!r} but q holds no {use} copy")
-    return torch.ops.lowp.mxfp8_dequantize(data.view(torch.uint8), scale, q.fp8_dtype, use, q.scale_layout, dtype)
+    return torch.ops.lowp.mxfp8_dequantize(
+        data.view(torch.uint8), scale, q.fp8_dtype, use, q.scale_layout, dtype
+    )

@@ -28,8 +28,18 @@ TILE_ROWS = 32
 
 
 @triton.jit
-def cross_entropy_fwd_kernel(logits_ptr, stride_row, target_ptr, loss_ptr, lse_ptr, n_cols, ignore_index,
-                             label_smoothing, BLOCK: tl.constexpr, HAS_SMOOTHING: tl.constexpr):
+def cross_entropy_fwd_kernel(
+    logits_ptr,
+    stride_row,
+    target_ptr,
+    loss_ptr,
+    lse_ptr,
+    n_cols,
+    ignore_index,
+    label_smoothing,
+    BLOCK: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
     m = float("-inf")
@@ -57,8 +67,9 @@ def cross_entropy_fwd_kernel(logits_ptr, stride_row, target_ptr, loss_ptr, lse_p
 
 
 @triton.jit
-def cross_entropy_grad(x, cols_idx, lse, target, grad_rows, n_cols, ignore_index, smoothing_eps,
-                       target_weight):
+def cross_entropy_grad(
+    x, cols_idx, lse, target, grad_rows, n_cols, ignore_index, smoothing_eps, target_weight
+):
     """fp32 dlogits of a tile: ``(exp(x - lse) - eps - (1 - ls)[i == y]) * grad_row``, 0 on ignored rows,
     NaN on rows whose target is out of range. ``x`` [R, C]; lse, target, grad_rows [R]."""
     grad = tl.exp(x - lse[:, None]) - smoothing_eps
@@ -70,8 +81,20 @@ def cross_entropy_grad(x, cols_idx, lse, target, grad_rows, n_cols, ignore_index
 
 
 @triton.jit
-def load_grad_tile(logits_ptr, stride_row, target_ptr, lse_ptr, grad_ptr, grad_stride, rows, n_cols,
-                   ignore_index, smoothing_eps, target_weight, BLOCK_COLS: tl.constexpr):
+def load_grad_tile(
+    logits_ptr,
+    stride_row,
+    target_ptr,
+    lse_ptr,
+    grad_ptr,
+    grad_stride,
+    rows,
+    n_cols,
+    ignore_index,
+    smoothing_eps,
+    target_weight,
+    BLOCK_COLS: tl.constexpr,
+):
     """The tile of this program: (rows_idx, cols_idx, in_bounds, fp32 gradient)."""
     rows_idx = tl.program_id(0) * 32 + tl.arange(0, 32)
     cols_idx = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
@@ -82,44 +105,125 @@ def load_grad_tile(logits_ptr, stride_row, target_ptr, lse_ptr, grad_ptr, grad_s
     lse = tl.load(lse_ptr + rows_idx, mask=row_ok, other=0.0)
     target = tl.load(target_ptr + rows_idx, mask=row_ok, other=ignore_index).to(tl.int64)
     grad_rows = tl.load(grad_ptr + rows_idx.to(tl.int64) * grad_stride, mask=row_ok, other=0.0)
-    grad = cross_entropy_grad(x, cols_idx, lse, target, grad_rows, n_cols, ignore_index, smoothing_eps,
-                              target_weight)
+    grad = cross_entropy_grad(
+        x, cols_idx, lse, target, grad_rows, n_cols, ignore_index, smoothing_eps, target_weight
+    )
     return rows_idx, cols_idx, in_bounds, grad
 
 
 @triton.jit
-def cross_entropy_bwd_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, grad_ptr, grad_stride, dlogits_ptr,
-                             rows, n_cols, ignore_index, smoothing_eps, target_weight,
-                             BLOCK_COLS: tl.constexpr):
+def cross_entropy_bwd_kernel(
+    logits_ptr,
+    stride_row,
+    target_ptr,
+    lse_ptr,
+    grad_ptr,
+    grad_stride,
+    dlogits_ptr,
+    rows,
+    n_cols,
+    ignore_index,
+    smoothing_eps,
+    target_weight,
+    BLOCK_COLS: tl.constexpr,
+):
     rows_idx, cols_idx, in_bounds, grad = load_grad_tile(
-        logits_ptr, stride_row, target_ptr, lse_ptr, grad_ptr, grad_stride, rows, n_cols, ignore_index,
-        smoothing_eps, target_weight, BLOCK_COLS)
+        logits_ptr,
+        stride_row,
+        target_ptr,
+        lse_ptr,
+        grad_ptr,
+        grad_stride,
+        rows,
+        n_cols,
+        ignore_index,
+        smoothing_eps,
+        target_weight,
+        BLOCK_COLS,
+    )
     offsets = rows_idx[:, None].to(tl.int64) * n_cols + cols_idx[None, :]
     tl.store(dlogits_ptr + offsets, grad.to(dlogits_ptr.dtype.element_ty), mask=in_bounds)
 
 
 @triton.jit
-def cross_entropy_bwd_mxfp8_kernel(logits_ptr, stride_row, target_ptr, lse_ptr, grad_ptr, grad_stride,
-                                   rows, n_cols, ignore_index, smoothing_eps, target_weight,
-                                   row_data_ptr, row_scale_ptr, row_scale_cols,
-                                   col_data_ptr, col_scale_ptr, col_scale_rows, col_scale_cols,
-                                   BLOCK_COLS: tl.constexpr, FP8_MAX: tl.constexpr, MAX_RCP: tl.constexpr,
-                                   OUT_DTYPE: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
-                                   SWIZZLED: tl.constexpr):
+def cross_entropy_bwd_mxfp8_kernel(
+    logits_ptr,
+    stride_row,
+    target_ptr,
+    lse_ptr,
+    grad_ptr,
+    grad_stride,
+    rows,
+    n_cols,
+    ignore_index,
+    smoothing_eps,
+    target_weight,
+    row_data_ptr,
+    row_scale_ptr,
+    row_scale_cols,
+    col_data_ptr,
+    col_scale_ptr,
+    col_scale_rows,
+    col_scale_cols,
+    BLOCK_COLS: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MAX_RCP: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    ROWWISE: tl.constexpr,
+    COLWISE: tl.constexpr,
+    SWIZZLED: tl.constexpr,
+):
     rows_idx, cols_idx, in_bounds, grad = load_grad_tile(
-        logits_ptr, stride_row, target_ptr, lse_ptr, grad_ptr, grad_stride, rows, n_cols, ignore_index,
-        smoothing_eps, target_weight, BLOCK_COLS)
+        logits_ptr,
+        stride_row,
+        target_ptr,
+        lse_ptr,
+        grad_ptr,
+        grad_stride,
+        rows,
+        n_cols,
+        ignore_index,
+        smoothing_eps,
+        target_weight,
+        BLOCK_COLS,
+    )
     # Quantize exactly what the other kernel stores: the gradient rounded to the logits' dtype.
     grad = grad.to(logits_ptr.dtype.element_ty).to(tl.float32)
     grad = tl.where(in_bounds, grad, 0.0)
     if ROWWISE:
-        quantize_tile_rowwise(grad, rows_idx, cols_idx, rows, n_cols, tl.program_id(1) * BLOCK_COLS,
-                              row_data_ptr, row_scale_ptr, row_scale_cols,
-                              BLOCK_COLS, FP8_MAX, MAX_RCP, OUT_DTYPE, SWIZZLED)
+        quantize_tile_rowwise(
+            grad,
+            rows_idx,
+            cols_idx,
+            rows,
+            n_cols,
+            tl.program_id(1) * BLOCK_COLS,
+            row_data_ptr,
+            row_scale_ptr,
+            row_scale_cols,
+            BLOCK_COLS,
+            FP8_MAX,
+            MAX_RCP,
+            OUT_DTYPE,
+            SWIZZLED,
+        )
     if COLWISE:
-        quantize_tile_columnwise(grad, rows_idx, cols_idx, rows, n_cols, tl.program_id(0),
-                                 col_data_ptr, col_scale_ptr, col_scale_rows, col_scale_cols,
-                                 FP8_MAX, MAX_RCP, OUT_DTYPE, SWIZZLED)
+        quantize_tile_columnwise(
+            grad,
+            rows_idx,
+            cols_idx,
+            rows,
+            n_cols,
+            tl.program_id(0),
+            col_data_ptr,
+            col_scale_ptr,
+            col_scale_rows,
+            col_scale_cols,
+            FP8_MAX,
+            MAX_RCP,
+            OUT_DTYPE,
+            SWIZZLED,
+        )
 
 
 def _rows_with_unit_stride(x: torch.Tensor) -> torch.Tensor:
@@ -131,8 +235,9 @@ def _bwd_scalars(label_smoothing: float, n_cols: int) -> tuple[float, float]:
     return round_to_fp32(label_smoothing / n_cols), 1.0 - label_smoothing
 
 
-def launch_cross_entropy_fwd(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float,
-                             ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+def launch_cross_entropy_fwd(
+    logits: torch.Tensor, target: torch.Tensor, label_smoothing: float, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     loss, lse = cross_entropy_fwd_outputs(logits, target, label_smoothing, ignore_index)
     rows, n_cols = logits.shape
     if rows == 0:
@@ -140,8 +245,17 @@ def launch_cross_entropy_fwd(logits: torch.Tensor, target: torch.Tensor, label_s
     logits = _rows_with_unit_stride(logits)
     block = min(FWD_BLOCK, triton.next_power_of_2(n_cols))
     cross_entropy_fwd_kernel[(rows,)](
-        logits, logits.stride(0), target.contiguous(), loss, lse, n_cols, ignore_index, label_smoothing,
-        BLOCK=block, HAS_SMOOTHING=label_smoothing > 0, num_warps=8 if block >= 2048 else 4,
+        logits,
+        logits.stride(0),
+        target.contiguous(),
+        loss,
+        lse,
+        n_cols,
+        ignore_index,
+        label_smoothing,
+        BLOCK=block,
+        HAS_SMOOTHING=label_smoothing > 0,
+        num_warps=8 if block >= 2048 else 4,
     )
     return loss, lse
 
@@ -150,8 +264,14 @@ def _bwd_grid(rows: int, n_cols: int) -> tuple[int, int]:
     return triton.cdiv(rows, TILE_ROWS), triton.cdiv(n_cols, BWD_BLOCK_COLS)
 
 
-def launch_cross_entropy_bwd(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
-                             grad_rows: torch.Tensor, label_smoothing: float, ignore_index: int) -> torch.Tensor:
+def launch_cross_entropy_bwd(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    grad_rows: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+) -> torch.Tensor:
     dlogits = cross_entropy_bwd_output(logits, target, lse, grad_rows, label_smoothing, ignore_index)
     rows, n_cols = logits.shape
     if rows == 0 or n_cols == 0:
@@ -159,17 +279,48 @@ def launch_cross_entropy_bwd(logits: torch.Tensor, target: torch.Tensor, lse: to
     logits = _rows_with_unit_stride(logits)
     eps, target_weight = _bwd_scalars(label_smoothing, n_cols)
     cross_entropy_bwd_kernel[_bwd_grid(rows, n_cols)](
-        logits, logits.stride(0), target.contiguous(), lse.contiguous(), grad_rows, grad_rows.stride(0),
-        dlogits, rows, n_cols, ignore_index, eps, target_weight, BLOCK_COLS=BWD_BLOCK_COLS, num_warps=4,
+        logits,
+        logits.stride(0),
+        target.contiguous(),
+        lse.contiguous(),
+        grad_rows,
+        grad_rows.stride(0),
+        dlogits,
+        rows,
+        n_cols,
+        ignore_index,
+        eps,
+        target_weight,
+        BLOCK_COLS=BWD_BLOCK_COLS,
+        num_warps=4,
     )
     return dlogits
 
 
-def launch_cross_entropy_bwd_mxfp8(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
-                                   grad_rows: torch.Tensor, label_smoothing: float, ignore_index: int,
-                                   fp8_dtype: str, rowwise: bool, columnwise: bool, scale_layout: str):
-    outputs = cross_entropy_bwd_mxfp8_outputs(logits, target, lse, grad_rows, label_smoothing, ignore_index,
-                                              fp8_dtype, rowwise, columnwise, scale_layout)
+def launch_cross_entropy_bwd_mxfp8(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    grad_rows: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    fp8_dtype: str,
+    rowwise: bool,
+    columnwise: bool,
+    scale_layout: str,
+):
+    outputs = cross_entropy_bwd_mxfp8_outputs(
+        logits,
+        target,
+        lse,
+        grad_rows,
+        label_smoothing,
+        ignore_index,
+        fp8_dtype,
+        rowwise,
+        columnwise,
+        scale_layout,
+    )
     row_data, row_scale, col_data, col_scale = outputs
     rows, n_cols = logits.shape
     if rows == 0 or n_cols == 0:
@@ -178,13 +329,31 @@ def launch_cross_entropy_bwd_mxfp8(logits: torch.Tensor, target: torch.Tensor, l
     eps, target_weight = _bwd_scalars(label_smoothing, n_cols)
     data_dtype = FP8_DTYPES[fp8_dtype]
     cross_entropy_bwd_mxfp8_kernel[_bwd_grid(rows, n_cols)](
-        logits, logits.stride(0), target.contiguous(), lse.contiguous(), grad_rows, grad_rows.stride(0),
-        rows, n_cols, ignore_index, eps, target_weight,
-        row_data.view(data_dtype), row_scale, row_scale.shape[1] if rowwise else 0,
-        col_data.view(data_dtype), col_scale, col_scale.shape[0] if columnwise else 0,
+        logits,
+        logits.stride(0),
+        target.contiguous(),
+        lse.contiguous(),
+        grad_rows,
+        grad_rows.stride(0),
+        rows,
+        n_cols,
+        ignore_index,
+        eps,
+        target_weight,
+        row_data.view(data_dtype),
+        row_scale,
+        row_scale.shape[1] if rowwise else 0,
+        col_data.view(data_dtype),
+        col_scale,
+        col_scale.shape[0] if columnwise else 0,
         col_scale.shape[1] if columnwise else 0,
-        BLOCK_COLS=BWD_BLOCK_COLS, FP8_MAX=FP8_MAX[fp8_dtype], MAX_RCP=FP8_MAX_RCP[fp8_dtype],
-        OUT_DTYPE=TRITON_FP8[fp8_dtype], ROWWISE=rowwise, COLWISE=columnwise,
-        SWIZZLED=scale_layout == "swizzled", num_warps=4,
+        BLOCK_COLS=BWD_BLOCK_COLS,
+        FP8_MAX=FP8_MAX[fp8_dtype],
+        MAX_RCP=FP8_MAX_RCP[fp8_dtype],
+        OUT_DTYPE=TRITON_FP8[fp8_dtype],
+        ROWWISE=rowwise,
+        COLWISE=columnwise,
+        SWIZZLED=scale_layout == "swizzled",
+        num_warps=4,
     )
     return outputs

@@ -87,10 +87,22 @@ def swizzled_scale_offset(i, j, n_tiles_x):
 
 
 @triton.jit
-def quantize_tile_rowwise(x, rows_idx, cols_idx, rows, cols, tile_col0,
-                          data_ptr, scale_ptr, scale_cols,
-                          BLOCK_COLS: tl.constexpr, FP8_MAX: tl.constexpr, MAX_RCP: tl.constexpr,
-                          OUT_DTYPE: tl.constexpr, SWIZZLED: tl.constexpr):
+def quantize_tile_rowwise(
+    x,
+    rows_idx,
+    cols_idx,
+    rows,
+    cols,
+    tile_col0,
+    data_ptr,
+    scale_ptr,
+    scale_cols,
+    BLOCK_COLS: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MAX_RCP: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    SWIZZLED: tl.constexpr,
+):
     """Quantize an fp32 tile ``x`` [32, BLOCK_COLS] (out-of-bounds lanes hold 0) in 1x32 blocks and store
     the data at ``data_ptr[row * cols + col]`` and the codes in the row-wise scale buffer."""
     N_BLOCKS: tl.constexpr = BLOCK_COLS // 32
@@ -111,10 +123,22 @@ def quantize_tile_rowwise(x, rows_idx, cols_idx, rows, cols, tile_col0,
 
 
 @triton.jit
-def quantize_tile_columnwise(x, rows_idx, cols_idx, rows, cols, tile_row_block,
-                             data_ptr, scale_ptr, scale_rows, scale_cols,
-                             FP8_MAX: tl.constexpr, MAX_RCP: tl.constexpr,
-                             OUT_DTYPE: tl.constexpr, SWIZZLED: tl.constexpr):
+def quantize_tile_columnwise(
+    x,
+    rows_idx,
+    cols_idx,
+    rows,
+    cols,
+    tile_row_block,
+    data_ptr,
+    scale_ptr,
+    scale_rows,
+    scale_cols,
+    FP8_MAX: tl.constexpr,
+    MAX_RCP: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    SWIZZLED: tl.constexpr,
+):
     """Quantize an fp32 tile ``x`` [32, BLOCK_COLS] in 32x1 blocks (the tile is one block high) and store
     the data (not transposed) and the codes in the column-wise scale buffer."""
     code = e8m0_from_amax(block_amax(x, 0), MAX_RCP)
@@ -132,12 +156,27 @@ def quantize_tile_columnwise(x, rows_idx, cols_idx, rows, cols, tile_row_block,
 
 
 @triton.jit
-def mxfp8_quantize_kernel(x_ptr, stride_row, stride_col, rows, cols,
-                          row_data_ptr, row_scale_ptr, row_scale_cols,
-                          col_data_ptr, col_scale_ptr, col_scale_rows, col_scale_cols,
-                          BLOCK_COLS: tl.constexpr, FP8_MAX: tl.constexpr, MAX_RCP: tl.constexpr,
-                          OUT_DTYPE: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
-                          SWIZZLED: tl.constexpr):
+def mxfp8_quantize_kernel(
+    x_ptr,
+    stride_row,
+    stride_col,
+    rows,
+    cols,
+    row_data_ptr,
+    row_scale_ptr,
+    row_scale_cols,
+    col_data_ptr,
+    col_scale_ptr,
+    col_scale_rows,
+    col_scale_cols,
+    BLOCK_COLS: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MAX_RCP: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    ROWWISE: tl.constexpr,
+    COLWISE: tl.constexpr,
+    SWIZZLED: tl.constexpr,
+):
     tile_row_block = tl.program_id(0)
     tile_col0 = tl.program_id(1) * BLOCK_COLS
     rows_idx = tile_row_block * 32 + tl.arange(0, 32)
@@ -147,18 +186,54 @@ def mxfp8_quantize_kernel(x_ptr, stride_row, stride_col, rows, cols,
     # Upcast right after the load (bf16 math is wrong in the Triton interpreter); padding lanes are 0.
     x = tl.load(x_ptr + offsets, mask=in_bounds, other=0.0).to(tl.float32)
     if ROWWISE:
-        quantize_tile_rowwise(x, rows_idx, cols_idx, rows, cols, tile_col0,
-                              row_data_ptr, row_scale_ptr, row_scale_cols,
-                              BLOCK_COLS, FP8_MAX, MAX_RCP, OUT_DTYPE, SWIZZLED)
+        quantize_tile_rowwise(
+            x,
+            rows_idx,
+            cols_idx,
+            rows,
+            cols,
+            tile_col0,
+            row_data_ptr,
+            row_scale_ptr,
+            row_scale_cols,
+            BLOCK_COLS,
+            FP8_MAX,
+            MAX_RCP,
+            OUT_DTYPE,
+            SWIZZLED,
+        )
     if COLWISE:
-        quantize_tile_columnwise(x, rows_idx, cols_idx, rows, cols, tile_row_block,
-                                 col_data_ptr, col_scale_ptr, col_scale_rows, col_scale_cols,
-                                 FP8_MAX, MAX_RCP, OUT_DTYPE, SWIZZLED)
+        quantize_tile_columnwise(
+            x,
+            rows_idx,
+            cols_idx,
+            rows,
+            cols,
+            tile_row_block,
+            col_data_ptr,
+            col_scale_ptr,
+            col_scale_rows,
+            col_scale_cols,
+            FP8_MAX,
+            MAX_RCP,
+            OUT_DTYPE,
+            SWIZZLED,
+        )
 
 
 @triton.jit
-def mxfp8_dequantize_kernel(data_ptr, scale_ptr, out_ptr, rows, cols, scale_rows, scale_cols,
-                            BLOCK_COLS: tl.constexpr, COLUMNWISE: tl.constexpr, SWIZZLED: tl.constexpr):
+def mxfp8_dequantize_kernel(
+    data_ptr,
+    scale_ptr,
+    out_ptr,
+    rows,
+    cols,
+    scale_rows,
+    scale_cols,
+    BLOCK_COLS: tl.constexpr,
+    COLUMNWISE: tl.constexpr,
+    SWIZZLED: tl.constexpr,
+):
     rows_idx = tl.program_id(0) * 32 + tl.arange(0, 32)
     cols_idx = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     in_bounds = (rows_idx[:, None] < rows) & (cols_idx[None, :] < cols)
@@ -188,8 +263,9 @@ def quantize_block_cols(cols: int) -> int:
     return max(32, min(128, triton.next_power_of_2(cols)))
 
 
-def launch_mxfp8_quantize(x: torch.Tensor, fp8_dtype: str, rowwise: bool, columnwise: bool,
-                          scale_layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def launch_mxfp8_quantize(
+    x: torch.Tensor, fp8_dtype: str, rowwise: bool, columnwise: bool, scale_layout: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``lowp::mxfp8_quantize`` on a CUDA (or interpreted CPU) tensor; any strides."""
     outputs = mxfp8_quantize_outputs(x, fp8_dtype, rowwise, columnwise, scale_layout)
     row_data, row_scale, col_data, col_scale = outputs
@@ -200,19 +276,33 @@ def launch_mxfp8_quantize(x: torch.Tensor, fp8_dtype: str, rowwise: bool, column
     block_cols = quantize_block_cols(cols)
     grid = (triton.cdiv(rows, TILE_ROWS), triton.cdiv(cols, block_cols))
     mxfp8_quantize_kernel[grid](
-        x2d, x2d.stride(0), x2d.stride(1), rows, cols,
-        row_data.view(FP8_DTYPES[fp8_dtype]), row_scale, row_scale.shape[1] if rowwise else 0,
-        col_data.view(FP8_DTYPES[fp8_dtype]), col_scale, col_scale.shape[0] if columnwise else 0,
+        x2d,
+        x2d.stride(0),
+        x2d.stride(1),
+        rows,
+        cols,
+        row_data.view(FP8_DTYPES[fp8_dtype]),
+        row_scale,
+        row_scale.shape[1] if rowwise else 0,
+        col_data.view(FP8_DTYPES[fp8_dtype]),
+        col_scale,
+        col_scale.shape[0] if columnwise else 0,
         col_scale.shape[1] if columnwise else 0,
-        BLOCK_COLS=block_cols, FP8_MAX=FP8_MAX[fp8_dtype], MAX_RCP=FP8_MAX_RCP[fp8_dtype],
-        OUT_DTYPE=TRITON_FP8[fp8_dtype], ROWWISE=rowwise, COLWISE=columnwise,
-        SWIZZLED=scale_layout == "swizzled", num_warps=4,
+        BLOCK_COLS=block_cols,
+        FP8_MAX=FP8_MAX[fp8_dtype],
+        MAX_RCP=FP8_MAX_RCP[fp8_dtype],
+        OUT_DTYPE=TRITON_FP8[fp8_dtype],
+        ROWWISE=rowwise,
+        COLWISE=columnwise,
+        SWIZZLED=scale_layout == "swizzled",
+        num_warps=4,
     )
     return outputs
 
 
-def launch_mxfp8_dequantize(data: torch.Tensor, scale: torch.Tensor, fp8_dtype: str, use: str,
-                            scale_layout: str, dtype: torch.dtype) -> torch.Tensor:
+def launch_mxfp8_dequantize(
+    data: torch.Tensor, scale: torch.Tensor, fp8_dtype: str, use: str, scale_layout: str, dtype: torch.dtype
+) -> torch.Tensor:
     """``lowp::mxfp8_dequantize`` on a CUDA (or interpreted CPU) tensor."""
     out = mxfp8_dequantize_output(data, scale, fp8_dtype, use, scale_layout, dtype)
     rows, cols = flat_2d_dims(data.shape)
@@ -221,8 +311,16 @@ def launch_mxfp8_dequantize(data: torch.Tensor, scale: torch.Tensor, fp8_dtype: 
     block_cols = quantize_block_cols(cols)
     grid = (triton.cdiv(rows, TILE_ROWS), triton.cdiv(cols, block_cols))
     mxfp8_dequantize_kernel[grid](
-        data.contiguous().view(FP8_DTYPES[fp8_dtype]), scale.contiguous(), out, rows, cols, scale.shape[0], scale.shape[1],
-        BLOCK_COLS=block_cols, COLUMNWISE=use == "columnwise", SWIZZLED=scale_layout == "swizzled",
+        data.contiguous().view(FP8_DTYPES[fp8_dtype]),
+        scale.contiguous(),
+        out,
+        rows,
+        cols,
+        scale.shape[0],
+        scale.shape[1],
+        BLOCK_COLS=block_cols,
+        COLUMNWISE=use == "columnwise",
+        SWIZZLED=scale_layout == "swizzled",
         num_warps=4,
     )
     return out

@@ -53,7 +53,7 @@ def logsumexp_kernel(x_ptr, stride_row, lse_ptr, n_cols, BLOCK: tl.constexpr):
 @triton.jit
 def softmax_values(x, lse, LOG: tl.constexpr, MASKED_ROWS_ZERO: tl.constexpr):
     """softmax (``exp(x - lse)``) or log_softmax (``x - lse``) of fp32 values given the row's lse."""
-    if LOG:
+    if LOG:  # noqa: SIM108  (a constexpr branch reads better than a ternary in a kernel)
         out = x - lse
     else:
         out = tl.exp(x - lse)
@@ -64,8 +64,16 @@ def softmax_values(x, lse, LOG: tl.constexpr, MASKED_ROWS_ZERO: tl.constexpr):
 
 
 @triton.jit
-def softmax_fwd_kernel(x_ptr, stride_row, out_ptr, n_cols, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr,
-                       LOG: tl.constexpr, MASKED_ROWS_ZERO: tl.constexpr):
+def softmax_fwd_kernel(
+    x_ptr,
+    stride_row,
+    out_ptr,
+    n_cols,
+    BLOCK: tl.constexpr,
+    ONE_BLOCK: tl.constexpr,
+    LOG: tl.constexpr,
+    MASKED_ROWS_ZERO: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = x_ptr + row * stride_row
     out_row_ptr = out_ptr + row * n_cols
@@ -148,8 +156,15 @@ def launch_softmax_fwd(x: torch.Tensor, log: bool, masked_rows: str) -> torch.Te
     x = _rows_with_unit_stride(x)
     block = row_block(n_cols)
     softmax_fwd_kernel[(rows,)](
-        x, x.stride(0), out, n_cols, BLOCK=block, ONE_BLOCK=n_cols <= block, LOG=log,
-        MASKED_ROWS_ZERO=masked_rows == "zero", num_warps=_num_warps(block),
+        x,
+        x.stride(0),
+        out,
+        n_cols,
+        BLOCK=block,
+        ONE_BLOCK=n_cols <= block,
+        LOG=log,
+        MASKED_ROWS_ZERO=masked_rows == "zero",
+        num_warps=_num_warps(block),
     )
     return out
 
@@ -161,6 +176,12 @@ def launch_softmax_bwd(out: torch.Tensor, grad: torch.Tensor, log: bool) -> torc
         return dx
     block = row_block(n_cols)
     softmax_bwd_kernel[(rows,)](
-        out.contiguous(), grad.contiguous(), dx, n_cols, BLOCK=block, LOG=log, num_warps=_num_warps(block),
+        out.contiguous(),
+        grad.contiguous(),
+        dx,
+        n_cols,
+        BLOCK=block,
+        LOG=log,
+        num_warps=_num_warps(block),
     )
     return dx

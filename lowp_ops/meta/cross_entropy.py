@@ -23,7 +23,10 @@ def check_logits_target(logits: torch.Tensor, target: torch.Tensor) -> None:
     torch._check(logits.dim() >= 1, lambda: "logits must have at least one dimension (the vocabulary)")
     torch._check(
         target.shape == logits.shape[:-1],
-        lambda: f"target must have shape {tuple(logits.shape[:-1])} (logits.shape[:-1]), got {tuple(target.shape)}",
+        lambda: (
+            f"target must have shape {tuple(logits.shape[:-1])} (logits.shape[:-1]), "
+            f"got {tuple(target.shape)}"
+        ),
     )
 
 
@@ -35,7 +38,9 @@ def check_label_smoothing(label_smoothing: float) -> None:
 
 
 def check_reduction(reduction: str) -> None:
-    torch._check(reduction in REDUCTIONS, lambda: f"reduction must be one of {list(REDUCTIONS)}, got {reduction!r}")
+    torch._check(
+        reduction in REDUCTIONS, lambda: f"reduction must be one of {list(REDUCTIONS)}, got {reduction!r}"
+    )
 
 
 def _check_rows(logits: torch.Tensor, target: torch.Tensor) -> None:
@@ -43,8 +48,9 @@ def _check_rows(logits: torch.Tensor, target: torch.Tensor) -> None:
     check_logits_target(logits, target)
 
 
-def cross_entropy_fwd_outputs(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float,
-                              ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+def cross_entropy_fwd_outputs(
+    logits: torch.Tensor, target: torch.Tensor, label_smoothing: float, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss (N,) fp32, lse (N,) fp32)``."""
     _check_rows(logits, target)
     check_label_smoothing(label_smoothing)
@@ -55,24 +61,42 @@ def cross_entropy_fwd_outputs(logits: torch.Tensor, target: torch.Tensor, label_
 def _check_bwd_inputs(logits, target, lse, grad_rows) -> None:
     _check_rows(logits, target)
     rows = logits.shape[0]
-    torch._check(lse.dtype == torch.float32 and lse.shape == (rows,), lambda: "lse must be float32 of shape (N,)")
+    torch._check(
+        lse.dtype == torch.float32 and lse.shape == (rows,), lambda: "lse must be float32 of shape (N,)"
+    )
     torch._check(
         grad_rows.dtype == torch.float32 and grad_rows.shape == (rows,),
-        lambda: f"grad_rows must be float32 of shape ({rows},), got {grad_rows.dtype} {tuple(grad_rows.shape)}",
+        lambda: (
+            f"grad_rows must be float32 of shape ({rows},), got {grad_rows.dtype} {tuple(grad_rows.shape)}"
+        ),
     )
 
 
-def cross_entropy_bwd_output(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
-                             grad_rows: torch.Tensor, label_smoothing: float, ignore_index: int) -> torch.Tensor:
+def cross_entropy_bwd_output(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    grad_rows: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+) -> torch.Tensor:
     """dlogits: ``(N, V)`` contiguous, logits' dtype."""
     _check_bwd_inputs(logits, target, lse, grad_rows)
     return logits.new_empty(logits.shape)
 
 
-def cross_entropy_bwd_mxfp8_outputs(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
-                                    grad_rows: torch.Tensor, label_smoothing: float, ignore_index: int,
-                                    fp8_dtype: str, rowwise: bool, columnwise: bool,
-                                    scale_layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def cross_entropy_bwd_mxfp8_outputs(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    grad_rows: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    fp8_dtype: str,
+    rowwise: bool,
+    columnwise: bool,
+    scale_layout: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The MXFP8 payload of dlogits, as :func:`lowp_ops.meta.mxfp8.mxfp8_quantize_outputs` of logits."""
     _check_bwd_inputs(logits, target, lse, grad_rows)
     return mxfp8_quantize_outputs(logits, fp8_dtype, rowwise, columnwise, scale_layout)

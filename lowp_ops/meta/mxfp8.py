@@ -57,8 +57,9 @@ def check_scale_layout(scale_layout: str) -> None:
     )
 
 
-def check_quantize_args(x: torch.Tensor, fp8_dtype: str, rowwise: bool, columnwise: bool,
-                        scale_layout: str) -> None:
+def check_quantize_args(
+    x: torch.Tensor, fp8_dtype: str, rowwise: bool, columnwise: bool, scale_layout: str
+) -> None:
     torch._check(
         x.dtype in HIGH_PRECISION_DTYPES,
         lambda: f"x must be float32, bfloat16 or float16, got {x.dtype}",
@@ -69,8 +70,9 @@ def check_quantize_args(x: torch.Tensor, fp8_dtype: str, rowwise: bool, columnwi
     torch._check(rowwise or columnwise, lambda: "at least one of rowwise and columnwise must be True")
 
 
-def mxfp8_quantize_outputs(x: torch.Tensor, fp8_dtype: str, rowwise: bool, columnwise: bool,
-                           scale_layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def mxfp8_quantize_outputs(
+    x: torch.Tensor, fp8_dtype: str, rowwise: bool, columnwise: bool, scale_layout: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Allocate ``(row_data, row_scale, col_data, col_scale)``; a copy not asked for is a 0-element tensor.
 
     Data have x's shape (contiguous) and hold FP8 bit patterns as uint8 (``opcheck`` cannot compare
@@ -94,8 +96,9 @@ def mxfp8_quantize_outputs(x: torch.Tensor, fp8_dtype: str, rowwise: bool, colum
     )
 
 
-def check_dequantize_args(data: torch.Tensor, scale: torch.Tensor, fp8_dtype: str, use: str,
-                          scale_layout: str, dtype: torch.dtype) -> None:
+def check_dequantize_args(
+    data: torch.Tensor, scale: torch.Tensor, fp8_dtype: str, use: str, scale_layout: str, dtype: torch.dtype
+) -> None:
     torch._check(data.dtype == torch.uint8, lambda: f"data must be uint8 FP8 bit patterns, got {data.dtype}")
     check_fp8_dtype(fp8_dtype)
     torch._check(data.dim() >= 1, lambda: "data must have at least one dimension, got a 0-d tensor")
@@ -110,13 +113,16 @@ def check_dequantize_args(data: torch.Tensor, scale: torch.Tensor, fp8_dtype: st
     expected = row_scale_shape(rows, cols) if use == "rowwise" else col_scale_shape(rows, cols)
     torch._check(
         tuple(scale.shape) == tuple(expected),
-        lambda: f"scale must have shape {tuple(expected)} for {use} data of shape {tuple(data.shape)}, "
-        f"got {tuple(scale.shape)}",
+        lambda: (
+            f"scale must have shape {tuple(expected)} for {use} data of shape {tuple(data.shape)}, "
+            f"got {tuple(scale.shape)}"
+        ),
     )
 
 
-def mxfp8_dequantize_output(data: torch.Tensor, scale: torch.Tensor, fp8_dtype: str, use: str,
-                            scale_layout: str, dtype: torch.dtype) -> torch.Tensor:
+def mxfp8_dequantize_output(
+    data: torch.Tensor, scale: torch.Tensor, fp8_dtype: str, use: str, scale_layout: str, dtype: torch.dtype
+) -> torch.Tensor:
     """Allocate the dequantized tensor: data's shape, contiguous, ``dtype``."""
     check_dequantize_args(data, scale, fp8_dtype, use, scale_layout, dtype)
     return data.new_empty(data.shape, dtype=dtype)

@@ -40,5 +40,7 @@ def softmax_fwd_output(x: torch.Tensor, log: bool, masked_rows: str) -> torch.Te
 def softmax_bwd_output(out: torch.Tensor, grad: torch.Tensor, log: bool) -> torch.Tensor:
     """out's shape and dtype, contiguous."""
     check_rows(out, "out")
-    torch._check(grad.shape == out.shape, lambda: f"grad must have shape {tuple(out.shape)}, got {tuple(grad.shape)}")
+    torch._check(
+        grad.shape == out.shape, lambda: f"grad must have shape {tuple(out.shape)}, got {tuple(grad.shape)}"
+    )
     return out.new_empty(out.shape)

@@ -33,22 +33,31 @@ def _target_logit(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.where(in_range, picked, float("nan"))
 
 
-def cross_entropy_fwd(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float,
-                      ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+def cross_entropy_fwd(
+    logits: torch.Tensor, target: torch.Tensor, label_smoothing: float, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (per-row loss (N,) fp32, lse (N,) fp32)."""
     loss, lse = cross_entropy_fwd_outputs(logits, target, label_smoothing, ignore_index)
     x = logits.float()
     row_lse = masked_safe_logsumexp(x)
     row_loss = row_lse - _target_logit(x, target)
     if label_smoothing > 0:
-        row_loss = (1.0 - label_smoothing) * row_loss + label_smoothing * (row_lse - x.sum(dim=1) / x.shape[1])
+        row_loss = (1.0 - label_smoothing) * row_loss + label_smoothing * (
+            row_lse - x.sum(dim=1) / x.shape[1]
+        )
     loss.copy_(torch.where(target != ignore_index, row_loss, 0.0))
     lse.copy_(row_lse)
     return loss, lse
 
 
-def cross_entropy_grad_fp32(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
-                            grad_rows: torch.Tensor, label_smoothing: float, ignore_index: int) -> torch.Tensor:
+def cross_entropy_grad_fp32(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    grad_rows: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+) -> torch.Tensor:
     """The fp32 gradient before rounding to the logits' dtype."""
     x = logits.float()
     n_cols = x.shape[1]
@@ -62,20 +71,44 @@ def cross_entropy_grad_fp32(logits: torch.Tensor, target: torch.Tensor, lse: tor
     return torch.where((target != ignore_index).unsqueeze(1), grad, 0.0)
 
 
-def cross_entropy_bwd(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, grad_rows: torch.Tensor,
-                      label_smoothing: float, ignore_index: int) -> torch.Tensor:
+def cross_entropy_bwd(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    grad_rows: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+) -> torch.Tensor:
     """-> dlogits (N, V) in the logits' dtype; ``grad_rows`` (N,) fp32 is dloss per row."""
     dlogits = cross_entropy_bwd_output(logits, target, lse, grad_rows, label_smoothing, ignore_index)
     dlogits.copy_(cross_entropy_grad_fp32(logits, target, lse, grad_rows, label_smoothing, ignore_index))
     return dlogits
 
 
-def cross_entropy_bwd_mxfp8(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
-                            grad_rows: torch.Tensor, label_smoothing: float, ignore_index: int, fp8_dtype: str,
-                            rowwise: bool, columnwise: bool,
-                            scale_layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def cross_entropy_bwd_mxfp8(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    grad_rows: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    fp8_dtype: str,
+    rowwise: bool,
+    columnwise: bool,
+    scale_layout: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> the MXFP8 payload of :func:`cross_entropy_bwd` (by definition: quantize its output)."""
-    cross_entropy_bwd_mxfp8_outputs(logits, target, lse, grad_rows, label_smoothing, ignore_index,
-                                    fp8_dtype, rowwise, columnwise, scale_layout)
+    cross_entropy_bwd_mxfp8_outputs(
+        logits,
+        target,
+        lse,
+        grad_rows,
+        label_smoothing,
+        ignore_index,
+        fp8_dtype,
+        rowwise,
+        columnwise,
+        scale_layout,
+    )
     dlogits = cross_entropy_bwd(logits, target, lse, grad_rows, label_smoothing, ignore_index)
     return mxfp8_quantize(dlogits, fp8_dtype, rowwise, columnwise, scale_layout)

@@ -119,14 +119,16 @@ def unswizzle_col_scales(swizzled: torch.Tensor) -> torch.Tensor:
     return unswizzle_scales(swizzled.reshape(cols, rows)).t().contiguous()
 
 
-def mxfp8_quantize(x: torch.Tensor, fp8_dtype: str, rowwise: bool, columnwise: bool,
-                   scale_layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def mxfp8_quantize(
+    x: torch.Tensor, fp8_dtype: str, rowwise: bool, columnwise: bool, scale_layout: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference of ``lowp::mxfp8_quantize``: ``(row_data, row_scale, col_data, col_scale)``.
 
     Shapes and dtypes as :func:`lowp_ops.meta.mxfp8.mxfp8_quantize_outputs`.
     """
     row_data, row_scale, col_data, col_scale = mxfp8_quantize_outputs(
-        x, fp8_dtype, rowwise, columnwise, scale_layout)
+        x, fp8_dtype, rowwise, columnwise, scale_layout
+    )
     rows, cols = flat_2d_dims(x.shape)
     x2d = x.reshape(rows, cols)
     if rowwise:
@@ -144,8 +146,9 @@ def mxfp8_quantize(x: torch.Tensor, fp8_dtype: str, rowwise: bool, columnwise: b
     return row_data, row_scale, col_data, col_scale
 
 
-def mxfp8_dequantize(data: torch.Tensor, scale: torch.Tensor, fp8_dtype: str, use: str, scale_layout: str,
-                     dtype: torch.dtype) -> torch.Tensor:
+def mxfp8_dequantize(
+    data: torch.Tensor, scale: torch.Tensor, fp8_dtype: str, use: str, scale_layout: str, dtype: torch.dtype
+) -> torch.Tensor:
     """Reference of ``lowp::mxfp8_dequantize``: ``dtype(fp32(q) * 2^(e - 127))`` (TE B.6)."""
     out = mxfp8_dequantize_output(data, scale, fp8_dtype, use, scale_layout, dtype)
     rows, cols = flat_2d_dims(data.shape)
