@@ -88,10 +88,7 @@ def _unflatten_mxfp8(children, context) -> MXFP8Tensor:
 
 
 pytree.register_pytree_node(
-    MXFP8Tensor,
-    _flatten_mxfp8,
-    _unflatten_mxfp8,
-    serialized_type_name="lowp_ops.formats.MXFP8Tensor",
+    MXFP8Tensor, _flatten_mxfp8, _unflatten_mxfp8, serialized_type_name="lowp_ops.formats.MXFP8Tensor"
 )
 
 

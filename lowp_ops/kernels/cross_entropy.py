@@ -2,9 +2,9 @@
 backward that recomputes the gradient from the saved logits and writes it either in the logits' dtype
 or directly as MXFP8 (row- and column-wise) from registers.
 
-Both backward kernels compute the fp32 gradient with the same ``cross_entropy_grad`` on the same
-32 x BLOCK_COLS tiles, and the MXFP8 one rounds it to the logits' dtype before quantizing: its bytes
-equal ``mxfp8_quantize(<the other kernel's output>)`` by construction.
+Both backward kernels compute the fp32 gradient with the same element-wise ``cross_entropy_grad``, and
+the MXFP8 one rounds it to the logits' dtype before quantizing: its bytes equal
+``mxfp8_quantize(<the other kernel's output>)`` by construction.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from ..meta.cross_entropy import (
     cross_entropy_bwd_output,
     cross_entropy_fwd_outputs,
 )
-from .mxfp8 import TRITON_FP8, quantize_tile_columnwise, quantize_tile_rowwise
+from .mxfp8 import TRITON_FP8, blocks_per_program, quantize_block_columnwise, quantize_block_rowwise
 from .softmax import finish_logsumexp, online_softmax_update
 
 FWD_BLOCK = 4096
@@ -81,34 +81,39 @@ def cross_entropy_grad(
 
 
 @triton.jit
-def load_grad_tile(
-    logits_ptr,
-    stride_row,
-    target_ptr,
-    lse_ptr,
-    grad_ptr,
-    grad_stride,
-    rows,
-    n_cols,
-    ignore_index,
-    smoothing_eps,
-    target_weight,
-    BLOCK_COLS: tl.constexpr,
-):
-    """The tile of this program: (rows_idx, cols_idx, in_bounds, fp32 gradient)."""
+def load_row_stats(target_ptr, lse_ptr, grad_ptr, grad_stride, rows, ignore_index):
+    """This program's 32 rows: (rows_idx, row_ok, lse, target, dloss per row)."""
     rows_idx = tl.program_id(0) * 32 + tl.arange(0, 32)
-    cols_idx = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     row_ok = rows_idx < rows
-    in_bounds = row_ok[:, None] & (cols_idx[None, :] < n_cols)
-    offsets = rows_idx[:, None].to(tl.int64) * stride_row + cols_idx[None, :]
-    x = tl.load(logits_ptr + offsets, mask=in_bounds, other=0.0).to(tl.float32)
     lse = tl.load(lse_ptr + rows_idx, mask=row_ok, other=0.0)
     target = tl.load(target_ptr + rows_idx, mask=row_ok, other=ignore_index).to(tl.int64)
     grad_rows = tl.load(grad_ptr + rows_idx.to(tl.int64) * grad_stride, mask=row_ok, other=0.0)
+    return rows_idx, row_ok, lse, target, grad_rows
+
+
+@triton.jit
+def grad_block(
+    logits_ptr,
+    stride_row,
+    rows_idx,
+    row_ok,
+    cols_idx,
+    n_cols,
+    lse,
+    target,
+    grad_rows,
+    ignore_index,
+    smoothing_eps,
+    target_weight,
+):
+    """(in_bounds, fp32 gradient) of the logits block at rows_idx x cols_idx."""
+    in_bounds = row_ok[:, None] & (cols_idx[None, :] < n_cols)
+    offsets = rows_idx[:, None].to(tl.int64) * stride_row + cols_idx[None, :]
+    x = tl.load(logits_ptr + offsets, mask=in_bounds, other=0.0).to(tl.float32)
     grad = cross_entropy_grad(
         x, cols_idx, lse, target, grad_rows, n_cols, ignore_index, smoothing_eps, target_weight
     )
-    return rows_idx, cols_idx, in_bounds, grad
+    return in_bounds, grad
 
 
 @triton.jit
@@ -127,19 +132,23 @@ def cross_entropy_bwd_kernel(
     target_weight,
     BLOCK_COLS: tl.constexpr,
 ):
-    rows_idx, cols_idx, in_bounds, grad = load_grad_tile(
+    rows_idx, row_ok, lse, target, grad_rows = load_row_stats(
+        target_ptr, lse_ptr, grad_ptr, grad_stride, rows, ignore_index
+    )
+    cols_idx = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    in_bounds, grad = grad_block(
         logits_ptr,
         stride_row,
-        target_ptr,
-        lse_ptr,
-        grad_ptr,
-        grad_stride,
-        rows,
+        rows_idx,
+        row_ok,
+        cols_idx,
         n_cols,
+        lse,
+        target,
+        grad_rows,
         ignore_index,
         smoothing_eps,
         target_weight,
-        BLOCK_COLS,
     )
     offsets = rows_idx[:, None].to(tl.int64) * n_cols + cols_idx[None, :]
     tl.store(dlogits_ptr + offsets, grad.to(dlogits_ptr.dtype.element_ty), mask=in_bounds)
@@ -165,7 +174,7 @@ def cross_entropy_bwd_mxfp8_kernel(
     col_scale_ptr,
     col_scale_rows,
     col_scale_cols,
-    BLOCK_COLS: tl.constexpr,
+    BLOCKS_PER_PROGRAM: tl.constexpr,
     FP8_MAX: tl.constexpr,
     MAX_RCP: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
@@ -173,57 +182,61 @@ def cross_entropy_bwd_mxfp8_kernel(
     COLWISE: tl.constexpr,
     SWIZZLED: tl.constexpr,
 ):
-    rows_idx, cols_idx, in_bounds, grad = load_grad_tile(
-        logits_ptr,
-        stride_row,
-        target_ptr,
-        lse_ptr,
-        grad_ptr,
-        grad_stride,
-        rows,
-        n_cols,
-        ignore_index,
-        smoothing_eps,
-        target_weight,
-        BLOCK_COLS,
+    rows_idx, row_ok, lse, target, grad_rows = load_row_stats(
+        target_ptr, lse_ptr, grad_ptr, grad_stride, rows, ignore_index
     )
-    # Quantize exactly what the other kernel stores: the gradient rounded to the logits' dtype.
-    grad = grad.to(logits_ptr.dtype.element_ty).to(tl.float32)
-    grad = tl.where(in_bounds, grad, 0.0)
-    if ROWWISE:
-        quantize_tile_rowwise(
-            grad,
+    for k in tl.static_range(BLOCKS_PER_PROGRAM):
+        col_block = tl.program_id(1) * BLOCKS_PER_PROGRAM + k
+        cols_idx = col_block * 32 + tl.arange(0, 32)
+        in_bounds, grad = grad_block(
+            logits_ptr,
+            stride_row,
             rows_idx,
+            row_ok,
             cols_idx,
-            rows,
             n_cols,
-            tl.program_id(1) * BLOCK_COLS,
-            row_data_ptr,
-            row_scale_ptr,
-            row_scale_cols,
-            BLOCK_COLS,
-            FP8_MAX,
-            MAX_RCP,
-            OUT_DTYPE,
-            SWIZZLED,
+            lse,
+            target,
+            grad_rows,
+            ignore_index,
+            smoothing_eps,
+            target_weight,
         )
-    if COLWISE:
-        quantize_tile_columnwise(
-            grad,
-            rows_idx,
-            cols_idx,
-            rows,
-            n_cols,
-            tl.program_id(0),
-            col_data_ptr,
-            col_scale_ptr,
-            col_scale_rows,
-            col_scale_cols,
-            FP8_MAX,
-            MAX_RCP,
-            OUT_DTYPE,
-            SWIZZLED,
-        )
+        # Quantize exactly what the bf16 kernel stores: the gradient rounded to the logits' dtype.
+        grad = tl.where(in_bounds, grad.to(logits_ptr.dtype.element_ty).to(tl.float32), 0.0)
+        if ROWWISE:
+            quantize_block_rowwise(
+                grad,
+                rows_idx,
+                cols_idx,
+                rows,
+                n_cols,
+                col_block,
+                row_data_ptr,
+                row_scale_ptr,
+                row_scale_cols,
+                FP8_MAX,
+                MAX_RCP,
+                OUT_DTYPE,
+                SWIZZLED,
+            )
+        if COLWISE:
+            quantize_block_columnwise(
+                grad,
+                rows_idx,
+                cols_idx,
+                rows,
+                n_cols,
+                tl.program_id(0),
+                col_data_ptr,
+                col_scale_ptr,
+                col_scale_rows,
+                col_scale_cols,
+                FP8_MAX,
+                MAX_RCP,
+                OUT_DTYPE,
+                SWIZZLED,
+            )
 
 
 def _rows_with_unit_stride(x: torch.Tensor) -> torch.Tensor:
@@ -236,14 +249,20 @@ def _bwd_scalars(label_smoothing: float, n_cols: int) -> tuple[float, float]:
 
 
 def launch_cross_entropy_fwd(
-    logits: torch.Tensor, target: torch.Tensor, label_smoothing: float, ignore_index: int
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    block: int | None = None,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     loss, lse = cross_entropy_fwd_outputs(logits, target, label_smoothing, ignore_index)
     rows, n_cols = logits.shape
     if rows == 0:
         return loss, lse
     logits = _rows_with_unit_stride(logits)
-    block = min(FWD_BLOCK, triton.next_power_of_2(n_cols))
+    block = block or min(FWD_BLOCK, triton.next_power_of_2(n_cols))
+    num_warps = num_warps or (8 if block >= 2048 else 4)
     cross_entropy_fwd_kernel[(rows,)](
         logits,
         logits.stride(0),
@@ -255,13 +274,13 @@ def launch_cross_entropy_fwd(
         label_smoothing,
         BLOCK=block,
         HAS_SMOOTHING=label_smoothing > 0,
-        num_warps=8 if block >= 2048 else 4,
+        num_warps=num_warps,
     )
     return loss, lse
 
 
-def _bwd_grid(rows: int, n_cols: int) -> tuple[int, int]:
-    return triton.cdiv(rows, TILE_ROWS), triton.cdiv(n_cols, BWD_BLOCK_COLS)
+def _bwd_grid(rows: int, n_cols: int, block_cols: int) -> tuple[int, int]:
+    return triton.cdiv(rows, TILE_ROWS), triton.cdiv(n_cols, block_cols)
 
 
 def launch_cross_entropy_bwd(
@@ -278,7 +297,7 @@ def launch_cross_entropy_bwd(
         return dlogits
     logits = _rows_with_unit_stride(logits)
     eps, target_weight = _bwd_scalars(label_smoothing, n_cols)
-    cross_entropy_bwd_kernel[_bwd_grid(rows, n_cols)](
+    cross_entropy_bwd_kernel[_bwd_grid(rows, n_cols, BWD_BLOCK_COLS)](
         logits,
         logits.stride(0),
         target.contiguous(),
@@ -308,6 +327,8 @@ def launch_cross_entropy_bwd_mxfp8(
     rowwise: bool,
     columnwise: bool,
     scale_layout: str,
+    blocks: int | None = None,
+    num_warps: int = 4,
 ):
     outputs = cross_entropy_bwd_mxfp8_outputs(
         logits,
@@ -328,7 +349,8 @@ def launch_cross_entropy_bwd_mxfp8(
     logits = _rows_with_unit_stride(logits)
     eps, target_weight = _bwd_scalars(label_smoothing, n_cols)
     data_dtype = FP8_DTYPES[fp8_dtype]
-    cross_entropy_bwd_mxfp8_kernel[_bwd_grid(rows, n_cols)](
+    blocks = blocks or blocks_per_program(n_cols)
+    cross_entropy_bwd_mxfp8_kernel[_bwd_grid(rows, n_cols, 32 * blocks)](
         logits,
         logits.stride(0),
         target.contiguous(),
@@ -347,13 +369,13 @@ def launch_cross_entropy_bwd_mxfp8(
         col_scale,
         col_scale.shape[0] if columnwise else 0,
         col_scale.shape[1] if columnwise else 0,
-        BLOCK_COLS=BWD_BLOCK_COLS,
+        BLOCKS_PER_PROGRAM=blocks,
         FP8_MAX=FP8_MAX[fp8_dtype],
         MAX_RCP=FP8_MAX_RCP[fp8_dtype],
         OUT_DTYPE=TRITON_FP8[fp8_dtype],
         ROWWISE=rowwise,
         COLWISE=columnwise,
         SWIZZLED=scale_layout == "swizzled",
-        num_warps=4,
+        num_warps=num_warps,
     )
     return outputs

@@ -1,11 +1,13 @@
 """Triton MXFP8 quantize / dequantize (TE's bit algorithm, te_cross_entropy_mxfp8.md B.5-B.6).
 
-One program owns a 32-row x BLOCK_COLS tile: it reads the tile once and writes the row-wise copy
-(1x32 blocks) and the column-wise copy (32x1 blocks) with their E8M0 scales. The tile helpers are
-shared with the cross-entropy backward, which quantizes its gradient in registers.
+One program owns a 32-row strip walked in 32x32 blocks: it reads each block once and writes the
+row-wise copy (1x32 blocks) and the column-wise copy (32x1 blocks) with their E8M0 scales. The block
+helpers are shared with the cross-entropy backward, which quantizes its gradient in registers.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -15,6 +17,7 @@ from ..formats import FP8_DTYPES, FP8_MAX, FP8_MAX_RCP, MXFP8_BLOCK_SIZE
 from ..meta.mxfp8 import flat_2d_dims, mxfp8_dequantize_output, mxfp8_quantize_outputs
 
 TILE_ROWS = MXFP8_BLOCK_SIZE
+SOFTWARE_FP8_CAST = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @triton.jit
@@ -50,33 +53,40 @@ def dequantize_multiplier(code):
 
 
 @triton.jit
+def _max_keep_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def block_amax(values, axis: tl.constexpr):
-    """max |values| along ``axis``; NaN if the block holds a NaN (hardware max would drop it)."""
-    amax = tl.max(tl.abs(values), axis=axis)
-    has_nan = tl.max((values != values).to(tl.int32), axis=axis)
-    return tl.where(has_nan > 0, float("nan"), amax)
+    """max |values| along ``axis``; NaN if the block holds a NaN (a plain hardware max would drop it)."""
+    return tl.reduce(tl.abs(values), axis, _max_keep_nan)
 
 
 @triton.jit
 def cast_satfinite(scaled, FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """RNE cast to FP8 with +-max saturation and NaN -> 0x7F, as ``cvt.rn.satfinite``.
+    """RNE cast to FP8 with +-max saturation and NaN -> 0x7F: ``cvt.rn.satfinite`` on the GPU.
 
-    The rounding is done in fp32 first (add and subtract 2^23 ulp), so the final cast only sees
-    representable values: the Triton interpreter's own fp32 -> fp8 cast does not round to nearest.
+    The Triton interpreter's own fp32 -> fp8 cast neither rounds to nearest nor saturates, so there
+    the rounding is done in fp32 first (add and subtract 2^23 ulp) and the cast only sees
+    representable values.
     """
-    MANTISSA_BITS: tl.constexpr = 3 if FP8_MAX == 448.0 else 2
-    MIN_ULP_EXPONENT: tl.constexpr = -9 if FP8_MAX == 448.0 else -16
-    scaled = tl.where(scaled > FP8_MAX, FP8_MAX, scaled)
-    scaled = tl.where(scaled < -FP8_MAX, -FP8_MAX, scaled)
-    magnitude = tl.abs(scaled)
-    exponent = (magnitude.to(tl.int32, bitcast=True) >> 23) - 127
-    ulp_exponent = tl.maximum(exponent - MANTISSA_BITS, MIN_ULP_EXPONENT)
-    shifter = ((ulp_exponent + 23 + 127) << 23).to(tl.float32, bitcast=True)
-    rounded = (magnitude + shifter) - shifter
-    rounded = tl.where(scaled < 0, -rounded, rounded)
-    code = rounded.to(OUT_DTYPE).to(tl.uint8, bitcast=True)
-    # NaN becomes the canonical 0x7F in both formats, as cvt.rn.satfinite writes it.
-    return tl.where(scaled != scaled, 0x7F, code).to(OUT_DTYPE, bitcast=True)
+    if SOFTWARE_FP8_CAST:
+        MANTISSA_BITS: tl.constexpr = 3 if FP8_MAX == 448.0 else 2
+        MIN_ULP_EXPONENT: tl.constexpr = -9 if FP8_MAX == 448.0 else -16
+        bits = scaled.to(tl.int32, bitcast=True)
+        magnitude = tl.minimum(tl.abs(scaled), FP8_MAX)
+        exponent = (magnitude.to(tl.int32, bitcast=True) >> 23) - 127
+        ulp_exponent = tl.maximum(exponent - MANTISSA_BITS, MIN_ULP_EXPONENT)
+        shifter = ((ulp_exponent + 23 + 127) << 23).to(tl.float32, bitcast=True)
+        rounded = ((magnitude + shifter) - shifter).to(tl.int32, bitcast=True)
+        # Sign by bit (Triton's unary minus is 0 - x, which loses -0.0).
+        signed = (rounded | (bits & -2147483648)).to(tl.float32, bitcast=True)
+        code = signed.to(OUT_DTYPE).to(tl.uint8, bitcast=True)
+        code = tl.where(scaled != scaled, 0x7F, code).to(OUT_DTYPE, bitcast=True)
+    else:
+        code = scaled.to(OUT_DTYPE)
+    return code
 
 
 @triton.jit
@@ -87,49 +97,43 @@ def swizzled_scale_offset(i, j, n_tiles_x):
 
 
 @triton.jit
-def quantize_tile_rowwise(
+def quantize_block_rowwise(
     x,
     rows_idx,
     cols_idx,
     rows,
     cols,
-    tile_col0,
+    col_block,
     data_ptr,
     scale_ptr,
     scale_cols,
-    BLOCK_COLS: tl.constexpr,
     FP8_MAX: tl.constexpr,
     MAX_RCP: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     SWIZZLED: tl.constexpr,
 ):
-    """Quantize an fp32 tile ``x`` [32, BLOCK_COLS] (out-of-bounds lanes hold 0) in 1x32 blocks and store
-    the data at ``data_ptr[row * cols + col]`` and the codes in the row-wise scale buffer."""
-    N_BLOCKS: tl.constexpr = BLOCK_COLS // 32
-    blocks = tl.reshape(x, [32, N_BLOCKS, 32])
-    code = e8m0_from_amax(block_amax(blocks, 2), MAX_RCP)
-    scaled = blocks * quantize_multiplier(code)[:, :, None]
-    data = tl.reshape(cast_satfinite(scaled, FP8_MAX, OUT_DTYPE), [32, BLOCK_COLS])
+    """Quantize a 32x32 fp32 block ``x`` (out-of-bounds lanes hold 0) as 32 row-wise 1x32 blocks: data
+    at ``data_ptr[row * cols + col]``, E8M0 codes at scale (row, ``col_block``)."""
+    code = e8m0_from_amax(block_amax(x, 1), MAX_RCP)
+    data = cast_satfinite(x * quantize_multiplier(code)[:, None], FP8_MAX, OUT_DTYPE)
     in_bounds = (rows_idx[:, None] < rows) & (cols_idx[None, :] < cols)
     tl.store(data_ptr + rows_idx[:, None].to(tl.int64) * cols + cols_idx[None, :], data, mask=in_bounds)
-
-    block_idx = tile_col0 // 32 + tl.arange(0, N_BLOCKS)
-    scale_mask = (rows_idx[:, None] < rows) & (block_idx[None, :] * 32 < cols)
     if SWIZZLED:
-        offset = swizzled_scale_offset(rows_idx[:, None], block_idx[None, :], scale_cols // 4)
+        offset = swizzled_scale_offset(rows_idx, col_block, scale_cols // 4)
     else:
-        offset = rows_idx[:, None] * scale_cols + block_idx[None, :]
-    tl.store(scale_ptr + offset, code.to(tl.uint8), mask=scale_mask)
+        offset = rows_idx * scale_cols + col_block
+    # A block wholly past `cols` (the last program's tail) has code 0, which is the padding value.
+    tl.store(scale_ptr + offset, code.to(tl.uint8), mask=rows_idx < rows)
 
 
 @triton.jit
-def quantize_tile_columnwise(
+def quantize_block_columnwise(
     x,
     rows_idx,
     cols_idx,
     rows,
     cols,
-    tile_row_block,
+    row_block,
     data_ptr,
     scale_ptr,
     scale_rows,
@@ -139,19 +143,17 @@ def quantize_tile_columnwise(
     OUT_DTYPE: tl.constexpr,
     SWIZZLED: tl.constexpr,
 ):
-    """Quantize an fp32 tile ``x`` [32, BLOCK_COLS] in 32x1 blocks (the tile is one block high) and store
-    the data (not transposed) and the codes in the column-wise scale buffer."""
+    """Quantize a 32x32 fp32 block ``x`` as 32 column-wise 32x1 blocks: data (not transposed) at
+    ``data_ptr[row * cols + col]``, E8M0 codes at scale (``row_block``, col)."""
     code = e8m0_from_amax(block_amax(x, 0), MAX_RCP)
-    scaled = x * quantize_multiplier(code)[None, :]
-    data = cast_satfinite(scaled, FP8_MAX, OUT_DTYPE)
+    data = cast_satfinite(x * quantize_multiplier(code)[None, :], FP8_MAX, OUT_DTYPE)
     in_bounds = (rows_idx[:, None] < rows) & (cols_idx[None, :] < cols)
     tl.store(data_ptr + rows_idx[:, None].to(tl.int64) * cols + cols_idx[None, :], data, mask=in_bounds)
-
     if SWIZZLED:
         # Column-wise scales are swizzled as their transpose: i = column, j = 32-row block.
-        offset = swizzled_scale_offset(cols_idx, tile_row_block, scale_rows // 4)
+        offset = swizzled_scale_offset(cols_idx, row_block, scale_rows // 4)
     else:
-        offset = tile_row_block * scale_cols + cols_idx
+        offset = row_block * scale_cols + cols_idx
     tl.store(scale_ptr + offset, code.to(tl.uint8), mask=cols_idx < cols)
 
 
@@ -169,7 +171,7 @@ def mxfp8_quantize_kernel(
     col_scale_ptr,
     col_scale_rows,
     col_scale_cols,
-    BLOCK_COLS: tl.constexpr,
+    BLOCKS_PER_PROGRAM: tl.constexpr,
     FP8_MAX: tl.constexpr,
     MAX_RCP: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
@@ -177,48 +179,51 @@ def mxfp8_quantize_kernel(
     COLWISE: tl.constexpr,
     SWIZZLED: tl.constexpr,
 ):
-    tile_row_block = tl.program_id(0)
-    tile_col0 = tl.program_id(1) * BLOCK_COLS
-    rows_idx = tile_row_block * 32 + tl.arange(0, 32)
-    cols_idx = tile_col0 + tl.arange(0, BLOCK_COLS)
-    in_bounds = (rows_idx[:, None] < rows) & (cols_idx[None, :] < cols)
-    offsets = rows_idx[:, None].to(tl.int64) * stride_row + cols_idx[None, :].to(tl.int64) * stride_col
-    # Upcast right after the load (bf16 math is wrong in the Triton interpreter); padding lanes are 0.
-    x = tl.load(x_ptr + offsets, mask=in_bounds, other=0.0).to(tl.float32)
-    if ROWWISE:
-        quantize_tile_rowwise(
-            x,
-            rows_idx,
-            cols_idx,
-            rows,
-            cols,
-            tile_col0,
-            row_data_ptr,
-            row_scale_ptr,
-            row_scale_cols,
-            BLOCK_COLS,
-            FP8_MAX,
-            MAX_RCP,
-            OUT_DTYPE,
-            SWIZZLED,
-        )
-    if COLWISE:
-        quantize_tile_columnwise(
-            x,
-            rows_idx,
-            cols_idx,
-            rows,
-            cols,
-            tile_row_block,
-            col_data_ptr,
-            col_scale_ptr,
-            col_scale_rows,
-            col_scale_cols,
-            FP8_MAX,
-            MAX_RCP,
-            OUT_DTYPE,
-            SWIZZLED,
-        )
+    """One program: 32 rows x (32 * BLOCKS_PER_PROGRAM) columns, walked in 32x32 blocks. A 32x32 block
+    holds whole row-wise and whole column-wise blocks, so both copies come from one read with 2-D
+    reductions only."""
+    row_block = tl.program_id(0)
+    rows_idx = row_block * 32 + tl.arange(0, 32)
+    for k in tl.static_range(BLOCKS_PER_PROGRAM):
+        col_block = tl.program_id(1) * BLOCKS_PER_PROGRAM + k
+        cols_idx = col_block * 32 + tl.arange(0, 32)
+        in_bounds = (rows_idx[:, None] < rows) & (cols_idx[None, :] < cols)
+        offsets = rows_idx[:, None].to(tl.int64) * stride_row + cols_idx[None, :].to(tl.int64) * stride_col
+        # Upcast right after the load (bf16 math is wrong in the Triton interpreter); padding lanes are 0.
+        x = tl.load(x_ptr + offsets, mask=in_bounds, other=0.0).to(tl.float32)
+        if ROWWISE:
+            quantize_block_rowwise(
+                x,
+                rows_idx,
+                cols_idx,
+                rows,
+                cols,
+                col_block,
+                row_data_ptr,
+                row_scale_ptr,
+                row_scale_cols,
+                FP8_MAX,
+                MAX_RCP,
+                OUT_DTYPE,
+                SWIZZLED,
+            )
+        if COLWISE:
+            quantize_block_columnwise(
+                x,
+                rows_idx,
+                cols_idx,
+                rows,
+                cols,
+                row_block,
+                col_data_ptr,
+                col_scale_ptr,
+                col_scale_rows,
+                col_scale_cols,
+                FP8_MAX,
+                MAX_RCP,
+                OUT_DTYPE,
+                SWIZZLED,
+            )
 
 
 @triton.jit
@@ -258,23 +263,30 @@ def mxfp8_dequantize_kernel(
 TRITON_FP8 = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
 
 
-def quantize_block_cols(cols: int) -> int:
-    """Tile width from the shape: 128 columns (one 32x128 tile = 4096 elements), narrower for thin inputs."""
-    return max(32, min(128, triton.next_power_of_2(cols)))
+def blocks_per_program(cols: int) -> int:
+    """32x32 blocks walked by one program: 4 (a 32x128 strip), fewer for thin inputs."""
+    return max(1, min(4, triton.cdiv(cols, 32)))
 
 
 def launch_mxfp8_quantize(
-    x: torch.Tensor, fp8_dtype: str, rowwise: bool, columnwise: bool, scale_layout: str
+    x: torch.Tensor,
+    fp8_dtype: str,
+    rowwise: bool,
+    columnwise: bool,
+    scale_layout: str,
+    blocks: int | None = None,
+    num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``lowp::mxfp8_quantize`` on a CUDA (or interpreted CPU) tensor; any strides."""
+    """``lowp::mxfp8_quantize`` on a CUDA (or interpreted CPU) tensor; any strides. ``blocks`` (32x32
+    blocks per program) and ``num_warps`` override the launch configuration (for benchmarks)."""
     outputs = mxfp8_quantize_outputs(x, fp8_dtype, rowwise, columnwise, scale_layout)
     row_data, row_scale, col_data, col_scale = outputs
     rows, cols = flat_2d_dims(x.shape)
     if rows == 0 or cols == 0:
         return outputs
     x2d = x.reshape(rows, cols)
-    block_cols = quantize_block_cols(cols)
-    grid = (triton.cdiv(rows, TILE_ROWS), triton.cdiv(cols, block_cols))
+    blocks = blocks or blocks_per_program(cols)
+    grid = (triton.cdiv(rows, TILE_ROWS), triton.cdiv(cols, 32 * blocks))
     mxfp8_quantize_kernel[grid](
         x2d,
         x2d.stride(0),
@@ -288,14 +300,14 @@ def launch_mxfp8_quantize(
         col_scale,
         col_scale.shape[0] if columnwise else 0,
         col_scale.shape[1] if columnwise else 0,
-        BLOCK_COLS=block_cols,
+        BLOCKS_PER_PROGRAM=blocks,
         FP8_MAX=FP8_MAX[fp8_dtype],
         MAX_RCP=FP8_MAX_RCP[fp8_dtype],
         OUT_DTYPE=TRITON_FP8[fp8_dtype],
         ROWWISE=rowwise,
         COLWISE=columnwise,
         SWIZZLED=scale_layout == "swizzled",
-        num_warps=4,
+        num_warps=num_warps,
     )
     return outputs
 
@@ -308,7 +320,7 @@ def launch_mxfp8_dequantize(
     rows, cols = flat_2d_dims(data.shape)
     if rows == 0 or cols == 0:
         return out
-    block_cols = quantize_block_cols(cols)
+    block_cols = 32 * blocks_per_program(cols)
     grid = (triton.cdiv(rows, TILE_ROWS), triton.cdiv(cols, block_cols))
     mxfp8_dequantize_kernel[grid](
         data.contiguous().view(FP8_DTYPES[fp8_dtype]),

@@ -176,12 +176,6 @@ def launch_softmax_bwd(out: torch.Tensor, grad: torch.Tensor, log: bool) -> torc
         return dx
     block = row_block(n_cols)
     softmax_bwd_kernel[(rows,)](
-        out.contiguous(),
-        grad.contiguous(),
-        dx,
-        n_cols,
-        BLOCK=block,
-        LOG=log,
-        num_warps=_num_warps(block),
+        out.contiguous(), grad.contiguous(), dx, n_cols, BLOCK=block, LOG=log, num_warps=_num_warps(block)
     )
     return dx

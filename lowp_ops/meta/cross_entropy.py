@@ -16,10 +16,7 @@ def check_logits_target(logits: torch.Tensor, target: torch.Tensor) -> None:
         logits.dtype in HIGH_PRECISION_DTYPES,
         lambda: f"logits must be float32, bfloat16 or float16, got {logits.dtype}",
     )
-    torch._check(
-        target.dtype in TARGET_DTYPES,
-        lambda: f"target must be int64 or int32, got {target.dtype}",
-    )
+    torch._check(target.dtype in TARGET_DTYPES, lambda: f"target must be int64 or int32, got {target.dtype}")
     torch._check(logits.dim() >= 1, lambda: "logits must have at least one dimension (the vocabulary)")
     torch._check(
         target.shape == logits.shape[:-1],
@@ -32,8 +29,7 @@ def check_logits_target(logits: torch.Tensor, target: torch.Tensor) -> None:
 
 def check_label_smoothing(label_smoothing: float) -> None:
     torch._check(
-        0.0 <= label_smoothing <= 1.0,
-        lambda: f"label_smoothing must be in [0, 1], got {label_smoothing}",
+        0.0 <= label_smoothing <= 1.0, lambda: f"label_smoothing must be in [0, 1], got {label_smoothing}"
     )
 
 

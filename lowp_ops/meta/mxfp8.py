@@ -45,8 +45,7 @@ def col_scale_shape(rows, cols) -> tuple[int, int]:
 
 def check_fp8_dtype(fp8_dtype: str) -> None:
     torch._check(
-        fp8_dtype in FP8_DTYPES,
-        lambda: f"fp8_dtype must be one of {sorted(FP8_DTYPES)}, got {fp8_dtype!r}",
+        fp8_dtype in FP8_DTYPES, lambda: f"fp8_dtype must be one of {sorted(FP8_DTYPES)}, got {fp8_dtype!r}"
     )
 
 
@@ -61,8 +60,7 @@ def check_quantize_args(
     x: torch.Tensor, fp8_dtype: str, rowwise: bool, columnwise: bool, scale_layout: str
 ) -> None:
     torch._check(
-        x.dtype in HIGH_PRECISION_DTYPES,
-        lambda: f"x must be float32, bfloat16 or float16, got {x.dtype}",
+        x.dtype in HIGH_PRECISION_DTYPES, lambda: f"x must be float32, bfloat16 or float16, got {x.dtype}"
     )
     torch._check(x.dim() >= 1, lambda: "x must have at least one dimension, got a 0-d tensor")
     check_fp8_dtype(fp8_dtype)
@@ -106,8 +104,7 @@ def check_dequantize_args(
     torch._check(use in MXFP8_USES, lambda: f"use must be one of {list(MXFP8_USES)}, got {use!r}")
     check_scale_layout(scale_layout)
     torch._check(
-        dtype in HIGH_PRECISION_DTYPES,
-        lambda: f"dtype must be float32, bfloat16 or float16, got {dtype}",
+        dtype in HIGH_PRECISION_DTYPES, lambda: f"dtype must be float32, bfloat16 or float16, got {dtype}"
     )
     rows, cols = flat_2d_dims(data.shape)
     expected = row_scale_shape(rows, cols) if use == "rowwise" else col_scale_shape(rows, cols)
