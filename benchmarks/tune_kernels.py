@@ -30,7 +30,7 @@ def main() -> None:
         f"blocks={b} warps={w}": (
             lambda b=b, w=w: launch_mxfp8_quantize(x, "e4m3", True, True, "compact", b, w)
         )
-        for b, w in [(1, 1), (2, 1), (4, 1), (2, 2), (4, 2), (8, 2), (4, 4), (8, 4), (16, 4)]
+        for b, w in [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 2), (8, 4), (8, 8), (16, 8)]
     }
     sweep("mxfp8 row+col", 4.0625, x.numel(), copy_tbs, quantize, results)
 
@@ -39,7 +39,7 @@ def main() -> None:
     target = torch.randint(0, vocab, (n_rows,), device="cuda")
     forward = {
         f"block={b} warps={w}": (lambda b=b, w=w: launch_cross_entropy_fwd(logits, target, 0.0, -100, b, w))
-        for b, w in [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]
+        for b, w in [(4096, 2), (4096, 4), (8192, 4), (8192, 8)]
     }
     sweep("ce fwd", 2, logits.numel(), copy_tbs, forward, results)
     _, lse = launch_cross_entropy_fwd(logits, target, 0.0, -100)
@@ -50,7 +50,7 @@ def main() -> None:
                 logits, target, lse, grad_rows, 0.0, -100, "e4m3", True, True, "compact", b, w
             )
         )
-        for b, w in [(1, 1), (2, 1), (4, 1), (2, 2), (4, 2), (8, 2), (4, 4), (8, 4)]
+        for b, w in [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 2), (8, 4), (8, 8)]
     }
     sweep("ce bwd mxfp8", 4.0625, logits.numel(), copy_tbs, backward, results)
     write_json("tune_kernels.json", {"env": environment(), "copy_TBps": copy_tbs, "results": results})

@@ -19,7 +19,13 @@ from ..meta.cross_entropy import (
     cross_entropy_bwd_output,
     cross_entropy_fwd_outputs,
 )
-from .mxfp8 import TRITON_FP8, blocks_per_program, quantize_block_columnwise, quantize_block_rowwise
+from .mxfp8 import (
+    TRITON_FP8,
+    blocks_per_program,
+    quantize_strip_columnwise,
+    quantize_strip_rowwise,
+    strip_offsets,
+)
 from .softmax import finish_logsumexp, online_softmax_update
 
 FWD_BLOCK = 4096
@@ -67,53 +73,26 @@ def cross_entropy_fwd_kernel(
 
 
 @triton.jit
-def cross_entropy_grad(
-    x, cols_idx, lse, target, grad_rows, n_cols, ignore_index, smoothing_eps, target_weight
-):
-    """fp32 dlogits of a tile: ``(exp(x - lse) - eps - (1 - ls)[i == y]) * grad_row``, 0 on ignored rows,
-    NaN on rows whose target is out of range. ``x`` [R, C]; lse, target, grad_rows [R]."""
-    grad = tl.exp(x - lse[:, None]) - smoothing_eps
-    grad = tl.where(cols_idx[None, :] == target[:, None], grad - target_weight, grad)
-    grad = grad * grad_rows[:, None]
-    in_range = (target >= 0) & (target < n_cols)
-    grad = tl.where(in_range[:, None], grad, float("nan"))
-    return tl.where((target != ignore_index)[:, None], grad, 0.0)
+def cross_entropy_grad(x, cols, lse, target, grad_rows, n_cols, ignore_index, smoothing_eps, target_weight):
+    """fp32 dlogits, element-wise: ``(exp(x - lse) - eps - (1 - ls)[col == y]) * grad_row``; 0 on ignored
+    rows, NaN on rows whose target is out of range. Row values (lse, target, grad_rows) come broadcast
+    to x's rank, so 2-D tiles and 3-D strips share this exact op sequence."""
+    grad = tl.exp(x - lse) - smoothing_eps
+    grad = tl.where(cols == target, grad - target_weight, grad)
+    grad = grad * grad_rows
+    grad = tl.where((target >= 0) & (target < n_cols), grad, float("nan"))
+    return tl.where(target != ignore_index, grad, 0.0)
 
 
 @triton.jit
 def load_row_stats(target_ptr, lse_ptr, grad_ptr, grad_stride, rows, ignore_index):
-    """This program's 32 rows: (rows_idx, row_ok, lse, target, dloss per row)."""
+    """This program's 32 rows: (rows_idx, lse, target, dloss per row)."""
     rows_idx = tl.program_id(0) * 32 + tl.arange(0, 32)
     row_ok = rows_idx < rows
     lse = tl.load(lse_ptr + rows_idx, mask=row_ok, other=0.0)
     target = tl.load(target_ptr + rows_idx, mask=row_ok, other=ignore_index).to(tl.int64)
     grad_rows = tl.load(grad_ptr + rows_idx.to(tl.int64) * grad_stride, mask=row_ok, other=0.0)
-    return rows_idx, row_ok, lse, target, grad_rows
-
-
-@triton.jit
-def grad_block(
-    logits_ptr,
-    stride_row,
-    rows_idx,
-    row_ok,
-    cols_idx,
-    n_cols,
-    lse,
-    target,
-    grad_rows,
-    ignore_index,
-    smoothing_eps,
-    target_weight,
-):
-    """(in_bounds, fp32 gradient) of the logits block at rows_idx x cols_idx."""
-    in_bounds = row_ok[:, None] & (cols_idx[None, :] < n_cols)
-    offsets = rows_idx[:, None].to(tl.int64) * stride_row + cols_idx[None, :]
-    x = tl.load(logits_ptr + offsets, mask=in_bounds, other=0.0).to(tl.float32)
-    grad = cross_entropy_grad(
-        x, cols_idx, lse, target, grad_rows, n_cols, ignore_index, smoothing_eps, target_weight
-    )
-    return in_bounds, grad
+    return rows_idx, lse, target, grad_rows
 
 
 @triton.jit
@@ -132,25 +111,26 @@ def cross_entropy_bwd_kernel(
     target_weight,
     BLOCK_COLS: tl.constexpr,
 ):
-    rows_idx, row_ok, lse, target, grad_rows = load_row_stats(
+    rows_idx, lse, target, grad_rows = load_row_stats(
         target_ptr, lse_ptr, grad_ptr, grad_stride, rows, ignore_index
     )
-    cols_idx = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    in_bounds, grad = grad_block(
-        logits_ptr,
-        stride_row,
-        rows_idx,
-        row_ok,
-        cols_idx,
+    cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    in_bounds = (rows_idx[:, None] < rows) & (cols[None, :] < n_cols)
+    x = tl.load(
+        logits_ptr + rows_idx[:, None].to(tl.int64) * stride_row + cols[None, :], mask=in_bounds, other=0.0
+    ).to(tl.float32)
+    grad = cross_entropy_grad(
+        x,
+        cols[None, :],
+        lse[:, None],
+        target[:, None],
+        grad_rows[:, None],
         n_cols,
-        lse,
-        target,
-        grad_rows,
         ignore_index,
         smoothing_eps,
         target_weight,
     )
-    offsets = rows_idx[:, None].to(tl.int64) * n_cols + cols_idx[None, :]
+    offsets = rows_idx[:, None].to(tl.int64) * n_cols + cols[None, :]
     tl.store(dlogits_ptr + offsets, grad.to(dlogits_ptr.dtype.element_ty), mask=in_bounds)
 
 
@@ -182,61 +162,61 @@ def cross_entropy_bwd_mxfp8_kernel(
     COLWISE: tl.constexpr,
     SWIZZLED: tl.constexpr,
 ):
-    rows_idx, row_ok, lse, target, grad_rows = load_row_stats(
+    rows_idx, lse, target, grad_rows = load_row_stats(
         target_ptr, lse_ptr, grad_ptr, grad_stride, rows, ignore_index
     )
-    for k in tl.static_range(BLOCKS_PER_PROGRAM):
-        col_block = tl.program_id(1) * BLOCKS_PER_PROGRAM + k
-        cols_idx = col_block * 32 + tl.arange(0, 32)
-        in_bounds, grad = grad_block(
-            logits_ptr,
-            stride_row,
+    block_idx = tl.program_id(1) * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)
+    lanes = tl.arange(0, 32)
+    row3, col3 = strip_offsets(rows_idx, block_idx, lanes)
+    in_bounds = (row3 < rows) & (col3 < n_cols)
+    x = tl.load(logits_ptr + row3.to(tl.int64) * stride_row + col3, mask=in_bounds, other=0.0).to(tl.float32)
+    grad = cross_entropy_grad(
+        x,
+        col3,
+        lse[:, None, None],
+        target[:, None, None],
+        grad_rows[:, None, None],
+        n_cols,
+        ignore_index,
+        smoothing_eps,
+        target_weight,
+    )
+    # Quantize exactly what the bf16 kernel stores: the gradient rounded to the logits' dtype.
+    grad = tl.where(in_bounds, grad.to(logits_ptr.dtype.element_ty).to(tl.float32), 0.0)
+    if ROWWISE:
+        quantize_strip_rowwise(
+            grad,
             rows_idx,
-            row_ok,
-            cols_idx,
+            block_idx,
+            lanes,
+            rows,
             n_cols,
-            lse,
-            target,
-            grad_rows,
-            ignore_index,
-            smoothing_eps,
-            target_weight,
+            row_data_ptr,
+            row_scale_ptr,
+            row_scale_cols,
+            FP8_MAX,
+            MAX_RCP,
+            OUT_DTYPE,
+            SWIZZLED,
         )
-        # Quantize exactly what the bf16 kernel stores: the gradient rounded to the logits' dtype.
-        grad = tl.where(in_bounds, grad.to(logits_ptr.dtype.element_ty).to(tl.float32), 0.0)
-        if ROWWISE:
-            quantize_block_rowwise(
-                grad,
-                rows_idx,
-                cols_idx,
-                rows,
-                n_cols,
-                col_block,
-                row_data_ptr,
-                row_scale_ptr,
-                row_scale_cols,
-                FP8_MAX,
-                MAX_RCP,
-                OUT_DTYPE,
-                SWIZZLED,
-            )
-        if COLWISE:
-            quantize_block_columnwise(
-                grad,
-                rows_idx,
-                cols_idx,
-                rows,
-                n_cols,
-                tl.program_id(0),
-                col_data_ptr,
-                col_scale_ptr,
-                col_scale_rows,
-                col_scale_cols,
-                FP8_MAX,
-                MAX_RCP,
-                OUT_DTYPE,
-                SWIZZLED,
-            )
+    if COLWISE:
+        quantize_strip_columnwise(
+            grad,
+            rows_idx,
+            block_idx,
+            lanes,
+            rows,
+            n_cols,
+            tl.program_id(0),
+            col_data_ptr,
+            col_scale_ptr,
+            col_scale_rows,
+            col_scale_cols,
+            FP8_MAX,
+            MAX_RCP,
+            OUT_DTYPE,
+            SWIZZLED,
+        )
 
 
 def _rows_with_unit_stride(x: torch.Tensor) -> torch.Tensor:
@@ -262,7 +242,7 @@ def launch_cross_entropy_fwd(
         return loss, lse
     logits = _rows_with_unit_stride(logits)
     block = block or min(FWD_BLOCK, triton.next_power_of_2(n_cols))
-    num_warps = num_warps or (8 if block >= 2048 else 4)
+    num_warps = num_warps or 4
     cross_entropy_fwd_kernel[(rows,)](
         logits,
         logits.stride(0),

@@ -1,8 +1,9 @@
 """Triton MXFP8 quantize / dequantize (TE's bit algorithm, te_cross_entropy_mxfp8.md B.5-B.6).
 
-One program owns a 32-row strip walked in 32x32 blocks: it reads each block once and writes the
-row-wise copy (1x32 blocks) and the column-wise copy (32x1 blocks) with their E8M0 scales. The block
-helpers are shared with the cross-entropy backward, which quantizes its gradient in registers.
+One program owns a strip of 32 rows x NB 32-column blocks, read once as a 3-D [32, NB, 32] tile: it
+writes the row-wise copy (1x32 blocks: reduce axis 2) and the column-wise copy (32x1 blocks: reduce
+axis 0) with their E8M0 scales. The strip helpers are shared with the cross-entropy backward, which
+quantizes its gradient in registers.
 """
 
 from __future__ import annotations
@@ -97,13 +98,19 @@ def swizzled_scale_offset(i, j, n_tiles_x):
 
 
 @triton.jit
-def quantize_block_rowwise(
+def strip_offsets(rows_idx, block_idx, lanes):
+    """3-D (row, 32-column block, lane) index tensors of a strip: rows [R,1,1], columns [1,NB,32]."""
+    return rows_idx[:, None, None], block_idx[None, :, None] * 32 + lanes[None, None, :]
+
+
+@triton.jit
+def quantize_strip_rowwise(
     x,
     rows_idx,
-    cols_idx,
+    block_idx,
+    lanes,
     rows,
     cols,
-    col_block,
     data_ptr,
     scale_ptr,
     scale_cols,
@@ -112,25 +119,28 @@ def quantize_block_rowwise(
     OUT_DTYPE: tl.constexpr,
     SWIZZLED: tl.constexpr,
 ):
-    """Quantize a 32x32 fp32 block ``x`` (out-of-bounds lanes hold 0) as 32 row-wise 1x32 blocks: data
-    at ``data_ptr[row * cols + col]``, E8M0 codes at scale (row, ``col_block``)."""
-    code = e8m0_from_amax(block_amax(x, 1), MAX_RCP)
-    data = cast_satfinite(x * quantize_multiplier(code)[:, None], FP8_MAX, OUT_DTYPE)
-    in_bounds = (rows_idx[:, None] < rows) & (cols_idx[None, :] < cols)
-    tl.store(data_ptr + rows_idx[:, None].to(tl.int64) * cols + cols_idx[None, :], data, mask=in_bounds)
+    """Quantize an fp32 strip ``x`` [32 rows, NB blocks, 32 lanes] (out-of-bounds lanes hold 0) in 1x32
+    blocks: data at ``data_ptr[row * cols + col]``, E8M0 codes at row-wise scale (row, block)."""
+    code = e8m0_from_amax(block_amax(x, 2), MAX_RCP)
+    data = cast_satfinite(x * quantize_multiplier(code)[:, :, None], FP8_MAX, OUT_DTYPE)
+    row3, col3 = strip_offsets(rows_idx, block_idx, lanes)
+    tl.store(data_ptr + row3.to(tl.int64) * cols + col3, data, mask=(row3 < rows) & (col3 < cols))
+    scale_row = rows_idx[:, None]
+    scale_col = block_idx[None, :]
     if SWIZZLED:
-        offset = swizzled_scale_offset(rows_idx, col_block, scale_cols // 4)
+        offset = swizzled_scale_offset(scale_row, scale_col, scale_cols // 4)
     else:
-        offset = rows_idx * scale_cols + col_block
+        offset = scale_row * scale_cols + scale_col
     # A block wholly past `cols` (the last program's tail) has code 0, which is the padding value.
-    tl.store(scale_ptr + offset, code.to(tl.uint8), mask=rows_idx < rows)
+    tl.store(scale_ptr + offset, code.to(tl.uint8), mask=(scale_row < rows) & (scale_col < scale_cols))
 
 
 @triton.jit
-def quantize_block_columnwise(
+def quantize_strip_columnwise(
     x,
     rows_idx,
-    cols_idx,
+    block_idx,
+    lanes,
     rows,
     cols,
     row_block,
@@ -143,18 +153,19 @@ def quantize_block_columnwise(
     OUT_DTYPE: tl.constexpr,
     SWIZZLED: tl.constexpr,
 ):
-    """Quantize a 32x32 fp32 block ``x`` as 32 column-wise 32x1 blocks: data (not transposed) at
-    ``data_ptr[row * cols + col]``, E8M0 codes at scale (``row_block``, col)."""
+    """Quantize an fp32 strip ``x`` [32 rows, NB, 32] in 32x1 blocks (the strip is one block high): data
+    (not transposed) at ``data_ptr[row * cols + col]``, E8M0 codes at column-wise scale (row_block, col)."""
     code = e8m0_from_amax(block_amax(x, 0), MAX_RCP)
-    data = cast_satfinite(x * quantize_multiplier(code)[None, :], FP8_MAX, OUT_DTYPE)
-    in_bounds = (rows_idx[:, None] < rows) & (cols_idx[None, :] < cols)
-    tl.store(data_ptr + rows_idx[:, None].to(tl.int64) * cols + cols_idx[None, :], data, mask=in_bounds)
+    data = cast_satfinite(x * quantize_multiplier(code)[None, :, :], FP8_MAX, OUT_DTYPE)
+    row3, col3 = strip_offsets(rows_idx, block_idx, lanes)
+    tl.store(data_ptr + row3.to(tl.int64) * cols + col3, data, mask=(row3 < rows) & (col3 < cols))
+    scale_col = block_idx[:, None] * 32 + lanes[None, :]
     if SWIZZLED:
         # Column-wise scales are swizzled as their transpose: i = column, j = 32-row block.
-        offset = swizzled_scale_offset(cols_idx, row_block, scale_rows // 4)
+        offset = swizzled_scale_offset(scale_col, row_block, scale_rows // 4)
     else:
-        offset = row_block * scale_cols + cols_idx
-    tl.store(scale_ptr + offset, code.to(tl.uint8), mask=cols_idx < cols)
+        offset = row_block * scale_cols + scale_col
+    tl.store(scale_ptr + offset, code.to(tl.uint8), mask=scale_col < cols)
 
 
 @triton.jit
@@ -179,51 +190,51 @@ def mxfp8_quantize_kernel(
     COLWISE: tl.constexpr,
     SWIZZLED: tl.constexpr,
 ):
-    """One program: 32 rows x (32 * BLOCKS_PER_PROGRAM) columns, walked in 32x32 blocks. A 32x32 block
-    holds whole row-wise and whole column-wise blocks, so both copies come from one read with 2-D
-    reductions only."""
+    """One program: a strip of 32 rows x BLOCKS_PER_PROGRAM 32-column blocks, loaded at once as a 3-D
+    tile, so that row-wise (axis 2) and column-wise (axis 0) blocks are plain reductions and both
+    copies come from one read."""
     row_block = tl.program_id(0)
     rows_idx = row_block * 32 + tl.arange(0, 32)
-    for k in tl.static_range(BLOCKS_PER_PROGRAM):
-        col_block = tl.program_id(1) * BLOCKS_PER_PROGRAM + k
-        cols_idx = col_block * 32 + tl.arange(0, 32)
-        in_bounds = (rows_idx[:, None] < rows) & (cols_idx[None, :] < cols)
-        offsets = rows_idx[:, None].to(tl.int64) * stride_row + cols_idx[None, :].to(tl.int64) * stride_col
-        # Upcast right after the load (bf16 math is wrong in the Triton interpreter); padding lanes are 0.
-        x = tl.load(x_ptr + offsets, mask=in_bounds, other=0.0).to(tl.float32)
-        if ROWWISE:
-            quantize_block_rowwise(
-                x,
-                rows_idx,
-                cols_idx,
-                rows,
-                cols,
-                col_block,
-                row_data_ptr,
-                row_scale_ptr,
-                row_scale_cols,
-                FP8_MAX,
-                MAX_RCP,
-                OUT_DTYPE,
-                SWIZZLED,
-            )
-        if COLWISE:
-            quantize_block_columnwise(
-                x,
-                rows_idx,
-                cols_idx,
-                rows,
-                cols,
-                row_block,
-                col_data_ptr,
-                col_scale_ptr,
-                col_scale_rows,
-                col_scale_cols,
-                FP8_MAX,
-                MAX_RCP,
-                OUT_DTYPE,
-                SWIZZLED,
-            )
+    block_idx = tl.program_id(1) * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)
+    lanes = tl.arange(0, 32)
+    row3, col3 = strip_offsets(rows_idx, block_idx, lanes)
+    offsets = row3.to(tl.int64) * stride_row + col3.to(tl.int64) * stride_col
+    # Upcast right after the load (bf16 math is wrong in the Triton interpreter); padding lanes are 0.
+    x = tl.load(x_ptr + offsets, mask=(row3 < rows) & (col3 < cols), other=0.0).to(tl.float32)
+    if ROWWISE:
+        quantize_strip_rowwise(
+            x,
+            rows_idx,
+            block_idx,
+            lanes,
+            rows,
+            cols,
+            row_data_ptr,
+            row_scale_ptr,
+            row_scale_cols,
+            FP8_MAX,
+            MAX_RCP,
+            OUT_DTYPE,
+            SWIZZLED,
+        )
+    if COLWISE:
+        quantize_strip_columnwise(
+            x,
+            rows_idx,
+            block_idx,
+            lanes,
+            rows,
+            cols,
+            row_block,
+            col_data_ptr,
+            col_scale_ptr,
+            col_scale_rows,
+            col_scale_cols,
+            FP8_MAX,
+            MAX_RCP,
+            OUT_DTYPE,
+            SWIZZLED,
+        )
 
 
 @triton.jit
@@ -264,8 +275,8 @@ TRITON_FP8 = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
 
 
 def blocks_per_program(cols: int) -> int:
-    """32x32 blocks walked by one program: 4 (a 32x128 strip), fewer for thin inputs."""
-    return max(1, min(4, triton.cdiv(cols, 32)))
+    """32-column blocks per program: 4 (a 32x128 strip), fewer (a power of two) for thin inputs."""
+    return min(4, triton.next_power_of_2(triton.cdiv(cols, 32)))
 
 
 def launch_mxfp8_quantize(
