@@ -27,7 +27,7 @@ def main() -> None:
     results: list = []
     x = torch.randn(16384, 16384, device="cuda", dtype=torch.bfloat16)
     quantize = {
-        f"blocks={b} warps={w}": (
+        f"cols={b} warps={w}": (
             lambda b=b, w=w: launch_mxfp8_quantize(x, "e4m3", True, True, "compact", b, w)
         )
         for b, w in [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 2), (8, 4), (8, 8), (16, 8)]
@@ -39,18 +39,18 @@ def main() -> None:
     target = torch.randint(0, vocab, (n_rows,), device="cuda")
     forward = {
         f"block={b} warps={w}": (lambda b=b, w=w: launch_cross_entropy_fwd(logits, target, 0.0, -100, b, w))
-        for b, w in [(4096, 2), (4096, 4), (8192, 4), (8192, 8)]
+        for b, w in [(2048, 2), (4096, 2), (4096, 4), (8192, 4), (8192, 8)]
     }
     sweep("ce fwd", 2, logits.numel(), copy_tbs, forward, results)
     _, lse = launch_cross_entropy_fwd(logits, target, 0.0, -100)
     grad_rows = torch.full((n_rows,), 1.0 / n_rows, device="cuda")
     backward = {
-        f"blocks={b} warps={w}": (
+        f"cols={b} warps={w}": (
             lambda b=b, w=w: launch_cross_entropy_bwd_mxfp8(
                 logits, target, lse, grad_rows, 0.0, -100, "e4m3", True, True, "compact", b, w
             )
         )
-        for b, w in [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 2), (8, 4), (8, 8)]
+        for b, w in [(32, 1), (64, 1), (128, 1), (64, 2), (128, 2), (256, 2), (128, 4), (256, 4)]
     }
     sweep("ce bwd mxfp8", 4.0625, logits.numel(), copy_tbs, backward, results)
     write_json("tune_kernels.json", {"env": environment(), "copy_TBps": copy_tbs, "results": results})

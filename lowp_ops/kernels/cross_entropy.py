@@ -19,13 +19,7 @@ from ..meta.cross_entropy import (
     cross_entropy_bwd_output,
     cross_entropy_fwd_outputs,
 )
-from .mxfp8 import (
-    TRITON_FP8,
-    blocks_per_program,
-    quantize_strip_columnwise,
-    quantize_strip_rowwise,
-    strip_offsets,
-)
+from .mxfp8 import TRITON_FP8, quantize_tile_columnwise, quantize_tile_rowwise, tile_cols
 from .softmax import finish_logsumexp, online_softmax_update
 
 FWD_BLOCK = 4096
@@ -154,7 +148,7 @@ def cross_entropy_bwd_mxfp8_kernel(
     col_scale_ptr,
     col_scale_rows,
     col_scale_cols,
-    BLOCKS_PER_PROGRAM: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
     FP8_MAX: tl.constexpr,
     MAX_RCP: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
@@ -165,17 +159,18 @@ def cross_entropy_bwd_mxfp8_kernel(
     rows_idx, lse, target, grad_rows = load_row_stats(
         target_ptr, lse_ptr, grad_ptr, grad_stride, rows, ignore_index
     )
-    block_idx = tl.program_id(1) * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)
-    lanes = tl.arange(0, 32)
-    row3, col3 = strip_offsets(rows_idx, block_idx, lanes)
-    in_bounds = (row3 < rows) & (col3 < n_cols)
-    x = tl.load(logits_ptr + row3.to(tl.int64) * stride_row + col3, mask=in_bounds, other=0.0).to(tl.float32)
+    tile_col0 = tl.program_id(1) * BLOCK_COLS
+    cols = tile_col0 + tl.arange(0, BLOCK_COLS)
+    in_bounds = (rows_idx[:, None] < rows) & (cols[None, :] < n_cols)
+    x = tl.load(
+        logits_ptr + rows_idx[:, None].to(tl.int64) * stride_row + cols[None, :], mask=in_bounds, other=0.0
+    ).to(tl.float32)
     grad = cross_entropy_grad(
         x,
-        col3,
-        lse[:, None, None],
-        target[:, None, None],
-        grad_rows[:, None, None],
+        cols[None, :],
+        lse[:, None],
+        target[:, None],
+        grad_rows[:, None],
         n_cols,
         ignore_index,
         smoothing_eps,
@@ -184,27 +179,27 @@ def cross_entropy_bwd_mxfp8_kernel(
     # Quantize exactly what the bf16 kernel stores: the gradient rounded to the logits' dtype.
     grad = tl.where(in_bounds, grad.to(logits_ptr.dtype.element_ty).to(tl.float32), 0.0)
     if ROWWISE:
-        quantize_strip_rowwise(
+        quantize_tile_rowwise(
             grad,
             rows_idx,
-            block_idx,
-            lanes,
+            cols,
             rows,
             n_cols,
+            tile_col0,
             row_data_ptr,
             row_scale_ptr,
             row_scale_cols,
+            BLOCK_COLS,
             FP8_MAX,
             MAX_RCP,
             OUT_DTYPE,
             SWIZZLED,
         )
     if COLWISE:
-        quantize_strip_columnwise(
+        quantize_tile_columnwise(
             grad,
             rows_idx,
-            block_idx,
-            lanes,
+            cols,
             rows,
             n_cols,
             tl.program_id(0),
@@ -307,8 +302,8 @@ def launch_cross_entropy_bwd_mxfp8(
     rowwise: bool,
     columnwise: bool,
     scale_layout: str,
-    blocks: int | None = None,
-    num_warps: int = 4,
+    block_cols: int | None = None,
+    num_warps: int = 1,
 ):
     outputs = cross_entropy_bwd_mxfp8_outputs(
         logits,
@@ -329,8 +324,8 @@ def launch_cross_entropy_bwd_mxfp8(
     logits = _rows_with_unit_stride(logits)
     eps, target_weight = _bwd_scalars(label_smoothing, n_cols)
     data_dtype = FP8_DTYPES[fp8_dtype]
-    blocks = blocks or blocks_per_program(n_cols)
-    cross_entropy_bwd_mxfp8_kernel[_bwd_grid(rows, n_cols, 32 * blocks)](
+    block_cols = block_cols or tile_cols(n_cols)
+    cross_entropy_bwd_mxfp8_kernel[_bwd_grid(rows, n_cols, block_cols)](
         logits,
         logits.stride(0),
         target.contiguous(),
@@ -349,7 +344,7 @@ def launch_cross_entropy_bwd_mxfp8(
         col_scale,
         col_scale.shape[0] if columnwise else 0,
         col_scale.shape[1] if columnwise else 0,
-        BLOCKS_PER_PROGRAM=blocks,
+        BLOCK_COLS=block_cols,
         FP8_MAX=FP8_MAX[fp8_dtype],
         MAX_RCP=FP8_MAX_RCP[fp8_dtype],
         OUT_DTYPE=TRITON_FP8[fp8_dtype],

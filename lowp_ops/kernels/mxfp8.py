@@ -1,9 +1,9 @@
 """Triton MXFP8 quantize / dequantize (TE's bit algorithm, te_cross_entropy_mxfp8.md B.5-B.6).
 
-One program owns a strip of 32 rows x NB 32-column blocks, read once as a 3-D [32, NB, 32] tile: it
-writes the row-wise copy (1x32 blocks: reduce axis 2) and the column-wise copy (32x1 blocks: reduce
-axis 0) with their E8M0 scales. The strip helpers are shared with the cross-entropy backward, which
-quantizes its gradient in registers.
+One program owns a 32-row x BLOCK_COLS tile, read once: it writes the row-wise copy (1x32 blocks, via
+a [32, BLOCK_COLS/32, 32] view) and the column-wise copy (32x1 blocks, a reduction over the tile's
+rows) with their E8M0 scales. The tile helpers are shared with the cross-entropy backward, which
+quantizes its gradient in registers. One warp per tile keeps each 32-row reduction inside the warp.
 """
 
 from __future__ import annotations
@@ -98,49 +98,48 @@ def swizzled_scale_offset(i, j, n_tiles_x):
 
 
 @triton.jit
-def strip_offsets(rows_idx, block_idx, lanes):
-    """3-D (row, 32-column block, lane) index tensors of a strip: rows [R,1,1], columns [1,NB,32]."""
-    return rows_idx[:, None, None], block_idx[None, :, None] * 32 + lanes[None, None, :]
-
-
-@triton.jit
-def quantize_strip_rowwise(
+def quantize_tile_rowwise(
     x,
     rows_idx,
-    block_idx,
-    lanes,
+    cols_idx,
     rows,
     cols,
+    tile_col0,
     data_ptr,
     scale_ptr,
     scale_cols,
+    BLOCK_COLS: tl.constexpr,
     FP8_MAX: tl.constexpr,
     MAX_RCP: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     SWIZZLED: tl.constexpr,
 ):
-    """Quantize an fp32 strip ``x`` [32 rows, NB blocks, 32 lanes] (out-of-bounds lanes hold 0) in 1x32
-    blocks: data at ``data_ptr[row * cols + col]``, E8M0 codes at row-wise scale (row, block)."""
-    code = e8m0_from_amax(block_amax(x, 2), MAX_RCP)
-    data = cast_satfinite(x * quantize_multiplier(code)[:, :, None], FP8_MAX, OUT_DTYPE)
-    row3, col3 = strip_offsets(rows_idx, block_idx, lanes)
-    tl.store(data_ptr + row3.to(tl.int64) * cols + col3, data, mask=(row3 < rows) & (col3 < cols))
+    """Quantize an fp32 tile ``x`` [32, BLOCK_COLS] (out-of-bounds lanes hold 0; BLOCK_COLS a multiple
+    of 32 starting on a block boundary) in 1x32 blocks: data at ``data_ptr[row * cols + col]``, E8M0
+    codes at row-wise scale (row, col // 32)."""
+    N_BLOCKS: tl.constexpr = BLOCK_COLS // 32
+    blocks = tl.reshape(x, [32, N_BLOCKS, 32])
+    code = e8m0_from_amax(block_amax(blocks, 2), MAX_RCP)
+    data = tl.reshape(
+        cast_satfinite(blocks * quantize_multiplier(code)[:, :, None], FP8_MAX, OUT_DTYPE), [32, BLOCK_COLS]
+    )
+    in_bounds = (rows_idx[:, None] < rows) & (cols_idx[None, :] < cols)
+    tl.store(data_ptr + rows_idx[:, None].to(tl.int64) * cols + cols_idx[None, :], data, mask=in_bounds)
     scale_row = rows_idx[:, None]
-    scale_col = block_idx[None, :]
+    scale_col = tile_col0 // 32 + tl.arange(0, N_BLOCKS)[None, :]
     if SWIZZLED:
         offset = swizzled_scale_offset(scale_row, scale_col, scale_cols // 4)
     else:
         offset = scale_row * scale_cols + scale_col
-    # A block wholly past `cols` (the last program's tail) has code 0, which is the padding value.
+    # A block wholly past `cols` (the last tile's tail) has code 0, which is the padding value.
     tl.store(scale_ptr + offset, code.to(tl.uint8), mask=(scale_row < rows) & (scale_col < scale_cols))
 
 
 @triton.jit
-def quantize_strip_columnwise(
+def quantize_tile_columnwise(
     x,
     rows_idx,
-    block_idx,
-    lanes,
+    cols_idx,
     rows,
     cols,
     row_block,
@@ -153,19 +152,18 @@ def quantize_strip_columnwise(
     OUT_DTYPE: tl.constexpr,
     SWIZZLED: tl.constexpr,
 ):
-    """Quantize an fp32 strip ``x`` [32 rows, NB, 32] in 32x1 blocks (the strip is one block high): data
+    """Quantize an fp32 tile ``x`` [32, BLOCK_COLS] in 32x1 blocks (the tile is one block high): data
     (not transposed) at ``data_ptr[row * cols + col]``, E8M0 codes at column-wise scale (row_block, col)."""
     code = e8m0_from_amax(block_amax(x, 0), MAX_RCP)
-    data = cast_satfinite(x * quantize_multiplier(code)[None, :, :], FP8_MAX, OUT_DTYPE)
-    row3, col3 = strip_offsets(rows_idx, block_idx, lanes)
-    tl.store(data_ptr + row3.to(tl.int64) * cols + col3, data, mask=(row3 < rows) & (col3 < cols))
-    scale_col = block_idx[:, None] * 32 + lanes[None, :]
+    data = cast_satfinite(x * quantize_multiplier(code)[None, :], FP8_MAX, OUT_DTYPE)
+    in_bounds = (rows_idx[:, None] < rows) & (cols_idx[None, :] < cols)
+    tl.store(data_ptr + rows_idx[:, None].to(tl.int64) * cols + cols_idx[None, :], data, mask=in_bounds)
     if SWIZZLED:
         # Column-wise scales are swizzled as their transpose: i = column, j = 32-row block.
-        offset = swizzled_scale_offset(scale_col, row_block, scale_rows // 4)
+        offset = swizzled_scale_offset(cols_idx, row_block, scale_rows // 4)
     else:
-        offset = row_block * scale_cols + scale_col
-    tl.store(scale_ptr + offset, code.to(tl.uint8), mask=scale_col < cols)
+        offset = row_block * scale_cols + cols_idx
+    tl.store(scale_ptr + offset, code.to(tl.uint8), mask=cols_idx < cols)
 
 
 @triton.jit
@@ -182,7 +180,7 @@ def mxfp8_quantize_kernel(
     col_scale_ptr,
     col_scale_rows,
     col_scale_cols,
-    BLOCKS_PER_PROGRAM: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
     FP8_MAX: tl.constexpr,
     MAX_RCP: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
@@ -190,39 +188,37 @@ def mxfp8_quantize_kernel(
     COLWISE: tl.constexpr,
     SWIZZLED: tl.constexpr,
 ):
-    """One program: a strip of 32 rows x BLOCKS_PER_PROGRAM 32-column blocks, loaded at once as a 3-D
-    tile, so that row-wise (axis 2) and column-wise (axis 0) blocks are plain reductions and both
-    copies come from one read."""
+    """One program: a 32 x BLOCK_COLS tile read once; both copies come from registers."""
     row_block = tl.program_id(0)
+    tile_col0 = tl.program_id(1) * BLOCK_COLS
     rows_idx = row_block * 32 + tl.arange(0, 32)
-    block_idx = tl.program_id(1) * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)
-    lanes = tl.arange(0, 32)
-    row3, col3 = strip_offsets(rows_idx, block_idx, lanes)
-    offsets = row3.to(tl.int64) * stride_row + col3.to(tl.int64) * stride_col
+    cols_idx = tile_col0 + tl.arange(0, BLOCK_COLS)
+    in_bounds = (rows_idx[:, None] < rows) & (cols_idx[None, :] < cols)
+    offsets = rows_idx[:, None].to(tl.int64) * stride_row + cols_idx[None, :].to(tl.int64) * stride_col
     # Upcast right after the load (bf16 math is wrong in the Triton interpreter); padding lanes are 0.
-    x = tl.load(x_ptr + offsets, mask=(row3 < rows) & (col3 < cols), other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + offsets, mask=in_bounds, other=0.0).to(tl.float32)
     if ROWWISE:
-        quantize_strip_rowwise(
+        quantize_tile_rowwise(
             x,
             rows_idx,
-            block_idx,
-            lanes,
+            cols_idx,
             rows,
             cols,
+            tile_col0,
             row_data_ptr,
             row_scale_ptr,
             row_scale_cols,
+            BLOCK_COLS,
             FP8_MAX,
             MAX_RCP,
             OUT_DTYPE,
             SWIZZLED,
         )
     if COLWISE:
-        quantize_strip_columnwise(
+        quantize_tile_columnwise(
             x,
             rows_idx,
-            block_idx,
-            lanes,
+            cols_idx,
             rows,
             cols,
             row_block,
@@ -274,9 +270,9 @@ def mxfp8_dequantize_kernel(
 TRITON_FP8 = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
 
 
-def blocks_per_program(cols: int) -> int:
-    """32-column blocks per program: 4 (a 32x128 strip), fewer (a power of two) for thin inputs."""
-    return min(4, triton.next_power_of_2(triton.cdiv(cols, 32)))
+def tile_cols(cols: int) -> int:
+    """Tile width: 128 columns (a 32x128 tile, 4096 elements), narrower (>= 32) for thin inputs."""
+    return max(32, min(128, triton.next_power_of_2(cols)))
 
 
 def launch_mxfp8_quantize(
@@ -285,19 +281,19 @@ def launch_mxfp8_quantize(
     rowwise: bool,
     columnwise: bool,
     scale_layout: str,
-    blocks: int | None = None,
-    num_warps: int = 4,
+    block_cols: int | None = None,
+    num_warps: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``lowp::mxfp8_quantize`` on a CUDA (or interpreted CPU) tensor; any strides. ``blocks`` (32x32
-    blocks per program) and ``num_warps`` override the launch configuration (for benchmarks)."""
+    """``lowp::mxfp8_quantize`` on a CUDA (or interpreted CPU) tensor; any strides. ``block_cols`` and
+    ``num_warps`` override the launch configuration (for benchmarks)."""
     outputs = mxfp8_quantize_outputs(x, fp8_dtype, rowwise, columnwise, scale_layout)
     row_data, row_scale, col_data, col_scale = outputs
     rows, cols = flat_2d_dims(x.shape)
     if rows == 0 or cols == 0:
         return outputs
     x2d = x.reshape(rows, cols)
-    blocks = blocks or blocks_per_program(cols)
-    grid = (triton.cdiv(rows, TILE_ROWS), triton.cdiv(cols, 32 * blocks))
+    block_cols = block_cols or tile_cols(cols)
+    grid = (triton.cdiv(rows, TILE_ROWS), triton.cdiv(cols, block_cols))
     mxfp8_quantize_kernel[grid](
         x2d,
         x2d.stride(0),
@@ -311,7 +307,7 @@ def launch_mxfp8_quantize(
         col_scale,
         col_scale.shape[0] if columnwise else 0,
         col_scale.shape[1] if columnwise else 0,
-        BLOCKS_PER_PROGRAM=blocks,
+        BLOCK_COLS=block_cols,
         FP8_MAX=FP8_MAX[fp8_dtype],
         MAX_RCP=FP8_MAX_RCP[fp8_dtype],
         OUT_DTYPE=TRITON_FP8[fp8_dtype],
@@ -331,7 +327,7 @@ def launch_mxfp8_dequantize(
     rows, cols = flat_2d_dims(data.shape)
     if rows == 0 or cols == 0:
         return out
-    block_cols = 32 * blocks_per_program(cols)
+    block_cols = tile_cols(cols)
     grid = (triton.cdiv(rows, TILE_ROWS), triton.cdiv(cols, block_cols))
     mxfp8_dequantize_kernel[grid](
         data.contiguous().view(FP8_DTYPES[fp8_dtype]),
