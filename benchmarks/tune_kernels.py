@@ -30,7 +30,7 @@ def main() -> None:
         f"cols={b} warps={w}": (
             lambda b=b, w=w: launch_mxfp8_quantize(x, "e4m3", True, True, "compact", b, w)
         )
-        for b, w in [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 2), (8, 4), (8, 8), (16, 8)]
+        for b, w in [(32, 1), (64, 1), (128, 1), (64, 2), (128, 2), (256, 2), (128, 4), (256, 4)]
     }
     sweep("mxfp8 row+col", 4.0625, x.numel(), copy_tbs, quantize, results)
 
