@@ -6,7 +6,11 @@ from __future__ import annotations
 import torch
 from _common import copy_bandwidth_tbs, environment, median_ms, write_json
 
-from lowp_ops.kernels.cross_entropy import launch_cross_entropy_bwd_mxfp8, launch_cross_entropy_fwd
+from lowp_ops.kernels.cross_entropy import (
+    launch_cross_entropy_bwd,
+    launch_cross_entropy_bwd_mxfp8,
+    launch_cross_entropy_fwd,
+)
 from lowp_ops.kernels.mxfp8 import launch_mxfp8_quantize
 
 
@@ -30,7 +34,7 @@ def main() -> None:
         f"cols={b} warps={w}": (
             lambda b=b, w=w: launch_mxfp8_quantize(x, "e4m3", True, True, "compact", b, w)
         )
-        for b, w in [(32, 1), (64, 1), (128, 1), (64, 2), (128, 2), (256, 2), (128, 4), (256, 4)]
+        for b, w in [(64, 1), (128, 1), (128, 2), (256, 2)]
     }
     sweep("mxfp8 row+col", 4.0625, x.numel(), copy_tbs, quantize, results)
 
@@ -39,7 +43,7 @@ def main() -> None:
     target = torch.randint(0, vocab, (n_rows,), device="cuda")
     forward = {
         f"block={b} warps={w}": (lambda b=b, w=w: launch_cross_entropy_fwd(logits, target, 0.0, -100, b, w))
-        for b, w in [(2048, 2), (4096, 2), (4096, 4), (8192, 4), (8192, 8)]
+        for b, w in [(4096, 2), (8192, 4)]
     }
     sweep("ce fwd", 2, logits.numel(), copy_tbs, forward, results)
     _, lse = launch_cross_entropy_fwd(logits, target, 0.0, -100)
@@ -50,9 +54,11 @@ def main() -> None:
                 logits, target, lse, grad_rows, 0.0, -100, "e4m3", True, True, "compact", b, w
             )
         )
-        for b, w in [(32, 1), (64, 1), (128, 1), (64, 2), (128, 2), (256, 2), (128, 4), (256, 4)]
+        for b, w in [(64, 1), (128, 1), (64, 2), (128, 2), (256, 2), (256, 4)]
     }
     sweep("ce bwd mxfp8", 4.0625, logits.numel(), copy_tbs, backward, results)
+    bf16 = {"default": lambda: launch_cross_entropy_bwd(logits, target, lse, grad_rows, 0.0, -100)}
+    sweep("ce bwd bf16", 4, logits.numel(), copy_tbs, bf16, results)
     write_json("tune_kernels.json", {"env": environment(), "copy_TBps": copy_tbs, "results": results})
 
 

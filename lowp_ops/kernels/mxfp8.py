@@ -3,7 +3,8 @@
 One program owns a 32-row x BLOCK_COLS tile, read once: it writes the row-wise copy (1x32 blocks, via
 a [32, BLOCK_COLS/32, 32] view) and the column-wise copy (32x1 blocks, a reduction over the tile's
 rows) with their E8M0 scales. The tile helpers are shared with the cross-entropy backward, which
-quantizes its gradient in registers. One warp per tile keeps each 32-row reduction inside the warp.
+quantizes its gradient in registers. One warp per tile keeps each 32-row reduction inside the warp;
+the kernels are instruction-bound on sm90, so tiles wholly in bounds skip every mask (EVEN).
 """
 
 from __future__ import annotations
@@ -98,6 +99,16 @@ def swizzled_scale_offset(i, j, n_tiles_x):
 
 
 @triton.jit
+def store_tile(ptr, rows_idx, cols_idx, rows, cols, values, EVEN: tl.constexpr):
+    """Store a [32, BLOCK_COLS] tile row-major into a (rows, cols) buffer; EVEN: the tile is in bounds."""
+    ptrs = ptr + rows_idx[:, None].to(tl.int64) * cols + cols_idx[None, :]
+    if EVEN:
+        tl.store(ptrs, values)
+    else:
+        tl.store(ptrs, values, mask=(rows_idx[:, None] < rows) & (cols_idx[None, :] < cols))
+
+
+@triton.jit
 def quantize_tile_rowwise(
     x,
     rows_idx,
@@ -113,18 +124,17 @@ def quantize_tile_rowwise(
     MAX_RCP: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     SWIZZLED: tl.constexpr,
+    EVEN: tl.constexpr,
 ):
-    """Quantize an fp32 tile ``x`` [32, BLOCK_COLS] (out-of-bounds lanes hold 0; BLOCK_COLS a multiple
-    of 32 starting on a block boundary) in 1x32 blocks: data at ``data_ptr[row * cols + col]``, E8M0
-    codes at row-wise scale (row, col // 32)."""
+    """Quantize an fp32 tile ``x`` [32, BLOCK_COLS] (out-of-bounds lanes hold 0; the tile starts on a
+    32-column boundary) in 1x32 blocks: data at ``data_ptr[row * cols + col]``, E8M0 codes at
+    row-wise scale (row, col // 32)."""
     N_BLOCKS: tl.constexpr = BLOCK_COLS // 32
     blocks = tl.reshape(x, [32, N_BLOCKS, 32])
     code = e8m0_from_amax(block_amax(blocks, 2), MAX_RCP)
-    data = tl.reshape(
-        cast_satfinite(blocks * quantize_multiplier(code)[:, :, None], FP8_MAX, OUT_DTYPE), [32, BLOCK_COLS]
-    )
-    in_bounds = (rows_idx[:, None] < rows) & (cols_idx[None, :] < cols)
-    tl.store(data_ptr + rows_idx[:, None].to(tl.int64) * cols + cols_idx[None, :], data, mask=in_bounds)
+    scaled = blocks * quantize_multiplier(code)[:, :, None]
+    data = tl.reshape(cast_satfinite(scaled, FP8_MAX, OUT_DTYPE), [32, BLOCK_COLS])
+    store_tile(data_ptr, rows_idx, cols_idx, rows, cols, data, EVEN)
     scale_row = rows_idx[:, None]
     scale_col = tile_col0 // 32 + tl.arange(0, N_BLOCKS)[None, :]
     if SWIZZLED:
@@ -151,13 +161,13 @@ def quantize_tile_columnwise(
     MAX_RCP: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     SWIZZLED: tl.constexpr,
+    EVEN: tl.constexpr,
 ):
     """Quantize an fp32 tile ``x`` [32, BLOCK_COLS] in 32x1 blocks (the tile is one block high): data
     (not transposed) at ``data_ptr[row * cols + col]``, E8M0 codes at column-wise scale (row_block, col)."""
     code = e8m0_from_amax(block_amax(x, 0), MAX_RCP)
     data = cast_satfinite(x * quantize_multiplier(code)[None, :], FP8_MAX, OUT_DTYPE)
-    in_bounds = (rows_idx[:, None] < rows) & (cols_idx[None, :] < cols)
-    tl.store(data_ptr + rows_idx[:, None].to(tl.int64) * cols + cols_idx[None, :], data, mask=in_bounds)
+    store_tile(data_ptr, rows_idx, cols_idx, rows, cols, data, EVEN)
     if SWIZZLED:
         # Column-wise scales are swizzled as their transpose: i = column, j = 32-row block.
         offset = swizzled_scale_offset(cols_idx, row_block, scale_rows // 4)
@@ -187,16 +197,21 @@ def mxfp8_quantize_kernel(
     ROWWISE: tl.constexpr,
     COLWISE: tl.constexpr,
     SWIZZLED: tl.constexpr,
+    EVEN: tl.constexpr,
 ):
-    """One program: a 32 x BLOCK_COLS tile read once; both copies come from registers."""
+    """One program: a 32 x BLOCK_COLS tile read once; both copies come from registers. EVEN: every tile
+    is in bounds (rows % 32 == 0, cols % BLOCK_COLS == 0), so no masks are evaluated."""
     row_block = tl.program_id(0)
     tile_col0 = tl.program_id(1) * BLOCK_COLS
     rows_idx = row_block * 32 + tl.arange(0, 32)
     cols_idx = tile_col0 + tl.arange(0, BLOCK_COLS)
-    in_bounds = (rows_idx[:, None] < rows) & (cols_idx[None, :] < cols)
-    offsets = rows_idx[:, None].to(tl.int64) * stride_row + cols_idx[None, :].to(tl.int64) * stride_col
+    ptrs = x_ptr + rows_idx[:, None].to(tl.int64) * stride_row + cols_idx[None, :].to(tl.int64) * stride_col
     # Upcast right after the load (bf16 math is wrong in the Triton interpreter); padding lanes are 0.
-    x = tl.load(x_ptr + offsets, mask=in_bounds, other=0.0).to(tl.float32)
+    if EVEN:
+        x = tl.load(ptrs).to(tl.float32)
+    else:
+        x = tl.load(ptrs, mask=(rows_idx[:, None] < rows) & (cols_idx[None, :] < cols), other=0.0)
+        x = x.to(tl.float32)
     if ROWWISE:
         quantize_tile_rowwise(
             x,
@@ -213,6 +228,7 @@ def mxfp8_quantize_kernel(
             MAX_RCP,
             OUT_DTYPE,
             SWIZZLED,
+            EVEN,
         )
     if COLWISE:
         quantize_tile_columnwise(
@@ -230,6 +246,7 @@ def mxfp8_quantize_kernel(
             MAX_RCP,
             OUT_DTYPE,
             SWIZZLED,
+            EVEN,
         )
 
 
@@ -308,6 +325,7 @@ def launch_mxfp8_quantize(
         col_scale.shape[0] if columnwise else 0,
         col_scale.shape[1] if columnwise else 0,
         BLOCK_COLS=block_cols,
+        EVEN=rows % TILE_ROWS == 0 and cols % block_cols == 0,
         FP8_MAX=FP8_MAX[fp8_dtype],
         MAX_RCP=FP8_MAX_RCP[fp8_dtype],
         OUT_DTYPE=TRITON_FP8[fp8_dtype],
