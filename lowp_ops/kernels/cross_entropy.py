@@ -381,7 +381,8 @@ def launch_cross_entropy_bwd_mxfp8(
     logits = _rows_with_unit_stride(logits)
     eps, target_weight = _bwd_scalars(label_smoothing, n_cols)
     data_dtype = FP8_DTYPES[fp8_dtype]
-    block_cols = block_cols or tile_cols(n_cols)
+    # 64 columns on one warp: 73% of copy at 4096 x 129280 on the H200 (128 columns: 54%, register-bound).
+    block_cols = block_cols or tile_cols(n_cols, widest=64)
     cross_entropy_bwd_mxfp8_kernel[_bwd_grid(rows, n_cols, block_cols)](
         logits,
         logits.stride(0),

@@ -287,9 +287,15 @@ def mxfp8_dequantize_kernel(
 TRITON_FP8 = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
 
 
-def tile_cols(cols: int) -> int:
-    """Tile width: 128 columns (a 32x128 tile, 4096 elements), narrower (>= 32) for thin inputs."""
-    return max(32, min(128, triton.next_power_of_2(cols)))
+def tile_cols(cols: int, widest: int = 128) -> int:
+    """Tile width: ``widest`` columns, narrower (a power of two >= 32) for thin inputs."""
+    return max(32, min(widest, triton.next_power_of_2(cols)))
+
+
+def quantize_config(cols: int) -> tuple[int, int]:
+    """(BLOCK_COLS, num_warps) of the quantize kernel. Measured on the H200 at 16384 x 16384 bf16 row+col:
+    256 columns on 2 warps 80% of copy, 128 on 1 warp 78%, 64 on 1 warp 70%."""
+    return (256, 2) if cols >= 256 else (tile_cols(cols), 1)
 
 
 def launch_mxfp8_quantize(
@@ -299,7 +305,7 @@ def launch_mxfp8_quantize(
     columnwise: bool,
     scale_layout: str,
     block_cols: int | None = None,
-    num_warps: int = 1,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``lowp::mxfp8_quantize`` on a CUDA (or interpreted CPU) tensor; any strides. ``block_cols`` and
     ``num_warps`` override the launch configuration (for benchmarks)."""
@@ -309,7 +315,8 @@ def launch_mxfp8_quantize(
     if rows == 0 or cols == 0:
         return outputs
     x2d = x.reshape(rows, cols)
-    block_cols = block_cols or tile_cols(cols)
+    default_cols, default_warps = quantize_config(cols)
+    block_cols, num_warps = block_cols or default_cols, num_warps or default_warps
     grid = (triton.cdiv(rows, TILE_ROWS), triton.cdiv(cols, block_cols))
     mxfp8_quantize_kernel[grid](
         x2d,
