@@ -7,6 +7,7 @@ import torch
 
 from . import library  # noqa: F401  (registers the ops)
 from .formats import FP8_DTYPES, MXFP8Tensor
+from .meta.checks import require
 from .meta.cross_entropy import check_label_smoothing, check_logits_target, check_reduction
 from .meta.mxfp8 import check_fp8_dtype, check_scale_layout
 from .meta.softmax import check_masked_rows
@@ -27,7 +28,7 @@ def _rows(
     check_label_smoothing(label_smoothing)
     check_reduction(reduction)
     n_cols = logits.shape[-1]
-    torch._check(n_cols >= 1, lambda: "logits must have a non-empty last (vocabulary) dimension")
+    require(n_cols >= 1, lambda: "logits must have a non-empty last (vocabulary) dimension")
     return logits.reshape(-1, n_cols), target.reshape(-1)
 
 
@@ -82,7 +83,7 @@ def _grad_rows(
     """dloss per row (N,) fp32 from the gradient of the reduced loss."""
     if grad_loss is None:
         grad_loss = torch.ones_like(loss)
-    torch._check(
+    require(
         grad_loss.shape == loss.shape,
         lambda: f"grad_loss must have the loss's shape {tuple(loss.shape)}, got {tuple(grad_loss.shape)}",
     )
@@ -118,7 +119,7 @@ def cross_entropy_with_mxfp8_grad(
     logits_rows, target_rows = _rows(logits, target, label_smoothing, reduction)
     check_fp8_dtype(fp8_dtype)
     check_scale_layout(scale_layout)
-    torch._check(rowwise or columnwise, lambda: "at least one of rowwise and columnwise must be True")
+    require(rowwise or columnwise, lambda: "at least one of rowwise and columnwise must be True")
     with torch.no_grad():
         loss_rows, lse = torch.ops.lowp.cross_entropy_fwd(
             logits_rows, target_rows, float(label_smoothing), int(ignore_index)
@@ -150,7 +151,7 @@ def cross_entropy_with_mxfp8_grad(
 
 
 def _as_rows(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Size]:
-    torch._check(x.dim() >= 1, lambda: "x must have at least one dimension, got a 0-d tensor")
+    require(x.dim() >= 1, lambda: "x must have at least one dimension, got a 0-d tensor")
     moved = x.movedim(dim, -1)
     return moved.reshape(-1, moved.shape[-1]), moved.shape
 

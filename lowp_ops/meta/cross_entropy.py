@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import HIGH_PRECISION_DTYPES
+from .checks import require
 from .mxfp8 import mxfp8_quantize_outputs
 
 REDUCTIONS = ("none", "mean", "sum")
@@ -12,13 +13,13 @@ TARGET_DTYPES = (torch.int64, torch.int32)
 
 
 def check_logits_target(logits: torch.Tensor, target: torch.Tensor) -> None:
-    torch._check(
+    require(
         logits.dtype in HIGH_PRECISION_DTYPES,
         lambda: f"logits must be float32, bfloat16 or float16, got {logits.dtype}",
     )
-    torch._check(target.dtype in TARGET_DTYPES, lambda: f"target must be int64 or int32, got {target.dtype}")
-    torch._check(logits.dim() >= 1, lambda: "logits must have at least one dimension (the vocabulary)")
-    torch._check(
+    require(target.dtype in TARGET_DTYPES, lambda: f"target must be int64 or int32, got {target.dtype}")
+    require(logits.dim() >= 1, lambda: "logits must have at least one dimension (the vocabulary)")
+    require(
         target.shape == logits.shape[:-1],
         lambda: (
             f"target must have shape {tuple(logits.shape[:-1])} (logits.shape[:-1]), "
@@ -28,19 +29,19 @@ def check_logits_target(logits: torch.Tensor, target: torch.Tensor) -> None:
 
 
 def check_label_smoothing(label_smoothing: float) -> None:
-    torch._check(
+    require(
         0.0 <= label_smoothing <= 1.0, lambda: f"label_smoothing must be in [0, 1], got {label_smoothing}"
     )
 
 
 def check_reduction(reduction: str) -> None:
-    torch._check(
+    require(
         reduction in REDUCTIONS, lambda: f"reduction must be one of {list(REDUCTIONS)}, got {reduction!r}"
     )
 
 
 def _check_rows(logits: torch.Tensor, target: torch.Tensor) -> None:
-    torch._check(logits.dim() == 2, lambda: f"logits must be 2-D (N, V) here, got {logits.dim()}-D")
+    require(logits.dim() == 2, lambda: f"logits must be 2-D (N, V) here, got {logits.dim()}-D")
     check_logits_target(logits, target)
 
 
@@ -57,10 +58,8 @@ def cross_entropy_fwd_outputs(
 def _check_bwd_inputs(logits, target, lse, grad_rows) -> None:
     _check_rows(logits, target)
     rows = logits.shape[0]
-    torch._check(
-        lse.dtype == torch.float32 and lse.shape == (rows,), lambda: "lse must be float32 of shape (N,)"
-    )
-    torch._check(
+    require(lse.dtype == torch.float32 and lse.shape == (rows,), lambda: "lse must be float32 of shape (N,)")
+    require(
         grad_rows.dtype == torch.float32 and grad_rows.shape == (rows,),
         lambda: (
             f"grad_rows must be float32 of shape ({rows},), got {grad_rows.dtype} {tuple(grad_rows.shape)}"

@@ -17,6 +17,7 @@ from ..formats import (
     SCALE_TILE_COLS,
     SCALE_TILE_ROWS,
 )
+from .checks import require
 
 
 def _round_up(a, b):
@@ -44,13 +45,13 @@ def col_scale_shape(rows, cols) -> tuple[int, int]:
 
 
 def check_fp8_dtype(fp8_dtype: str) -> None:
-    torch._check(
+    require(
         fp8_dtype in FP8_DTYPES, lambda: f"fp8_dtype must be one of {sorted(FP8_DTYPES)}, got {fp8_dtype!r}"
     )
 
 
 def check_scale_layout(scale_layout: str) -> None:
-    torch._check(
+    require(
         scale_layout in SCALE_LAYOUTS,
         lambda: f"scale_layout must be one of {list(SCALE_LAYOUTS)}, got {scale_layout!r}",
     )
@@ -59,13 +60,13 @@ def check_scale_layout(scale_layout: str) -> None:
 def check_quantize_args(
     x: torch.Tensor, fp8_dtype: str, rowwise: bool, columnwise: bool, scale_layout: str
 ) -> None:
-    torch._check(
+    require(
         x.dtype in HIGH_PRECISION_DTYPES, lambda: f"x must be float32, bfloat16 or float16, got {x.dtype}"
     )
-    torch._check(x.dim() >= 1, lambda: "x must have at least one dimension, got a 0-d tensor")
+    require(x.dim() >= 1, lambda: "x must have at least one dimension, got a 0-d tensor")
     check_fp8_dtype(fp8_dtype)
     check_scale_layout(scale_layout)
-    torch._check(rowwise or columnwise, lambda: "at least one of rowwise and columnwise must be True")
+    require(rowwise or columnwise, lambda: "at least one of rowwise and columnwise must be True")
 
 
 def mxfp8_quantize_outputs(
@@ -97,18 +98,18 @@ def mxfp8_quantize_outputs(
 def check_dequantize_args(
     data: torch.Tensor, scale: torch.Tensor, fp8_dtype: str, use: str, scale_layout: str, dtype: torch.dtype
 ) -> None:
-    torch._check(data.dtype == torch.uint8, lambda: f"data must be uint8 FP8 bit patterns, got {data.dtype}")
+    require(data.dtype == torch.uint8, lambda: f"data must be uint8 FP8 bit patterns, got {data.dtype}")
     check_fp8_dtype(fp8_dtype)
-    torch._check(data.dim() >= 1, lambda: "data must have at least one dimension, got a 0-d tensor")
-    torch._check(scale.dtype == torch.uint8, lambda: f"scale must be uint8 E8M0 codes, got {scale.dtype}")
-    torch._check(use in MXFP8_USES, lambda: f"use must be one of {list(MXFP8_USES)}, got {use!r}")
+    require(data.dim() >= 1, lambda: "data must have at least one dimension, got a 0-d tensor")
+    require(scale.dtype == torch.uint8, lambda: f"scale must be uint8 E8M0 codes, got {scale.dtype}")
+    require(use in MXFP8_USES, lambda: f"use must be one of {list(MXFP8_USES)}, got {use!r}")
     check_scale_layout(scale_layout)
-    torch._check(
+    require(
         dtype in HIGH_PRECISION_DTYPES, lambda: f"dtype must be float32, bfloat16 or float16, got {dtype}"
     )
     rows, cols = flat_2d_dims(data.shape)
     expected = row_scale_shape(rows, cols) if use == "rowwise" else col_scale_shape(rows, cols)
-    torch._check(
+    require(
         tuple(scale.shape) == tuple(expected),
         lambda: (
             f"scale must have shape {tuple(expected)} for {use} data of shape {tuple(data.shape)}, "
