@@ -1,0 +1,497 @@
+"""The Triton cross-entropy and softmax kernels against the pure-PyTorch references, and the MXFP8-gradient
+byte contract between the two backward kernels.
+
+- ``interp``: CPU tensors under ``TRITON_INTERPRET=1`` (small shapes; run with
+  ``TRITON_INTERPRET=1 LOWP_OPS_CPU_KERNELS=triton pytest -m interp``). The interpreter truncates fp32 -> bf16
+  stores instead of rounding to nearest, so bf16 outputs can sit one ulp below the reference there; the
+  one-ulp tolerances below cover it, and the byte contract holds because both kernels round the same way.
+- ``gpu``: CUDA at real sizes (N=4096 x V=129280 bf16, N=1000 x V=50257, odd V).
+
+Tolerances: forward statistics (fp32) within 1e-5 relative plus fp32 roundoff of the magnitudes involved;
+gradients within one ulp of the output dtype around the reference's fp32 value, plus the fp32 roundoff of
+the math before rounding (the GPU's ``exp`` is approximate). The byte contract is exact.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from ce_softmax_oracles import (
+    FP32_UNIT,
+    assert_close_fp32,
+    assert_within_ulps,
+    bits,
+    ce_grad_fp32_slack,
+    ce_loss_fp32_atol,
+    cross_entropy_oracle,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import lowp_ops
+from lowp_ops.reference import cross_entropy as ce_ref
+from lowp_ops.reference import softmax as softmax_ref
+
+triton = pytest.importorskip("triton")
+from lowp_ops.kernels import cross_entropy as ce_kernels  # noqa: E402
+from lowp_ops.kernels import mxfp8 as mxfp8_kernels  # noqa: E402
+from lowp_ops.kernels import softmax as softmax_kernels  # noqa: E402
+
+NEG_INF = float("-inf")
+IGNORE = -100
+FP8_LAYOUTS = [(fp8, layout) for fp8 in ("e4m3", "e5m2") for layout in ("compact", "swizzled")]
+COPIES = [(True, True), (True, False), (False, True)]
+INTERP_SETTINGS = settings(max_examples=10, deadline=None)
+CHECK_ROWS = 512
+
+
+# ------------------------------------------------------------------------------------------ inputs
+
+
+def ce_inputs(
+    n_rows: int, n_cols: int, dtype: torch.dtype, device: str, *, seed: int = 0, special_rows: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random logits with sparse -inf, every 7th row ignored and, when there are enough rows: a masked
+    first forward block (FWD_BLOCK columns), a masked first 32768 columns, an ignored all -inf row, a
+    non-ignored all -inf row (NaN) and a -inf target logit (loss +inf)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    logits = torch.randn(n_rows, n_cols, generator=gen, device=device) * 4
+    logits[torch.rand(n_rows, n_cols, generator=gen, device=device) < 0.1] = NEG_INF
+    target = torch.randint(0, n_cols, (n_rows,), generator=gen, device=device)
+    target[::7] = IGNORE
+    if special_rows and n_rows >= 6 and n_cols >= 2:
+        logits[1, : min(n_cols - 1, ce_kernels.FWD_BLOCK)] = NEG_INF
+        logits[1, n_cols - 1] = 1.0
+        target[1] = n_cols - 1
+        if n_cols > 32768:
+            logits[2, :32768] = NEG_INF
+        logits[3] = NEG_INF
+        target[3] = IGNORE
+        logits[4] = NEG_INF
+        target[4] = 0
+        target[5] = 0
+        logits[5, 0] = NEG_INF
+    return logits.to(dtype), target
+
+
+def grad_rows_for(n_rows: int, device: str, kind: str, seed: int = 1) -> torch.Tensor:
+    if kind == "expanded":  # a stride-0 view, as autograd hands in for sum/mean
+        return torch.tensor(0.37, device=device).expand(n_rows)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return torch.rand(n_rows, generator=gen, device=device) - 0.3
+
+
+# -------------------------------------------------------------------------------- cross entropy
+
+
+def check_ce_forward(logits, target, label_smoothing):
+    loss, lse = ce_kernels.launch_cross_entropy_fwd(logits, target, label_smoothing, IGNORE)
+    want_loss, want_lse = ce_ref.cross_entropy_fwd(logits, target, label_smoothing, IGNORE)
+    assert loss.dtype == lse.dtype == torch.float32 and loss.shape == lse.shape == target.shape
+    atol = ce_loss_fp32_atol(logits)
+    assert_close_fp32(loss, want_loss, rtol=1e-5, atol=atol, what="loss")
+    assert_close_fp32(lse, want_lse, rtol=1e-5, atol=atol, what="lse")
+    return lse
+
+
+def check_ce_backward(logits, target, lse, grad_rows, label_smoothing):
+    got = ce_kernels.launch_cross_entropy_bwd(logits, target, lse, grad_rows, label_smoothing, IGNORE)
+    want = ce_ref.cross_entropy_grad_fp32(logits, target, lse, grad_rows, label_smoothing, IGNORE)
+    assert got.dtype == logits.dtype and got.shape == logits.shape and got.is_contiguous()
+    row_weight = torch.where(target != IGNORE, grad_rows, 0.0)
+    for start in range(0, logits.shape[0], CHECK_ROWS):  # bounded float64 temporaries at real sizes
+        rows = slice(start, start + CHECK_ROWS)
+        assert_within_ulps(
+            got[rows],
+            want[rows].double(),
+            ulps=1,
+            slack=ce_grad_fp32_slack(logits[rows], row_weight[rows]),
+            what="dlogits",
+        )
+    ignored = target == IGNORE
+    assert (got[ignored] == 0).all(), "ignored rows must get an exact zero gradient"
+
+
+def check_mxfp8_contract(
+    logits, target, lse, grad_rows, label_smoothing, fp8_dtype, rowwise, columnwise, scale_layout
+):
+    """launch_cross_entropy_bwd_mxfp8 == launch_mxfp8_quantize(launch_cross_entropy_bwd), byte for byte."""
+    fused = ce_kernels.launch_cross_entropy_bwd_mxfp8(
+        logits, target, lse, grad_rows, label_smoothing, IGNORE, fp8_dtype, rowwise, columnwise, scale_layout
+    )
+    grad = ce_kernels.launch_cross_entropy_bwd(logits, target, lse, grad_rows, label_smoothing, IGNORE)
+    quantized = mxfp8_kernels.launch_mxfp8_quantize(grad, fp8_dtype, rowwise, columnwise, scale_layout)
+    for name, got, want in zip(
+        ("row_data", "row_scale", "col_data", "col_scale"), fused, quantized, strict=True
+    ):
+        assert got.dtype == want.dtype == torch.uint8 and got.shape == want.shape, name
+        assert torch.equal(got, want), f"{name}: {int((got != want).sum())} bytes differ"
+    if rowwise:
+        assert fused[0].numel() == logits.numel()
+    if columnwise:
+        assert fused[2].numel() == logits.numel()
+
+
+# interp ----------------------------------------------------------------------------------------------
+
+
+@st.composite
+def small_ce_inputs(draw):
+    n_rows, n_cols = draw(st.integers(1, 70)), draw(st.integers(1, 600))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+    logits, target = ce_inputs(n_rows, n_cols, dtype, "cpu", seed=draw(st.integers(0, 2**31)))
+    return logits, target, draw(st.sampled_from([0.0, 0.1, 0.7]))
+
+
+@pytest.mark.interp
+@INTERP_SETTINGS
+@given(data=small_ce_inputs(), grad_kind=st.sampled_from(["dense", "expanded"]))
+def test_interp_cross_entropy_kernels_match_reference(data, grad_kind):
+    logits, target, label_smoothing = data
+    lse = check_ce_forward(logits, target, label_smoothing)
+    check_ce_backward(logits, target, lse, grad_rows_for(len(target), "cpu", grad_kind), label_smoothing)
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize(
+    ("n_rows", "n_cols", "dtype"),
+    [
+        (6, ce_kernels.FWD_BLOCK + 77, torch.float32),  # two forward blocks; the first all -inf in row 1
+        (70, 257, torch.bfloat16),  # several 32-row backward tiles and 128-column tiles, ragged edges
+        (64, 256, torch.bfloat16),  # whole tiles only (the kernels' unmasked path)
+        (33, 129, torch.float16),
+        (1, 1, torch.float32),
+    ],
+)
+def test_interp_cross_entropy_kernels_match_reference_at_block_edges(n_rows, n_cols, dtype):
+    logits, target = ce_inputs(n_rows, n_cols, dtype, "cpu")
+    for label_smoothing in (0.0, 0.1):
+        lse = check_ce_forward(logits, target, label_smoothing)
+        check_ce_backward(logits, target, lse, grad_rows_for(n_rows, "cpu", "dense"), label_smoothing)
+
+
+@pytest.mark.interp
+def test_interp_cross_entropy_forward_reads_strided_rows():
+    logits, target = ce_inputs(40, 300, torch.float32, "cpu")
+    padded = torch.zeros(40, 310)
+    padded[:, 5:305] = logits
+    check_ce_forward(padded[:, 5:305], target, 0.1)
+    check_ce_forward(logits.t().contiguous().t(), target, 0.1)
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize(("rowwise", "columnwise"), COPIES)
+@pytest.mark.parametrize(("fp8_dtype", "scale_layout"), FP8_LAYOUTS)
+def test_interp_mxfp8_grad_kernel_is_bytes_of_quantized_grad(fp8_dtype, scale_layout, rowwise, columnwise):
+    for n_rows, n_cols in [(37, 333), (64, 256)]:  # ragged tiles; whole tiles only
+        logits, target = ce_inputs(n_rows, n_cols, torch.bfloat16, "cpu")
+        _, lse = ce_ref.cross_entropy_fwd(logits, target, 0.1, IGNORE)
+        check_mxfp8_contract(
+            logits,
+            target,
+            lse,
+            grad_rows_for(n_rows, "cpu", "dense"),
+            0.1,
+            fp8_dtype,
+            rowwise,
+            columnwise,
+            scale_layout,
+        )
+
+
+@pytest.mark.interp
+def test_interp_mxfp8_grad_kernel_contract_with_long_rows_and_scalar_grad():
+    logits, target = ce_inputs(6, ce_kernels.FWD_BLOCK + 77, torch.bfloat16, "cpu")
+    lse = ce_kernels.launch_cross_entropy_fwd(logits, target, 0.0, IGNORE)[1]
+    check_mxfp8_contract(
+        logits, target, lse, grad_rows_for(6, "cpu", "expanded"), 0.0, "e4m3", True, True, "swizzled"
+    )
+
+
+@pytest.mark.interp
+@settings(max_examples=6, deadline=None)
+@given(
+    data=small_ce_inputs(),
+    fp8_layout=st.sampled_from(FP8_LAYOUTS),
+    copies=st.sampled_from(COPIES),
+    grad_kind=st.sampled_from(["dense", "expanded"]),
+)
+def test_interp_mxfp8_grad_kernel_contract_property(data, fp8_layout, copies, grad_kind):
+    logits, target, label_smoothing = data
+    lse = ce_kernels.launch_cross_entropy_fwd(logits, target, label_smoothing, IGNORE)[1]
+    fp8_dtype, scale_layout = fp8_layout
+    check_mxfp8_contract(
+        logits,
+        target,
+        lse,
+        grad_rows_for(len(target), "cpu", grad_kind),
+        label_smoothing,
+        fp8_dtype,
+        *copies,
+        scale_layout,
+    )
+
+
+# gpu -------------------------------------------------------------------------------------------------
+
+GPU_CE_SHAPES = [
+    (4096, 129280, torch.bfloat16),
+    (1000, 50257, torch.bfloat16),
+    (1000, 50257, torch.float32),
+    (77, 333, torch.float16),
+    (33, 4097, torch.bfloat16),
+    (1, 1, torch.float32),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("n_rows", "n_cols", "dtype"), GPU_CE_SHAPES)
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_gpu_cross_entropy_kernels_match_reference(n_rows, n_cols, dtype, label_smoothing):
+    logits, target = ce_inputs(n_rows, n_cols, dtype, "cuda")
+    lse = check_ce_forward(logits, target, label_smoothing)
+    for kind in ("dense", "expanded"):
+        check_ce_backward(logits, target, lse, grad_rows_for(n_rows, "cuda", kind), label_smoothing)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("fp8_dtype", "scale_layout"), FP8_LAYOUTS)
+@pytest.mark.parametrize(
+    ("n_rows", "n_cols", "label_smoothing", "grad_kind"),
+    [(4096, 129280, 0.0, "expanded"), (1000, 50257, 0.1, "dense"), (77, 333, 0.1, "dense")],
+)
+def test_gpu_mxfp8_grad_kernel_is_bytes_of_quantized_grad(
+    fp8_dtype, scale_layout, n_rows, n_cols, label_smoothing, grad_kind
+):
+    logits, target = ce_inputs(n_rows, n_cols, torch.bfloat16, "cuda")
+    lse = ce_kernels.launch_cross_entropy_fwd(logits, target, label_smoothing, IGNORE)[1]
+    check_mxfp8_contract(
+        logits,
+        target,
+        lse,
+        grad_rows_for(n_rows, "cuda", grad_kind),
+        label_smoothing,
+        fp8_dtype,
+        True,
+        True,
+        scale_layout,
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("rowwise", "columnwise"), COPIES[1:])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gpu_mxfp8_grad_kernel_contract_one_copy_other_dtypes(rowwise, columnwise, dtype):
+    logits, target = ce_inputs(1000, 50257, dtype, "cuda", seed=3)
+    lse = ce_kernels.launch_cross_entropy_fwd(logits, target, 0.1, IGNORE)[1]
+    check_mxfp8_contract(
+        logits,
+        target,
+        lse,
+        grad_rows_for(1000, "cuda", "dense"),
+        0.1,
+        "e5m2",
+        rowwise,
+        columnwise,
+        "swizzled",
+    )
+
+
+# -------------------------------------------------------------------------------------------- softmax
+
+
+def softmax_inputs(n_rows, n_cols, dtype, device, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(n_rows, n_cols, generator=gen, device=device) * 3
+    x[torch.rand(n_rows, n_cols, generator=gen, device=device) < 0.1] = NEG_INF
+    if n_rows >= 3:
+        x[0, : min(softmax_kernels.MAX_BLOCK, n_cols - 1)] = NEG_INF  # a whole first block masked
+        x[1] = NEG_INF
+        x[2, : max(n_cols - softmax_kernels.MAX_BLOCK - 1, 0)] = NEG_INF  # all but the last block masked
+    return x.to(dtype)
+
+
+def row_scales(x: torch.Tensor):
+    x64 = x.double()
+    lse = torch.logsumexp(x64, dim=1, keepdim=True)
+    finite = lambda t: torch.where(torch.isfinite(t), t.abs(), 0.0)
+    p = torch.where(torch.isfinite(lse), torch.exp(x64 - lse), 0.0).nan_to_num(0.0)
+    return p, 8 * FP32_UNIT * (2 + finite(x64) + finite(lse)), finite(lse)
+
+
+def check_softmax_kernels(x: torch.Tensor):
+    n_cols = x.shape[1]
+    p, rel, _ = row_scales(x)
+    lse = softmax_kernels.launch_logsumexp(x)
+    finite_max = torch.where(torch.isfinite(x.double()), x.double().abs(), 0.0).amax(dim=1)
+    assert_close_fp32(
+        lse,
+        softmax_ref.logsumexp(x).double(),
+        rtol=1e-6,
+        atol=8 * FP32_UNIT * (2 + finite_max + math.log(n_cols)),
+        what="logsumexp",
+    )
+    gen = torch.Generator(device=x.device).manual_seed(7)
+    dy = torch.randn(x.shape, generator=gen, device=x.device).to(x.dtype)
+    dy64 = dy.double()
+    log_n = 2 + math.log2(n_cols)
+    for log in (False, True):
+        for masked_rows in ("nan", "zero"):
+            out = softmax_kernels.launch_softmax_fwd(x, log, masked_rows)
+            assert out.dtype == x.dtype and out.shape == x.shape and out.is_contiguous()
+            # Same fp32 formula, different reduction order and exp: fp32 roundoff, then one ulp of dtype.
+            want = softmax_fwd_fp32(x, log, masked_rows)
+            assert_within_ulps(out, want, slack=rel if log else p * rel, what=f"softmax_fwd log={log}")
+        # Backward from the same (rounded) output: only the reduction order and exp differ.
+        got = softmax_kernels.launch_softmax_bwd(out, dy, log)
+        want = softmax_bwd_fp32(out, dy, log)
+        y64 = out.double()
+        if log:
+            e_y = torch.exp(y64).nan_to_num(0.0)
+            slack = 4 * FP32_UNIT * (dy64.abs() + e_y * log_n * dy64.abs().sum(1, keepdim=True))
+        else:
+            y = y64.nan_to_num(0.0)
+            weighted = (dy64.abs() * y).sum(1, keepdim=True)
+            slack = 4 * FP32_UNIT * y * (dy64.abs() + log_n * weighted)
+        assert_within_ulps(got, want, slack=slack, what=f"softmax_bwd log={log}")
+
+
+def softmax_fwd_fp32(x, log, masked_rows):
+    """The reference's fp32 values before rounding to x's dtype (float64 for comparing)."""
+    lse = softmax_ref.masked_safe_logsumexp(x).unsqueeze(1)
+    values = x.float() - lse if log else torch.exp(x.float() - lse)
+    if masked_rows == "zero":
+        values = torch.where(lse == NEG_INF, NEG_INF if log else 0.0, values)
+    return values.double()
+
+
+def softmax_bwd_fp32(out, dy, log):
+    return softmax_ref.softmax_bwd(out.float(), dy.float(), log).double()
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize(
+    ("n_rows", "n_cols", "dtype"),
+    [
+        (5, 300, torch.float32),
+        (4, softmax_kernels.MAX_BLOCK, torch.bfloat16),  # exactly one block
+        (3, softmax_kernels.MAX_BLOCK + 50, torch.float32),  # two blocks, the first all -inf in row 0
+        (3, 2 * softmax_kernels.MAX_BLOCK + 9, torch.float16),
+        (40, 37, torch.bfloat16),
+    ],
+)
+def test_interp_softmax_kernels_match_reference(n_rows, n_cols, dtype):
+    check_softmax_kernels(softmax_inputs(n_rows, n_cols, dtype, "cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("n_rows", "n_cols", "dtype"),
+    [
+        (4096, 32000, torch.bfloat16),
+        (64, 129280, torch.bfloat16),
+        (1000, 50257, torch.float32),
+        (333, 4096, torch.float16),
+        (7, 77, torch.bfloat16),
+    ],
+)
+def test_gpu_softmax_kernels_match_reference(n_rows, n_cols, dtype):
+    check_softmax_kernels(softmax_inputs(n_rows, n_cols, dtype, "cuda"))
+
+
+# ------------------------------------------------------------------- public API through the kernels
+
+
+@pytest.fixture
+def spy_launchers(monkeypatch):
+    """Count calls of the Triton launchers that the ops dispatch to."""
+    calls = []
+    for module in (ce_kernels, mxfp8_kernels, softmax_kernels):
+        for name in dir(module):
+            if name.startswith("launch_"):
+                launcher = getattr(module, name)
+                monkeypatch.setattr(
+                    module,
+                    name,
+                    lambda *args, _launch=launcher, _name=name: calls.append(_name) or _launch(*args),
+                )
+    return calls
+
+
+def require_cpu_kernels():
+    assert lowp_ops.library.cpu_runs_triton(), "the interp suite needs LOWP_OPS_CPU_KERNELS=triton"
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_interp_public_cross_entropy_runs_the_kernels_end_to_end(reduction, spy_launchers):
+    require_cpu_kernels()
+    logits2d, target1d = ce_inputs(39, 301, torch.bfloat16, "cpu", special_rows=False)
+    logits2d[2, :200] = NEG_INF
+    logits, target = logits2d.view(3, 13, 301), target1d.view(3, 13)
+    gen = torch.Generator().manual_seed(2)
+    grad_loss = torch.rand((3, 13) if reduction == "none" else (), generator=gen) + 0.5
+    leaf = logits.clone().requires_grad_()
+    loss = lowp_ops.cross_entropy(leaf, target, label_smoothing=0.1, reduction=reduction)
+    (grad,) = torch.autograd.grad(loss, leaf, grad_outputs=grad_loss)
+    assert {"launch_cross_entropy_fwd", "launch_cross_entropy_bwd"} <= set(spy_launchers)
+    assert torch.equal(leaf.detach(), logits)
+
+    want_loss, want_grad, row_weight = cross_entropy_oracle(
+        logits, target, grad_loss, label_smoothing=0.1, ignore_index=IGNORE, reduction=reduction
+    )
+    assert_close_fp32(loss.detach(), want_loss, rtol=1e-5, atol=ce_loss_fp32_atol(logits), what="loss")
+    assert_within_ulps(grad, want_grad, slack=ce_grad_fp32_slack(logits, row_weight), what="grad")
+
+    fused_loss, payload = lowp_ops.cross_entropy_with_mxfp8_grad(
+        logits, target, grad_loss, label_smoothing=0.1, reduction=reduction, scale_layout="swizzled"
+    )
+    assert "launch_cross_entropy_bwd_mxfp8" in spy_launchers
+    assert torch.equal(bits(fused_loss), bits(loss.detach()))
+    quantized = lowp_ops.mxfp8_quantize(grad, scale_layout="swizzled")
+    for field in ("row_data", "row_scale", "col_data", "col_scale"):
+        assert torch.equal(
+            getattr(payload, field).view(torch.uint8), getattr(quantized, field).view(torch.uint8)
+        ), field
+
+
+@pytest.mark.interp
+def test_interp_public_softmax_runs_the_kernels(spy_launchers):
+    require_cpu_kernels()
+    x = softmax_inputs(6, softmax_kernels.MAX_BLOCK + 50, torch.float32, "cpu")
+    leaf = x.clone().requires_grad_()
+    out = lowp_ops.softmax(leaf, masked_rows="zero")
+    out.backward(torch.ones_like(out))
+    assert {"launch_softmax_fwd", "launch_softmax_bwd"} <= set(spy_launchers)
+    want = torch.softmax(x.double(), -1).nan_to_num(0.0)
+    p, rel, _ = row_scales(x)
+    assert_within_ulps(out.detach(), want, slack=p * rel, what="softmax")
+    assert (leaf.grad[1] == 0).all()
+    lse = lowp_ops.logsumexp(x)
+    assert "launch_logsumexp" in spy_launchers
+    torch.testing.assert_close(lse.double(), torch.logsumexp(x.double(), -1), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.interp
+def test_interp_opcheck_through_the_kernels():
+    require_cpu_kernels()
+    logits, target = ce_inputs(37, 75, torch.bfloat16, "cpu")
+    logits[4] = 0.5  # opcheck compares with assert_close: no NaN row here
+    permuted = logits.t().contiguous().t()
+    torch.library.opcheck(
+        torch.ops.lowp.cross_entropy_fwd.default, (permuted.requires_grad_(), target, 0.1, IGNORE)
+    )
+    _, lse = torch.ops.lowp.cross_entropy_fwd(logits, target, 0.1, IGNORE)
+    grad_rows = grad_rows_for(37, "cpu", "expanded")
+    torch.library.opcheck(
+        torch.ops.lowp.cross_entropy_bwd.default, (logits, target, lse, grad_rows, 0.1, IGNORE)
+    )
+    torch.library.opcheck(
+        torch.ops.lowp.cross_entropy_bwd_mxfp8.default,
+        (permuted.detach(), target, lse, grad_rows, 0.1, IGNORE, "e4m3", True, True, "swizzled"),
+    )
+    x = softmax_inputs(37, 75, torch.float32, "cpu")
+    torch.library.opcheck(torch.ops.lowp.softmax_fwd.default, (x.requires_grad_(), True, "zero"))
+    torch.library.opcheck(torch.ops.lowp.logsumexp.default, (x.t().contiguous().t().nan_to_num(neginf=-5.0),))
