@@ -1,0 +1,363 @@
+"""Triton MXFP8 kernels against the pure-PyTorch reference, byte for byte.
+
+``interp`` tests run the kernels on CPU tensors under TRITON_INTERPRET=1 (small shapes, few examples);
+``gpu`` tests run the same bodies on CUDA at larger shapes. The reference always runs on CPU: it defines
+the semantics (te_cross_entropy_mxfp8.md B.5-B.6) and is itself checked in test_mxfp8_reference.py.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from lowp_ops.kernels import mxfp8 as kernels
+from lowp_ops.reference import mxfp8 as reference
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# One test body per property; the parameter picks the suite and the size of the shapes drawn.
+SUITES = [
+    pytest.param("interp", marks=pytest.mark.interp, id="interp"),
+    pytest.param("gpu", marks=pytest.mark.gpu, id="gpu"),
+]
+MAX_SIDE = {"interp": 200, "gpu": 1500}
+property_settings = settings(
+    max_examples=15 if INTERPRET else 60,
+    deadline=None,
+    # Shrinking a failure takes minutes in the interpreter: report the first failing example as drawn.
+    phases=[phase for phase in Phase if phase != Phase.shrink or not INTERPRET],
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
+FP8_DTYPES = ("e4m3", "e5m2")
+LAYOUTS = ("compact", "swizzled")
+COPIES = {"both": (True, True), "rowwise": (True, False), "columnwise": (False, True)}
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Magnitude spread 2^k. "wide": k per column in +-30 (fp16: within its range, subnormals included).
+# "extreme": k per row from fp32/bf16 subnormals (E8M0 code 0, v = amax * R an fp32 denormal) up to
+# 2^117, plus k per column in +-8, so that whole blocks sit at every magnitude.
+WIDE_EXPONENTS = {torch.float32: (-30, 30), torch.bfloat16: (-30, 30), torch.float16: (-20, 12)}
+EXTREME_ROW_EXPONENTS = {torch.float32: (-150, 117), torch.bfloat16: (-150, 117), torch.float16: (-30, 5)}
+BF16_MIN_NORMAL = 2.0**-126
+OUTPUT_NAMES = ("row_data", "row_scale", "col_data", "col_scale")
+
+
+def make_input(shape, dtype, seed: int, n_special: int, layout: str, spread: str = "wide") -> torch.Tensor:
+    """randn * 2^k, ``n_special`` NaN/+-Inf at random places, in the given memory layout."""
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randn(shape, generator=gen, dtype=torch.float64)
+    if spread == "wide":
+        low, high = WIDE_EXPONENTS[dtype]
+        exponents = torch.randint(low, high + 1, (shape[-1],), generator=gen)
+    else:
+        low, high = EXTREME_ROW_EXPONENTS[dtype]
+        exponents = torch.randint(low, high + 1, (*shape[:-1], 1), generator=gen)
+        exponents = exponents + torch.randint(-8, 9, (shape[-1],), generator=gen)
+    values = values * torch.exp2(exponents.double())
+    if INTERPRET and dtype == torch.bfloat16:
+        # The interpreter (triton 3.9) converts bf16 subnormals to fp32 wrongly; the GPU suite keeps them.
+        values = torch.where(values.abs() < BF16_MIN_NORMAL, 0.0, values)
+    flat = values.view(-1)
+    specials = torch.tensor([math.nan, math.inf, -math.inf], dtype=torch.float64)
+    for _ in range(n_special if flat.numel() else 0):
+        index = torch.randint(flat.numel(), (1,), generator=gen)
+        flat[index] = specials[torch.randint(3, (1,), generator=gen)]
+    x = values.to(dtype)
+    if layout == "transposed":
+        return x.transpose(-1, -2).contiguous().transpose(-1, -2)
+    if layout == "strided":
+        wide = torch.zeros(*shape[:-1], 2 * shape[-1], dtype=dtype)
+        wide[..., ::2] = x
+        return wide[..., ::2]
+    return x
+
+
+def shapes(max_side: int):
+    side = st.one_of(st.integers(1, min(max_side, 300)), st.integers(1, max_side))
+    two_d = st.tuples(side, side)
+    n_d = st.tuples(st.integers(1, 3), st.integers(1, 3), st.integers(1, 40), st.integers(1, 70))
+    return st.one_of(two_d, two_d, two_d, n_d)
+
+
+def assert_bytes_equal(name: str, got: torch.Tensor, expected: torch.Tensor) -> None:
+    got = got.cpu().view(torch.uint8)
+    expected = expected.view(torch.uint8)
+    assert got.shape == expected.shape, f"{name}: shape {tuple(got.shape)} != {tuple(expected.shape)}"
+    mismatch = got != expected
+    if mismatch.any():
+        first = tuple(i.item() for i in mismatch.nonzero()[0])
+        raise AssertionError(
+            f"{name}: {mismatch.sum().item()} of {got.numel()} bytes differ; first at {first}: "
+            f"got {got[first].item():#04x}, expected {expected[first].item():#04x}"
+        )
+
+
+def assert_quantize_matches_reference(
+    x: torch.Tensor, device: str, fp8_dtype: str, rowwise: bool, columnwise: bool, scale_layout: str
+) -> None:
+    expected = reference.mxfp8_quantize(x, fp8_dtype, rowwise, columnwise, scale_layout)
+    got = kernels.launch_mxfp8_quantize(x.to(device), fp8_dtype, rowwise, columnwise, scale_layout)
+    for name, g, e in zip(OUTPUT_NAMES, got, expected, strict=True):
+        assert g.device.type == device
+        assert_bytes_equal(name, g, e)
+
+
+def assert_same_floats(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Bit equality, except that any NaN matches any NaN."""
+    got = got.cpu()
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    both_nan = torch.isnan(got) & torch.isnan(expected)
+    int_dtype = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+    same_bits = got.view(int_dtype[got.dtype]) == expected.view(int_dtype[got.dtype])
+    mismatch = ~(both_nan | same_bits)
+    if mismatch.any():
+        first = tuple(i.item() for i in mismatch.nonzero()[0])
+        raise AssertionError(
+            f"{mismatch.sum().item()} values differ; first at {first}: "
+            f"got {got[first].item()!r}, expected {expected[first].item()!r}"
+        )
+
+
+def within_interpreter_limits(data_bytes, scale, fp8_dtype: str, out_dtype: torch.dtype):
+    """Dequantize inputs the Triton interpreter (3.9) handles; the GPU suite keeps every code.
+
+    The interpreter decodes FP8 Inf/NaN codes as finite numbers (E4M3 0x7F as 480), and rounds fp32 ->
+    bf16 toward zero with wrong subnormals; products FP8 x 2^k in bf16's normal range need no rounding.
+    """
+    magnitude = data_bytes & 0x7F
+    special = magnitude == 0x7F if fp8_dtype == "e4m3" else magnitude >= 0x7C
+    data_bytes = torch.where(special, 0, data_bytes)
+    if out_dtype == torch.bfloat16:
+        # Smallest nonzero FP8 is 2^-9 (E4M3) / 2^-16 (E5M2): codes >= 17 keep products >= 2^-126.
+        scale = scale.clamp(min=17)
+    return data_bytes, scale
+
+
+# ------------------------------------------------------------------------------------------ quantize
+
+
+@pytest.mark.parametrize("suite", SUITES)
+@property_settings
+@given(
+    data=st.data(),
+    dtype=st.sampled_from(INPUT_DTYPES),
+    fp8_dtype=st.sampled_from(FP8_DTYPES),
+    scale_layout=st.sampled_from(LAYOUTS),
+    copies=st.sampled_from(sorted(COPIES)),
+    layout=st.sampled_from(["contiguous", "contiguous", "transposed", "strided"]),
+    n_special=st.sampled_from([0, 0, 0, 1, 3]),
+    spread=st.sampled_from(["wide", "wide", "extreme"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_quantize_kernel_matches_reference(
+    suite, kernel_device, data, dtype, fp8_dtype, scale_layout, copies, layout, n_special, spread, seed
+):
+    shape = data.draw(shapes(MAX_SIDE[suite]), label="shape")
+    x = make_input(shape, dtype, seed, n_special, layout, spread)
+    assert_quantize_matches_reference(x, kernel_device, fp8_dtype, *COPIES[copies], scale_layout)
+
+
+@pytest.mark.parametrize("suite", SUITES)
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 1), (1, 16), (31, 33), (45, 70), (64, 64), (33, 200), (3, 5, 33), (32, 256), (64, 512)],
+    ids=str,
+)
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("scale_layout", LAYOUTS)
+@pytest.mark.parametrize(
+    ("dtype", "layout", "spread"),
+    [
+        (torch.bfloat16, "contiguous", "wide"),
+        (torch.bfloat16, "transposed", "extreme"),
+        (torch.float16, "transposed", "wide"),
+        (torch.float32, "strided", "extreme"),
+    ],
+    ids=["bf16-contiguous-wide", "bf16-transposed-extreme", "fp16-transposed-wide", "fp32-strided-extreme"],
+)
+def test_quantize_kernel_matches_reference_on_fixed_small_shapes(
+    suite, kernel_device, shape, fp8_dtype, scale_layout, dtype, layout, spread
+):
+    """Deterministic coverage next to the property test: every memory layout, NaN and Inf, subnormals."""
+    x = make_input(shape, dtype, seed=sum(shape), n_special=2, layout=layout, spread=spread)
+    assert_quantize_matches_reference(x, kernel_device, fp8_dtype, True, True, scale_layout)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("shape", "dtype", "spread"),
+    [
+        ((4096, 4096), torch.bfloat16, "wide"),
+        ((16384, 1000), torch.bfloat16, "extreme"),
+        ((1000, 257), torch.float32, "extreme"),
+        ((8, 512, 1056), torch.float16, "wide"),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("scale_layout", LAYOUTS)
+def test_quantize_kernel_matches_reference_at_large_shapes(
+    kernel_device, shape, dtype, spread, fp8_dtype, scale_layout
+):
+    x = make_input(shape, dtype, seed=1, n_special=4, layout="contiguous", spread=spread)
+    assert_quantize_matches_reference(x, kernel_device, fp8_dtype, True, True, scale_layout)
+
+
+@pytest.mark.parametrize("suite", SUITES)
+@pytest.mark.parametrize(
+    ("shape", "row_scale_shape", "col_scale_shape"),
+    [((0, 32), (0, 4), (0, 128)), ((4, 0), (128, 0), (4, 0)), ((2, 0, 5), (0, 4), (0, 128))],
+    ids=str,
+)
+def test_quantize_kernel_handles_empty_input(suite, kernel_device, shape, row_scale_shape, col_scale_shape):
+    x = torch.ones(shape, device=kernel_device)
+    row_data, row_scale, col_data, col_scale = kernels.launch_mxfp8_quantize(x, "e4m3", True, True, "compact")
+    assert row_data.shape == col_data.shape == x.shape
+    assert tuple(row_scale.shape) == row_scale_shape and tuple(col_scale.shape) == col_scale_shape
+    assert not row_scale.any() and not col_scale.any()
+
+
+# ---------------------------------------------------------------------------------------- dequantize
+
+
+@pytest.mark.parametrize("suite", SUITES)
+@property_settings
+@given(
+    data=st.data(),
+    out_dtype=st.sampled_from(INPUT_DTYPES),
+    fp8_dtype=st.sampled_from(FP8_DTYPES),
+    scale_layout=st.sampled_from(LAYOUTS),
+    use=st.sampled_from(["rowwise", "columnwise"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_dequantize_kernel_matches_reference_on_every_code(
+    suite, kernel_device, data, out_dtype, fp8_dtype, scale_layout, use, seed
+):
+    """Random data bytes (every FP8 code, NaN/Inf included) and random E8M0 codes 0..255."""
+    shape = data.draw(shapes(MAX_SIDE[suite]), label="shape")
+    rows, cols = math.prod(shape[:-1]), shape[-1]
+    row_blocks, col_blocks = -(-cols // 32), -(-rows // 32)
+    if use == "rowwise":
+        scale_shape = (-(-rows // 128) * 128, -(-row_blocks // 4) * 4)
+    else:
+        scale_shape = (-(-col_blocks // 4) * 4, -(-cols // 128) * 128)
+    gen = torch.Generator().manual_seed(seed)
+    data_bytes = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+    scale = torch.randint(0, 256, scale_shape, generator=gen, dtype=torch.uint8)
+    if suite == "interp":
+        data_bytes, scale = within_interpreter_limits(data_bytes, scale, fp8_dtype, out_dtype)
+    expected = reference.mxfp8_dequantize(data_bytes, scale, fp8_dtype, use, scale_layout, out_dtype)
+    got = kernels.launch_mxfp8_dequantize(
+        data_bytes.to(kernel_device), scale.to(kernel_device), fp8_dtype, use, scale_layout, out_dtype
+    )
+    assert got.device.type == kernel_device
+    assert_same_floats(got, expected)
+
+
+@pytest.mark.parametrize("suite", SUITES)
+@pytest.mark.parametrize("use", ["rowwise", "columnwise"])
+@pytest.mark.parametrize("scale_layout", LAYOUTS)
+def test_dequantize_kernel_round_trips_kernel_quantize(suite, kernel_device, use, scale_layout):
+    shape = (70, 97) if suite == "interp" else (3000, 2049)
+    x = make_input(shape, torch.bfloat16, seed=2, n_special=2, layout="contiguous")
+    outputs = kernels.launch_mxfp8_quantize(x.to(kernel_device), "e4m3", True, True, scale_layout)
+    data, scale = outputs[:2] if use == "rowwise" else outputs[2:]
+    got = kernels.launch_mxfp8_dequantize(data, scale, "e4m3", use, scale_layout, torch.float32)
+    expected_q = reference.mxfp8_quantize(x, "e4m3", True, True, scale_layout)
+    expected_data, expected_scale = expected_q[:2] if use == "rowwise" else expected_q[2:]
+    expected = reference.mxfp8_dequantize(
+        expected_data, expected_scale, "e4m3", use, scale_layout, torch.float32
+    )
+    assert_same_floats(got, expected)
+
+
+# ---------------------------------------------------------------------------------- through the ops
+
+
+@pytest.fixture
+def op_runs_kernel(monkeypatch, kernel_device):
+    """Route CPU op calls to the Triton kernels (as scripts/test.sh does) and count kernel launches."""
+    if kernel_device == "cpu":
+        monkeypatch.setenv("LOWP_OPS_CPU_KERNELS", "triton")
+    calls = {"quantize": 0, "dequantize": 0}
+
+    def counted(name, launcher):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return launcher(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(kernels, "launch_mxfp8_quantize", counted("quantize", kernels.launch_mxfp8_quantize))
+    monkeypatch.setattr(
+        kernels, "launch_mxfp8_dequantize", counted("dequantize", kernels.launch_mxfp8_dequantize)
+    )
+    return calls
+
+
+@pytest.mark.parametrize("suite", SUITES)
+@pytest.mark.parametrize("scale_layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_quantize_op_runs_kernel_and_matches_reference(
+    suite, kernel_device, op_runs_kernel, dtype, scale_layout
+):
+    x = make_input((45, 70), dtype, seed=4, n_special=1, layout="transposed")
+    got = torch.ops.lowp.mxfp8_quantize(x.to(kernel_device), "e5m2", True, True, scale_layout)
+    assert op_runs_kernel["quantize"] == 1
+    expected = reference.mxfp8_quantize(x, "e5m2", True, True, scale_layout)
+    for name, g, e in zip(OUTPUT_NAMES, got, expected, strict=True):
+        assert_bytes_equal(name, g, e)
+    deq = torch.ops.lowp.mxfp8_dequantize(got[2], got[3], "e5m2", "columnwise", scale_layout, dtype)
+    assert op_runs_kernel["dequantize"] == 1
+    assert_same_floats(
+        deq, reference.mxfp8_dequantize(*expected[2:], "e5m2", "columnwise", scale_layout, dtype)
+    )
+
+
+@pytest.mark.parametrize("suite", SUITES)
+@pytest.mark.parametrize("permuted", [False, True], ids=["contiguous", "permuted"])
+@pytest.mark.parametrize("scale_layout", LAYOUTS)
+def test_opcheck_ops_on_kernels(suite, kernel_device, op_runs_kernel, scale_layout, permuted):
+    x = make_input(
+        (40, 70), torch.bfloat16, seed=8, n_special=0, layout="transposed" if permuted else "contiguous"
+    )
+    x = x.to(kernel_device)
+    torch.library.opcheck(torch.ops.lowp.mxfp8_quantize.default, (x, "e4m3", True, True, scale_layout))
+    assert op_runs_kernel["quantize"] > 0
+    row_data, row_scale, _, _ = torch.ops.lowp.mxfp8_quantize(x, "e4m3", True, False, scale_layout)
+    torch.library.opcheck(
+        torch.ops.lowp.mxfp8_dequantize.default,
+        (row_data, row_scale, "e4m3", "rowwise", scale_layout, torch.bfloat16),
+    )
+    assert op_runs_kernel["dequantize"] > 0
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_compiled_ops_run_kernel_without_recompiles(suite, kernel_device, op_runs_kernel):
+    def round_trip(x):
+        _, _, col_data, col_scale = torch.ops.lowp.mxfp8_quantize(x, "e4m3", True, True, "swizzled")
+        return torch.ops.lowp.mxfp8_dequantize(col_data, col_scale, "e4m3", "columnwise", "swizzled", x.dtype)
+
+    compiled = torch.compile(round_trip, backend="aot_eager", fullgraph=True, dynamic=True)
+    for index, shape in enumerate([(40, 70), (65, 33), (3, 130)]):
+        x = make_input(shape, torch.bfloat16, seed=index, n_special=0, layout="contiguous")
+        if index == 1:
+            torch.compiler.set_stance("fail_on_recompile")
+        try:
+            got = compiled(x.to(kernel_device))
+        finally:
+            torch.compiler.set_stance("default")
+        expected = reference.mxfp8_dequantize(
+            *reference.mxfp8_quantize(x, "e4m3", False, True, "swizzled")[2:],
+            "e4m3",
+            "columnwise",
+            "swizzled",
+            torch.bfloat16,
+        )
+        assert_same_floats(got, expected)
+    assert op_runs_kernel["quantize"] >= 3
