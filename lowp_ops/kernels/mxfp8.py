@@ -180,7 +180,6 @@ def quantize_tile_columnwise(
 def mxfp8_quantize_kernel(
     x_ptr,
     stride_row,
-    stride_col,
     rows,
     cols,
     row_data_ptr,
@@ -205,7 +204,7 @@ def mxfp8_quantize_kernel(
     tile_col0 = tl.program_id(1) * BLOCK_COLS
     rows_idx = row_block * 32 + tl.arange(0, 32)
     cols_idx = tile_col0 + tl.arange(0, BLOCK_COLS)
-    ptrs = x_ptr + rows_idx[:, None].to(tl.int64) * stride_row + cols_idx[None, :].to(tl.int64) * stride_col
+    ptrs = x_ptr + rows_idx[:, None].to(tl.int64) * stride_row + cols_idx[None, :]
     # Upcast right after the load (bf16 math is wrong in the Triton interpreter); padding lanes are 0.
     if EVEN:
         x = tl.load(ptrs).to(tl.float32)
@@ -307,7 +306,8 @@ def launch_mxfp8_quantize(
     block_cols: int | None = None,
     num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``lowp::mxfp8_quantize`` on a CUDA (or interpreted CPU) tensor; any strides. ``block_cols`` and
+    """``lowp::mxfp8_quantize`` on a CUDA (or interpreted CPU) tensor. Any strides: rows are read through
+    their stride, an input whose last dim is not unit-stride is copied first. ``block_cols`` and
     ``num_warps`` override the launch configuration (for benchmarks)."""
     outputs = mxfp8_quantize_outputs(x, fp8_dtype, rowwise, columnwise, scale_layout)
     row_data, row_scale, col_data, col_scale = outputs
@@ -315,13 +315,16 @@ def launch_mxfp8_quantize(
     if rows == 0 or cols == 0:
         return outputs
     x2d = x.reshape(rows, cols)
+    if x2d.stride(1) != 1:
+        # The kernel reads row-major tiles only. Column-major 16-bit input (row stride 1) on one warp
+        # crashed the H200 (illegal address, Triton 3.6, 45 x 70 bf16 with strides (1, 45)).
+        x2d = x2d.contiguous()
     default_cols, default_warps = quantize_config(cols)
     block_cols, num_warps = block_cols or default_cols, num_warps or default_warps
     grid = (triton.cdiv(rows, TILE_ROWS), triton.cdiv(cols, block_cols))
     mxfp8_quantize_kernel[grid](
         x2d,
         x2d.stride(0),
-        x2d.stride(1),
         rows,
         cols,
         row_data.view(FP8_DTYPES[fp8_dtype]),

@@ -74,10 +74,10 @@ def quantize_rowwise(x2d: torch.Tensor, fp8_dtype: str) -> tuple[torch.Tensor, t
     """(data (rows, cols) FP8, codes (rows, ceil(cols/32)) uint8) for 1x32 blocks."""
     rows, cols = x2d.shape
     padded = _padded_blocks(x2d)[:rows]
-    blocks = padded.view(rows, -1, _BLOCK)
+    blocks = padded.view(rows, padded.shape[1] // _BLOCK, _BLOCK)
     code = e8m0_from_amax(blocks.abs().amax(dim=2), fp8_dtype)
     scaled = blocks * quantize_multiplier(code).unsqueeze(2)
-    data = cast_to_fp8_satfinite(scaled, fp8_dtype).view(rows, -1)[:, :cols]
+    data = cast_to_fp8_satfinite(scaled, fp8_dtype).view(rows, padded.shape[1])[:, :cols]
     return data, code.to(torch.uint8)
 
 
@@ -85,10 +85,10 @@ def quantize_columnwise(x2d: torch.Tensor, fp8_dtype: str) -> tuple[torch.Tensor
     """(data (rows, cols) FP8, codes (ceil(rows/32), cols) uint8) for 32x1 blocks."""
     rows, cols = x2d.shape
     padded = _padded_blocks(x2d)[:, :cols]
-    blocks = padded.view(-1, _BLOCK, cols)
+    blocks = padded.view(padded.shape[0] // _BLOCK, _BLOCK, cols)
     code = e8m0_from_amax(blocks.abs().amax(dim=1), fp8_dtype)
     scaled = blocks * quantize_multiplier(code).unsqueeze(1)
-    data = cast_to_fp8_satfinite(scaled, fp8_dtype).view(-1, cols)[:rows]
+    data = cast_to_fp8_satfinite(scaled, fp8_dtype).view(padded.shape[0], cols)[:rows]
     return data, code.to(torch.uint8)
 
 
