@@ -11,7 +11,10 @@ HAS_CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 settings.register_profile(
-    "ci", max_examples=30, deadline=None, derandomize=True,
+    "ci",
+    max_examples=30,
+    deadline=None,
+    derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.register_profile("gpu", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
