@@ -1,17 +1,21 @@
 """lowp_ops: low-precision training ops that stay inside torch.compile graphs and CUDA graphs."""
 
 from . import library  # noqa: F401  (registers torch.ops.lowp.*)
-from .formats import MXFP8Tensor
+from .formats import MXFP8Tensor, NVFP4Tensor
 from .functional import cross_entropy, cross_entropy_with_mxfp8_grad, log_softmax, logsumexp, softmax
 from .mxfp8 import mxfp8_dequantize, mxfp8_quantize
+from .nvfp4 import nvfp4_dequantize, nvfp4_quantize
 
 __all__ = [
     "MXFP8Tensor",
+    "NVFP4Tensor",
     "cross_entropy",
     "cross_entropy_with_mxfp8_grad",
     "log_softmax",
     "logsumexp",
     "mxfp8_dequantize",
     "mxfp8_quantize",
+    "nvfp4_dequantize",
+    "nvfp4_quantize",
     "softmax",
 ]

@@ -48,6 +48,19 @@ def round_to_fp32(value: float) -> float:
 FP8_MAX_RCP: dict[str, float] = {name: fp32_from_bits(bits) for name, bits in FP8_MAX_RCP_BITS.items()}
 """fp32 ``1/max_norm`` exactly as TE's CUDA rounds it (448 * R = 1 + 0.375 ulp for E4M3)."""
 
+NVFP4_BLOCK_SIZE = 16
+"""Elements that share one E4M3 block scale (1x16, or 16x16 tiles for 2-D weights)."""
+
+F4E2M1_MAX = 6.0
+NVFP4_GLOBAL_SCALE_NUMERATOR = 2688.0
+"""448 (E4M3 max) x 6 (E2M1 max): the global encode scale is ``2688 / amax``."""
+
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+"""E2M1 code k (0..7) has this magnitude; code k + 8 is its negative (8 is -0)."""
+
+RHT_SIGN_MASK = 0xD7E8
+"""Bit i set: the 16-point random Hadamard transform negates input i (TE's fixed wgrad sign vector)."""
+
 SCALE_LAYOUTS = ("compact", "swizzled")
 MXFP8_USES = ("rowwise", "columnwise")
 HIGH_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -77,6 +90,30 @@ class MXFP8Tensor:
     shape: torch.Size
 
 
+@dataclass
+class NVFP4Tensor:
+    """An NVFP4 tensor: E2M1 data (two per byte, element 2i in the low nibble) with one E4M3 scale per
+    16 elements and an fp32 global amax per copy. The tensor is viewed as 2-D ``(M, K)``.
+
+    - ``row_data``: uint8 ``(M, K/2)``; ``row_scale``: E4M3 bits as uint8,
+      ``[roundup(M, 128), roundup(ceil(K/16), 4)]``, zero padding; ``amax_rowwise``: fp32 ``(1,)``.
+    - ``col_data``: uint8 ``(K, M/2)``, the quantized *transpose* (of ``RHT(x^T)`` when ``rht``);
+      ``col_scale``: ``[roundup(K, 128), roundup(ceil(M/16), 4)]``; ``amax_columnwise``: fp32 ``(1,)``.
+    - A copy that was not asked for is ``None``. Dequantized value:
+      ``e2m1(q) * (fp32(scale) * amax * fp32(1/2688))``.
+    """
+
+    row_data: torch.Tensor | None
+    row_scale: torch.Tensor | None
+    col_data: torch.Tensor | None
+    col_scale: torch.Tensor | None
+    amax_rowwise: torch.Tensor | None
+    amax_columnwise: torch.Tensor | None
+    rht: bool
+    block_2d: bool
+    shape: torch.Size
+
+
 def _flatten_mxfp8(t: MXFP8Tensor):
     children = [t.row_data, t.row_scale, t.col_data, t.col_scale]
     return children, (t.fp8_dtype, t.scale_layout, tuple(t.shape))
@@ -89,6 +126,21 @@ def _unflatten_mxfp8(children, context) -> MXFP8Tensor:
 
 pytree.register_pytree_node(
     MXFP8Tensor, _flatten_mxfp8, _unflatten_mxfp8, serialized_type_name="lowp_ops.formats.MXFP8Tensor"
+)
+
+
+def _flatten_nvfp4(t: NVFP4Tensor):
+    children = [t.row_data, t.row_scale, t.col_data, t.col_scale, t.amax_rowwise, t.amax_columnwise]
+    return children, (t.rht, t.block_2d, tuple(t.shape))
+
+
+def _unflatten_nvfp4(children, context) -> NVFP4Tensor:
+    rht, block_2d, shape = context
+    return NVFP4Tensor(*children, rht=rht, block_2d=block_2d, shape=torch.Size(shape))
+
+
+pytree.register_pytree_node(
+    NVFP4Tensor, _flatten_nvfp4, _unflatten_nvfp4, serialized_type_name="lowp_ops.formats.NVFP4Tensor"
 )
 
 

@@ -17,9 +17,11 @@ import torch
 
 from .meta import cross_entropy as ce_meta
 from .meta import mxfp8 as mxfp8_meta
+from .meta import nvfp4 as nvfp4_meta
 from .meta import softmax as softmax_meta
 from .reference import cross_entropy as ce_ref
 from .reference import mxfp8 as mxfp8_ref
+from .reference import nvfp4 as nvfp4_ref
 from .reference import softmax as softmax_ref
 
 
@@ -28,8 +30,13 @@ def cpu_runs_triton() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("LOWP_OPS_CPU_KERNELS") == "triton"
 
 
-def _define(name: str, schema: str, reference: Callable, launcher: str, fake: Callable):
-    """Define ``lowp::<name>``: reference by default, ``kernels.<launcher>`` on CUDA, ``fake`` for tracing."""
+def _define(name: str, schema: str, reference: Callable, launcher: str | None, fake: Callable):
+    """Define ``lowp::<name>``: reference by default, ``kernels.<launcher>`` on CUDA, ``fake`` for tracing.
+    Without a launcher the reference (graph-safe, no host sync) also serves CUDA."""
+    if launcher is None:
+        op = torch.library.custom_op(f"lowp::{name}", reference, mutates_args=(), schema=schema)
+        op.register_fake(fake)
+        return op
     module_name, function_name = launcher.rsplit(".", 1)
 
     def triton_kernel(*args):
@@ -64,6 +71,26 @@ mxfp8_dequantize = _define(
     mxfp8_ref.mxfp8_dequantize,
     "mxfp8.launch_mxfp8_dequantize",
     mxfp8_meta.mxfp8_dequantize_output,
+)
+
+# ----------------------------------------------------------------------------------------------- NVFP4
+# Reference only so far (it is graph-safe on CUDA too); the Triton kernels are the next step.
+
+nvfp4_quantize = _define(
+    "nvfp4_quantize",
+    "(Tensor x, bool rowwise, bool columnwise, bool rht, Tensor? amax_rowwise, Tensor? amax_columnwise,"
+    " bool block_2d) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    nvfp4_ref.nvfp4_quantize,
+    None,
+    nvfp4_meta.nvfp4_quantize_outputs,
+)
+
+nvfp4_dequantize = _define(
+    "nvfp4_dequantize",
+    "(Tensor data, Tensor scale, Tensor amax, ScalarType dtype) -> Tensor",
+    nvfp4_ref.nvfp4_dequantize,
+    None,
+    nvfp4_meta.nvfp4_dequantize_output,
 )
 
 # --------------------------------------------------------------------------------------------- softmax

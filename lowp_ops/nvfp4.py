@@ -1,0 +1,70 @@
+"""Public NVFP4 functions (thin wrappers over ``torch.ops.lowp``)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import library  # noqa: F401  (registers the ops)
+from .formats import NVFP4Tensor
+from .meta.checks import require
+from .meta.nvfp4 import check_quantize_args
+
+
+def nvfp4_quantize(
+    x: torch.Tensor,
+    *,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    rht: bool = False,
+    amax_rowwise: torch.Tensor | None = None,
+    amax_columnwise: torch.Tensor | None = None,
+    block_2d: bool = False,
+    stochastic_rounding: bool = False,
+) -> NVFP4Tensor:
+    """Quantize ``x`` (viewed as ``(M, K)``) to NVFP4 with round-to-nearest, as TransformerEngine's reference.
+
+    Args:
+        rowwise / columnwise: the copies to write; the column-wise copy quantizes ``x^T`` (K, M).
+        rht: apply the 16-point random Hadamard transform to the column-wise operand (bf16 ``x``,
+            ``M % 16 == 0``); the row-wise copy is never transformed.
+        amax_rowwise / amax_columnwise: fp32 global amaxes to use as is (no amax pass runs for them).
+        block_2d: one scale per 16x16 tile (weights); not with ``rht``.
+        stochastic_rounding: not implemented yet (raises).
+
+    Numerics (see ``lowp_ops.reference.nvfp4``): global scale ``2688 / amax``, E4M3 block scales, E2M1
+    data with ties to even; ``x_hat = e2m1(q) * fp32(s_b) * amax / 2688``. Currently the pure-PyTorch
+    reference on every device (graph-safe, no host sync); the Triton kernels are the next step.
+    """
+    if stochastic_rounding:
+        raise NotImplementedError("stochastic_rounding: NVFP4 stochastic rounding is not implemented yet")
+    check_quantize_args(x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d)
+    row_data, row_scale, col_data, col_scale, amax_row, amax_col = torch.ops.lowp.nvfp4_quantize(
+        x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d
+    )
+    return NVFP4Tensor(
+        row_data=row_data if rowwise else None,
+        row_scale=row_scale if rowwise else None,
+        col_data=col_data if columnwise else None,
+        col_scale=col_scale if columnwise else None,
+        amax_rowwise=amax_row,
+        amax_columnwise=amax_col,
+        rht=rht,
+        block_2d=block_2d,
+        shape=x.shape,
+    )
+
+
+def nvfp4_dequantize(
+    q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16, use: str = "rowwise"
+) -> torch.Tensor:
+    """Dequantize one copy of ``q``: ``"rowwise"`` gives ``q.shape``; ``"columnwise"`` gives the 2-D
+    transposed operand ``(K, M)`` (in the Hadamard domain when ``q.rht``)."""
+    if not isinstance(q, NVFP4Tensor):
+        raise TypeError(f"q must be an NVFP4Tensor, got {type(q).__name__}")
+    require(use in ("rowwise", "columnwise"), lambda: f"use must be 'rowwise' or 'columnwise', got {use!r}")
+    if use == "rowwise":
+        require(q.row_data is not None, lambda: "use='rowwise' but q holds no rowwise copy")
+        values = torch.ops.lowp.nvfp4_dequantize(q.row_data, q.row_scale, q.amax_rowwise, dtype)
+        return values.view(q.shape)
+    require(q.col_data is not None, lambda: "use='columnwise' but q holds no columnwise copy")
+    return torch.ops.lowp.nvfp4_dequantize(q.col_data, q.col_scale, q.amax_columnwise, dtype)

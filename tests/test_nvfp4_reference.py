@@ -1,0 +1,269 @@
+"""NVFP4 (round-to-nearest) reference: E2M1 rounding, packing, the RHT, and quantize/dequantize against
+an independent per-block numpy-float32 oracle written from te_grouped_mlp_nvfp4.md §3-4."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import lowp_ops
+from lowp_ops.reference import nvfp4 as ref
+
+GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
+SPEC_SIGNS = [1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1]
+F32 = np.float32
+
+
+def nearest_even_code(value: float) -> int:
+    """Brute force: the E2M1 code nearest to ``value`` (|value| <= 6), ties to the even code; negative
+    values keep their sign even when they round to zero, -0.0 is +0."""
+    distances = np.abs(GRID - abs(value))
+    best = np.flatnonzero(distances == distances.min())
+    code = int(best[0] if len(best) == 1 else best[best % 2 == 0][0])
+    return code + 8 if value < 0 else code
+
+
+def oracle_quantize(t: np.ndarray, amax: float, block_2d: bool = False):
+    """Per-block oracle in numpy float32: (codes (R, C) int, scale bytes (R, ceil(C/16)))."""
+    rows, cols = t.shape
+    n_blocks = -(-cols // 16)
+    padded = np.zeros((rows + (-rows % 16 if block_2d else 0), n_blocks * 16), dtype=F32)
+    padded[:rows, :cols] = t
+    vec_max = np.abs(padded.reshape(padded.shape[0], n_blocks, 16)).max(axis=2)
+    if block_2d:
+        tiles = vec_max.reshape(-1, 16, n_blocks).max(axis=1)
+        vec_max = np.repeat(tiles, 16, axis=0)
+    with np.errstate(divide="ignore", over="ignore"):
+        encode = F32(1.0) if amax == 0 else min(F32(2688.0) / F32(amax), np.finfo(F32).max)
+    encode = F32(1.0) if encode == 0 else F32(encode)
+    decode = F32(1.0) / encode
+    scale_in = np.minimum(vec_max * (encode * F32(1.0 / 6.0)), F32(448.0)).astype(F32)
+    scale = torch.from_numpy(scale_in).to(torch.float8_e4m3fn)
+    scale_f = scale.float().numpy()
+    with np.errstate(divide="ignore"):
+        block_encode = np.minimum(F32(1.0) / (scale_f * decode), np.finfo(F32).max).astype(F32)
+    codes = np.zeros(padded.shape, dtype=np.int64)
+    for r in range(rows):
+        for c in range(cols):
+            scaled = np.clip(padded[r, c] * block_encode[r, c // 16], F32(-6), F32(6))
+            codes[r, c] = nearest_even_code(float(scaled))
+    return codes[:rows, :cols], scale.view(torch.uint8).numpy()[:rows]
+
+
+def unpack(packed: torch.Tensor) -> np.ndarray:
+    data = packed.numpy()
+    return np.stack([data & 0xF, data >> 4], axis=-1).reshape(data.shape[0], -1)
+
+
+def random_matrix(rows: int, cols: int, seed: int, dtype=torch.bfloat16) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    spread = torch.exp2(torch.randint(-12, 12, (1, cols), generator=gen).double())
+    return (torch.randn(rows, cols, generator=gen, dtype=torch.float64) * spread).to(dtype)
+
+
+def sylvester_hadamard_16() -> np.ndarray:
+    h = np.array([[1.0]])
+    for _ in range(4):
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+@pytest.mark.parametrize(
+    "value", [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.2, 0.3, 0.74, 1.3, 2.6, 4.9, 5.1, 6.0]
+)
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_e2m1_rounds_to_nearest_with_ties_to_even(value, sign):
+    codes = ref.e2m1_codes(torch.tensor([sign * value], dtype=torch.float32))
+    assert int(codes[0]) == nearest_even_code(sign * value)
+
+
+def test_negative_values_rounding_to_zero_are_minus_zero_but_minus_zero_input_is_plus_zero():
+    codes = ref.e2m1_codes(torch.tensor([-0.1, -0.25, -0.0, 0.0, 0.1], dtype=torch.float32))
+    assert codes.tolist() == [8, 8, 0, 0, 0]
+
+
+def test_every_code_decodes_to_its_grid_value():
+    values = ref.e2m1_values(torch.arange(16, dtype=torch.uint8))
+    expected = np.concatenate([GRID, -GRID])
+    assert np.array_equal(values.numpy(), expected.astype(np.float32))
+
+
+def test_packing_puts_the_even_element_in_the_low_nibble():
+    codes = torch.tensor([[1, 2, 15, 8]], dtype=torch.uint8)
+    packed = ref.pack_fp4(codes)
+    assert packed.tolist() == [[0x21, 0x8F]]
+    assert torch.equal(ref.unpack_fp4(packed), codes)
+
+
+def test_rht_matrix_is_signed_sylvester_hadamard_over_four_and_orthogonal():
+    matrix = ref.rht_matrix(torch.float32)
+    expected = np.diag(SPEC_SIGNS) @ sylvester_hadamard_16() / 4
+    assert np.array_equal(matrix.numpy(), expected.astype(np.float32))
+    assert torch.equal(matrix @ matrix.t(), torch.eye(16))
+    assert torch.equal(ref.rht_matrix(torch.bfloat16).float(), matrix)
+
+
+def test_rht_output_is_bounded_by_four_amax_and_the_bound_is_reached():
+    x = random_matrix(64, 256, seed=1)
+    amax = x.float().abs().max()
+    assert ref.apply_rht(x).float().abs().max() <= 4 * amax
+    # x_i = s_i * H[i, j] makes output j equal to the sum of 16 quarters: exactly 4 * amax.
+    column = 5
+    worst = torch.tensor(
+        np.array(SPEC_SIGNS) * sylvester_hadamard_16()[:, column] * 3.0, dtype=torch.bfloat16
+    )
+    assert ref.apply_rht(worst.view(1, 16)).float()[0, column] == 12.0
+
+
+@given(rows=st.integers(1, 40), half_cols=st.integers(1, 40), seed=st.integers(0, 2**20))
+def test_rowwise_quantize_matches_the_per_block_oracle(rows, half_cols, seed):
+    x = random_matrix(rows, 2 * half_cols, seed)
+    q = lowp_ops.nvfp4_quantize(x)
+    amax = float(x.float().abs().max())
+    codes, scales = oracle_quantize(x.float().numpy(), amax)
+    assert q.amax_rowwise.item() == amax
+    assert np.array_equal(unpack(q.row_data), codes)
+    assert np.array_equal(q.row_scale[:rows, : scales.shape[1]].numpy(), scales)
+
+
+@pytest.mark.parametrize("block_2d", [False, True])
+def test_given_amax_is_used_as_is(block_2d):
+    x = random_matrix(32, 64, seed=3)
+    given_amax = torch.tensor([4.0 * float(x.float().abs().max())])
+    q = lowp_ops.nvfp4_quantize(x, amax_rowwise=given_amax, block_2d=block_2d)
+    codes, scales = oracle_quantize(x.float().numpy(), float(given_amax), block_2d=block_2d)
+    assert torch.equal(q.amax_rowwise, given_amax)
+    assert np.array_equal(unpack(q.row_data), codes)
+    assert np.array_equal(q.row_scale[:32, :4].numpy(), scales)
+
+
+def test_block_2d_shares_one_scale_per_16x16_tile_and_columnwise_is_the_transpose():
+    x = random_matrix(48, 64, seed=4)
+    q = lowp_ops.nvfp4_quantize(x, columnwise=True, block_2d=True)
+    codes, _ = oracle_quantize(x.float().numpy(), float(x.float().abs().max()), block_2d=True)
+    assert np.array_equal(unpack(q.row_data), codes)
+    row_scales = q.row_scale[:48, :4]
+    assert torch.equal(row_scales, row_scales[::16].repeat_interleave(16, dim=0))
+    assert np.array_equal(unpack(q.col_data), unpack(q.row_data).T)
+    assert torch.equal(q.col_scale[:64, :3], row_scales[::16].t().repeat_interleave(16, dim=0))
+
+
+@pytest.mark.parametrize("rht", [False, True])
+def test_columnwise_copy_quantizes_the_transpose_or_its_hadamard_transform(rht):
+    x = random_matrix(32, 48, seed=5)
+    q = lowp_ops.nvfp4_quantize(x, rowwise=False, columnwise=True, rht=rht)
+    operand = x.t().contiguous()
+    if rht:
+        operand = (
+            operand.view(-1, 16)
+            @ torch.tensor(np.diag(SPEC_SIGNS) @ sylvester_hadamard_16() / 4, dtype=torch.bfloat16)
+        ).view(48, 32)
+    amax = float(operand.float().abs().max())
+    codes, scales = oracle_quantize(operand.float().numpy(), amax)
+    assert q.row_data is None and q.col_data.shape == (48, 16)
+    assert q.amax_columnwise.item() == amax
+    assert np.array_equal(unpack(q.col_data), codes)
+    assert np.array_equal(q.col_scale[:48, :2].numpy(), scales)
+
+
+def test_rowwise_amax_is_untouched_by_rht_and_columnwise_amax_is_at_most_four_times_it():
+    x = random_matrix(64, 32, seed=6)
+    q = lowp_ops.nvfp4_quantize(x, columnwise=True, rht=True)
+    assert q.amax_rowwise.item() == float(x.float().abs().max())
+    assert q.amax_columnwise.item() <= 4 * q.amax_rowwise.item()
+
+
+def test_dequantize_is_code_value_times_block_scale_times_amax_over_2688():
+    x = random_matrix(16, 32, seed=7)
+    q = lowp_ops.nvfp4_quantize(x)
+    got = lowp_ops.nvfp4_dequantize(q, torch.float32)
+    values = np.concatenate([GRID, -GRID])[unpack(q.row_data)].astype(F32)
+    block_scale = q.row_scale[:16, :2].view(torch.float8_e4m3fn).float().numpy()
+    final = (block_scale * F32(q.amax_rowwise.item())) * F32(1.0 / 2688.0)
+    assert np.array_equal(got.numpy(), values * np.repeat(final, 16, axis=1))
+
+
+def test_round_trip_error_of_gaussian_data_is_nvfp4_sized():
+    x = torch.randn(256, 512, generator=torch.Generator().manual_seed(8)).bfloat16()
+    q = lowp_ops.nvfp4_quantize(x, columnwise=True)
+    for use, reference in (("rowwise", x.float()), ("columnwise", x.float().t())):
+        error = (lowp_ops.nvfp4_dequantize(q, torch.float32, use=use) - reference).norm() / reference.norm()
+        assert 0.02 < error < 0.12
+
+
+def test_zero_input_gives_zero_data_and_scales_with_unit_global_scale():
+    q = lowp_ops.nvfp4_quantize(torch.zeros(32, 32), columnwise=True)
+    assert q.amax_rowwise.item() == 0.0
+    assert not q.row_data.any() and not q.row_scale.any() and not q.col_data.any()
+    given_zero = lowp_ops.nvfp4_quantize(torch.ones(16, 16), amax_rowwise=torch.zeros(1))
+    # amax 0 means S_enc = 1 (the kernels' rule): s_b = e4m3(1/6), data 1 * (1 / (s_b * 1)) -> 6.
+    assert np.array_equal(unpack(given_zero.row_data), np.full((16, 16), 7))
+
+
+def test_scale_buffers_are_padded_to_128x4_tiles_with_zeros():
+    q = lowp_ops.nvfp4_quantize(random_matrix(20, 50, seed=9), columnwise=True)
+    assert q.row_data.shape == (20, 25) and q.row_scale.shape == (128, 4)
+    assert q.col_data.shape == (50, 10) and q.col_scale.shape == (128, 4)
+    assert not q.row_scale[20:].any() and not q.row_scale[:, 4:].any()
+    assert not q.col_scale[50:].any() and not q.col_scale[:, 2:].any()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"x": torch.ones(4, 6, dtype=torch.int32)}, "x must be float32"),
+        ({"x": torch.ones(4, 5)}, "even last dim"),
+        ({"x": torch.ones(5, 4), "columnwise": True}, "even row count"),
+        ({"x": torch.ones(16, 16), "rht": True, "columnwise": True}, "rht needs bfloat16"),
+        ({"x": torch.ones(8, 16, dtype=torch.bfloat16), "rht": True, "columnwise": True}, "divisible by 16"),
+        ({"x": torch.ones(16, 16), "rht": True, "block_2d": True}, "cannot be combined"),
+        ({"x": torch.ones(16, 16), "amax_rowwise": torch.ones(2)}, "amax_rowwise must be"),
+        ({"x": torch.ones(16, 16), "rowwise": False}, "at least one of rowwise and columnwise"),
+    ],
+)
+def test_bad_arguments_raise_naming_them(kwargs, match):
+    x = kwargs.pop("x")
+    with pytest.raises(ValueError, match=match):
+        lowp_ops.nvfp4_quantize(x, **kwargs)
+
+
+def test_stochastic_rounding_is_refused_until_implemented():
+    with pytest.raises(NotImplementedError, match="stochastic_rounding"):
+        lowp_ops.nvfp4_quantize(torch.ones(16, 16), stochastic_rounding=True)
+
+
+@pytest.mark.parametrize("permuted", [False, True])
+def test_opcheck(permuted):
+    x = random_matrix(32, 64, seed=10)
+    if permuted:
+        x = x.t().contiguous().t()
+    torch.library.opcheck(torch.ops.lowp.nvfp4_quantize.default, (x, True, True, True, None, None, False))
+    torch.library.opcheck(
+        torch.ops.lowp.nvfp4_quantize.default, (x, True, True, False, torch.tensor([3.0]), None, True)
+    )
+    out = torch.ops.lowp.nvfp4_quantize(x, True, False, False, None, None, False)
+    torch.library.opcheck(torch.ops.lowp.nvfp4_dequantize.default, (out[0], out[1], out[4], torch.bfloat16))
+
+
+def test_compiles_to_one_graph_without_recompiles():
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+
+    def round_trip(x):
+        q = lowp_ops.nvfp4_quantize(x, columnwise=True, rht=True)
+        return lowp_ops.nvfp4_dequantize(q, torch.float32), lowp_ops.nvfp4_dequantize(q, use="columnwise")
+
+    compiled = torch.compile(round_trip, fullgraph=True, dynamic=True, backend="aot_eager")
+    for index, rows in enumerate((32, 48, 80)):
+        x = random_matrix(rows, 64, seed=rows)
+        if index == 1:
+            torch.compiler.set_stance("fail_on_recompile")
+        try:
+            got = compiled(x)
+        finally:
+            if index:
+                torch.compiler.set_stance("default")
+        expected = round_trip(x)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert not counters["graph_break"]
