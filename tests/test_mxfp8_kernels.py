@@ -361,3 +361,39 @@ def test_compiled_ops_run_kernel_without_recompiles(suite, kernel_device, op_run
         )
         assert_same_floats(got, expected)
     assert op_runs_kernel["quantize"] >= 3
+
+
+# ------------------------------------------------------------------------------------- E8M0 helper
+
+
+@pytest.mark.parametrize("suite", SUITES)
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_kernel_e8m0_code_matches_the_reference_bit_rule(suite, kernel_device, fp8_dtype):
+    """The kernel's integer short form of TE's rounding-up rule, on every positive BF16 magnitude, fp32
+    denormals, random fp32 bit patterns (all binades) and Inf/NaN."""
+    import triton
+    import triton.language as tl
+
+    from lowp_ops.formats import FP8_MAX_RCP
+
+    @triton.jit
+    def e8m0_kernel(amax_ptr, code_ptr, n, MAX_RCP: tl.constexpr, BLOCK: tl.constexpr):
+        index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        amax = tl.load(amax_ptr + index, mask=index < n, other=0.0)
+        tl.store(code_ptr + index, kernels.e8m0_from_amax(amax, MAX_RCP), mask=index < n)
+
+    bf16_magnitudes = torch.arange(0, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    generator = torch.Generator().manual_seed(0)
+    random_fp32 = torch.randint(0, 0x7F800000, (200_000,), generator=generator, dtype=torch.int32)
+    denormals = torch.arange(0, 0x800000, 4099, dtype=torch.int32)
+    specials = torch.tensor([math.inf, math.nan, 3.4028234663852886e38, 0.0])
+    amax = torch.cat(
+        [bf16_magnitudes, random_fp32.view(torch.float32), denormals.view(torch.float32), specials]
+    )
+    codes = torch.empty(amax.shape, dtype=torch.int32, device=kernel_device)
+    block = 4096
+    e8m0_kernel[(triton.cdiv(amax.numel(), block),)](
+        amax.to(kernel_device), codes, amax.numel(), MAX_RCP=FP8_MAX_RCP[fp8_dtype], BLOCK=block
+    )
+    expected = reference.e8m0_from_amax(amax, fp8_dtype)
+    assert torch.equal(codes.cpu(), expected)

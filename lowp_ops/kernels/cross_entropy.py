@@ -71,9 +71,11 @@ def cross_entropy_grad(
     x, cols, lse, target, row_scale, ignored, smoothing_eps, target_weight, HAS_SMOOTHING: tl.constexpr
 ):
     """fp32 dlogits, element-wise: ``(exp(x - lse) - eps - (1 - ls)[col == y]) * row_scale``, exactly 0 on
-    ignored rows. Row values come broadcast to x's shape; both backward kernels call this one op
-    sequence, which is what makes the MXFP8 kernel's bytes equal quantize(bf16 kernel's output)."""
-    grad = tl.exp(x - lse)
+    ignored rows. Row values come broadcast to x's shape (``lse`` as ``lse * log2(e)``, the target as an
+    int32 column, -1 where out of range); both backward kernels call this one op sequence, which is what
+    makes the MXFP8 kernel's bytes equal quantize(bf16 kernel's output)."""
+    # exp(x - lse) = 2^(x log2e - lse log2e): one FMA and ex2 per element (the kernels are issue-bound).
+    grad = tl.exp2(x * 1.4426950408889634 - lse)
     if HAS_SMOOTHING:
         grad = grad - smoothing_eps
     grad = tl.where(cols == target, grad - target_weight, grad)
@@ -83,15 +85,18 @@ def cross_entropy_grad(
 
 @triton.jit
 def load_row_stats(target_ptr, lse_ptr, grad_ptr, grad_stride, rows, n_cols, ignore_index):
-    """This program's 32 rows: (rows_idx, lse, target, row_scale, ignored). ``row_scale`` is dloss of the
-    row, NaN where the target is out of range (documented: no host sync can check it)."""
+    """This program's 32 rows: (rows_idx, lse * log2(e), int32 target column (-1 when out of range),
+    row_scale, ignored). ``row_scale`` is dloss of the row, NaN where the target is out of range
+    (documented: no host sync can check it)."""
     rows_idx = tl.program_id(0) * 32 + tl.arange(0, 32)
     row_ok = rows_idx < rows
     lse = tl.load(lse_ptr + rows_idx, mask=row_ok, other=0.0)
     target = tl.load(target_ptr + rows_idx, mask=row_ok, other=ignore_index).to(tl.int64)
     grad_rows = tl.load(grad_ptr + rows_idx.to(tl.int64) * grad_stride, mask=row_ok, other=0.0)
-    row_scale = tl.where((target >= 0) & (target < n_cols), grad_rows, float("nan"))
-    return rows_idx, lse, target, row_scale, target == ignore_index
+    in_range = (target >= 0) & (target < n_cols)
+    row_scale = tl.where(in_range, grad_rows, float("nan"))
+    target_col = tl.where(in_range, target, -1).to(tl.int32)
+    return rows_idx, lse * 1.4426950408889634, target_col, row_scale, target == ignore_index
 
 
 @triton.jit

@@ -24,16 +24,16 @@ SOFTWARE_FP8_CAST = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 @triton.jit
 def e8m0_from_amax(amax, MAX_RCP: tl.constexpr):
-    """E8M0 code (int32) of fp32 block amaxes: ``v = amax * R`` rounded up to a power of two."""
+    """E8M0 code (int32) of fp32 block amaxes: ``v = amax * R`` rounded up to a power of two (TE B.5 step 4).
+
+    Integer form (v >= 0): adding 0x7FFFFF carries any nonzero mantissa into the exponent; fp32
+    denormals round up only above 2^-127 (add 0x3FFFFF); E = 0xFE with a mantissa and Inf saturate to
+    254; NaN is 255. Eight instructions: the code is recomputed by every thread that holds its block.
+    """
     v = amax * MAX_RCP
     bits = v.to(tl.int32, bitcast=True)
-    exponent = bits >> 23
-    mantissa = bits & 0x7FFFFF
-    # TE B.5 step 4: any nonzero mantissa rounds up, except fp32 denormals up to 2^-127.
-    round_up = (mantissa > 0) & (exponent != 0xFE) & ((exponent != 0) | (mantissa > 0x400000))
-    code = exponent + round_up.to(tl.int32)
-    code = tl.where((exponent == 0xFF) & (mantissa == 0), 0xFE, code)
-    return tl.where(v != v, 0xFF, code)
+    code = (bits + tl.where(bits < 0x800000, 0x3FFFFF, 0x7FFFFF)) >> 23
+    return tl.where(v != v, 0xFF, tl.minimum(code, 0xFE))
 
 
 @triton.jit
