@@ -2,7 +2,15 @@
 
 from . import library  # noqa: F401  (registers torch.ops.lowp.*)
 from .formats import MXFP8Tensor, NVFP4Tensor
-from .functional import cross_entropy, cross_entropy_with_mxfp8_grad, log_softmax, logsumexp, softmax
+from .functional import (
+    cross_entropy,
+    cross_entropy_with_mxfp8_grad,
+    dglu,
+    log_softmax,
+    logsumexp,
+    softmax,
+    swiglu,
+)
 from .mxfp8 import mxfp8_dequantize, mxfp8_quantize
 from .nvfp4 import nvfp4_dequantize, nvfp4_quantize
 
@@ -11,6 +19,7 @@ __all__ = [
     "NVFP4Tensor",
     "cross_entropy",
     "cross_entropy_with_mxfp8_grad",
+    "dglu",
     "log_softmax",
     "logsumexp",
     "mxfp8_dequantize",
@@ -18,4 +27,5 @@ __all__ = [
     "nvfp4_dequantize",
     "nvfp4_quantize",
     "softmax",
+    "swiglu",
 ]

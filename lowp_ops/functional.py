@@ -183,3 +183,36 @@ def logsumexp(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Te
     rows, moved_shape = _as_rows(x, dim)
     lse = torch.ops.lowp.logsumexp(rows).to(x.dtype).view(moved_shape[:-1])
     return lse.unsqueeze(dim) if keepdim else lse
+
+
+def _interleave(glu_interleave_size: int | None) -> int:
+    require(
+        glu_interleave_size in (None, 32),
+        lambda: f"glu_interleave_size must be None or 32, got {glu_interleave_size!r}",
+    )
+    return glu_interleave_size or 0
+
+
+def swiglu(c: torch.Tensor, probs: torch.Tensor, *, glu_interleave_size: int | None = None) -> torch.Tensor:
+    """``silu(gate) * linear * probs`` for MoE experts: ``c`` (tokens, 2F) holds the gate half first (TE's
+    order) or alternating 32-wide gate/linear blocks (``glu_interleave_size=32``); ``probs`` (tokens,)
+    fp32 or bf16. fp32 math, one rounding to c's dtype. Differentiable in ``c`` and ``probs``; the
+    probability gradient is computed in fp32 and never rounded to bf16 for fp32 ``probs``."""
+    return torch.ops.lowp.swiglu_fwd(c, probs, _interleave(glu_interleave_size))
+
+
+def dglu(
+    grad: torch.Tensor,
+    c: torch.Tensor,
+    probs: torch.Tensor,
+    split_sizes: torch.Tensor,
+    *,
+    glu_interleave_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused SwiGLU backward of grouped experts: ``(dc, dprobs, amax)`` from ``grad = dL/dh`` (tokens, F).
+
+    ``dc`` (tokens, 2F) in c's dtype and layout; ``dprobs`` (tokens,) fp32; ``amax`` (experts,) fp32, the
+    per-expert max of ``|dc|`` before rounding, so ``amax.to(c.dtype)`` equals ``max |dc|`` of the expert
+    exactly (0 for an empty expert): the NVFP4 quantization of ``dc`` needs no amax pass of its own.
+    ``split_sizes`` (experts,) is an integer tensor on c's device (rows sorted by expert)."""
+    return torch.ops.lowp.dglu(grad, c, probs, split_sizes, _interleave(glu_interleave_size))

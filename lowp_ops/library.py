@@ -19,10 +19,12 @@ from .meta import cross_entropy as ce_meta
 from .meta import mxfp8 as mxfp8_meta
 from .meta import nvfp4 as nvfp4_meta
 from .meta import softmax as softmax_meta
+from .meta import swiglu as swiglu_meta
 from .reference import cross_entropy as ce_ref
 from .reference import mxfp8 as mxfp8_ref
 from .reference import nvfp4 as nvfp4_ref
 from .reference import softmax as softmax_ref
+from .reference import swiglu as swiglu_ref
 
 
 def cpu_runs_triton() -> bool:
@@ -92,6 +94,42 @@ nvfp4_dequantize = _define(
     None,
     nvfp4_meta.nvfp4_dequantize_output,
 )
+
+# ---------------------------------------------------------------------------------------- MoE SwiGLU
+# Reference only so far (graph-safe on CUDA too; split sizes never leave the device).
+
+swiglu_fwd = _define(
+    "swiglu_fwd",
+    "(Tensor c, Tensor probs, int interleave) -> Tensor",
+    swiglu_ref.swiglu_fwd,
+    None,
+    swiglu_meta.swiglu_fwd_output,
+)
+
+dglu = _define(
+    "dglu",
+    "(Tensor grad, Tensor c, Tensor probs, Tensor split_sizes, int interleave) -> (Tensor, Tensor, Tensor)",
+    swiglu_ref.dglu,
+    None,
+    swiglu_meta.dglu_outputs,
+)
+
+
+def _swiglu_setup(ctx, inputs, output):
+    c, probs, interleave = inputs
+    ctx.interleave = interleave
+    ctx.save_for_backward(c, probs)
+
+
+def _swiglu_backward(ctx, grad):
+    c, probs = ctx.saved_tensors
+    one_expert = c.new_full((1,), c.shape[0], dtype=torch.int64)
+    dc, dprobs, _ = dglu(grad, c, probs, one_expert, ctx.interleave)
+    # dprobs stays fp32; autograd casts it once for bf16 probs (never bf16 before that).
+    return dc, dprobs, None
+
+
+swiglu_fwd.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
 
 # --------------------------------------------------------------------------------------------- softmax
 

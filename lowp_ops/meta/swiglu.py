@@ -1,0 +1,65 @@
+"""Argument checks and output allocation for the SwiGLU-times-probs ops (MoE expert activations)."""
+
+from __future__ import annotations
+
+import torch
+
+from .checks import require
+
+GLU_INTERLEAVE_SIZES = (0, 32)
+"""0: ``c = [gate | linear]`` halves (TE's convention); 32: alternating 32-wide gate / linear blocks."""
+
+
+def check_glu_inputs(c: torch.Tensor, probs: torch.Tensor, interleave: int) -> None:
+    require(c.dim() == 2, lambda: f"c must be 2-D (tokens, 2 * ffn), got {c.dim()}-D")
+    require(
+        c.dtype in (torch.bfloat16, torch.float16, torch.float32),
+        lambda: f"c must be floating, got {c.dtype}",
+    )
+    require(
+        c.shape[1] > 0 and c.shape[1] % 2 == 0,
+        lambda: f"c must have an even, non-zero last dim (gate and linear halves), got {c.shape[1]}",
+    )
+    require(
+        probs.dim() == 1 and probs.shape[0] == c.shape[0],
+        lambda: f"probs must have shape ({c.shape[0]},), got {tuple(probs.shape)}",
+    )
+    require(
+        probs.dtype in (torch.float32, torch.bfloat16),
+        lambda: f"probs must be float32 or bfloat16, got {probs.dtype}",
+    )
+    require(
+        interleave in GLU_INTERLEAVE_SIZES,
+        lambda: f"glu_interleave_size must be None or 32, got {interleave}",
+    )
+    require(
+        interleave == 0 or (c.shape[1] // 2) % interleave == 0,
+        lambda: f"glu_interleave_size=32 needs ffn divisible by 32, got {c.shape[1] // 2}",
+    )
+
+
+def swiglu_fwd_output(c: torch.Tensor, probs: torch.Tensor, interleave: int) -> torch.Tensor:
+    """h = silu(gate) * linear * probs: ``(tokens, ffn)`` in c's dtype."""
+    check_glu_inputs(c, probs, interleave)
+    return c.new_empty((c.shape[0], c.shape[1] // 2))
+
+
+def dglu_outputs(
+    grad: torch.Tensor, c: torch.Tensor, probs: torch.Tensor, split_sizes: torch.Tensor, interleave: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dc (tokens, 2 ffn) in c's dtype, dprobs (tokens,) fp32, amax (experts,) fp32)``."""
+    check_glu_inputs(c, probs, interleave)
+    require(
+        grad.shape == (c.shape[0], c.shape[1] // 2),
+        lambda: f"grad must have shape {(c.shape[0], c.shape[1] // 2)}, got {tuple(grad.shape)}",
+    )
+    require(split_sizes.dim() == 1, lambda: f"split_sizes must be 1-D (experts,), got {split_sizes.dim()}-D")
+    require(
+        not split_sizes.is_floating_point() and not split_sizes.is_complex(),
+        lambda: f"split_sizes must be an integer tensor, got {split_sizes.dtype}",
+    )
+    return (
+        c.new_empty(c.shape),
+        c.new_empty((c.shape[0],), dtype=torch.float32),
+        c.new_empty((split_sizes.shape[0],), dtype=torch.float32),
+    )

@@ -1,0 +1,82 @@
+"""SwiGLU times router probabilities, and its fused backward (dGLU) for grouped MoE experts, in fp32
+(te_grouped_mlp_nvfp4.md §2.1, §2.6-2.7, §5).
+
+With ``(a, b)`` the gate and linear halves of the FC1 output ``c`` (TE's order: the nonlinearity is on
+the first half), ``s = sigmoid(a)``, ``u = a s b``:
+
+- forward ``h = u * p`` rounded once to c's dtype;
+- backward from ``g = dL/dh``: ``dp = Σ_f g u`` in fp32 (never rounded to bf16),
+  ``d1 = g p b s (1 + a (1 - s))``, ``d2 = g p a s``; ``dc`` = their rounding to c's dtype, in c's
+  layout; per expert, ``amax = max(|d1|, |d2|)`` over exactly the fp32 values rounded into ``dc`` (0 for
+  an empty expert), so ``round(amax) == max |dc|`` exactly (RNE is monotone). Rows past
+  ``sum(split_sizes)`` count for no expert. Split sizes stay on the device: no host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..meta.swiglu import dglu_outputs, swiglu_fwd_output
+
+
+def split_glu(c: torch.Tensor, interleave: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 (gate, linear) halves of ``c`` (tokens, 2F): concatenated or in alternating blocks."""
+    tokens, width = c.shape
+    if interleave == 0:
+        gate, linear = c.float().chunk(2, dim=1)
+        return gate, linear
+    blocks = c.float().view(tokens, width // (2 * interleave), 2, interleave)
+    return blocks[:, :, 0].reshape(tokens, -1), blocks[:, :, 1].reshape(tokens, -1)
+
+
+def join_glu(gate: torch.Tensor, linear: torch.Tensor, interleave: int) -> torch.Tensor:
+    """Inverse of :func:`split_glu`."""
+    if interleave == 0:
+        return torch.cat((gate, linear), dim=1)
+    tokens, ffn = gate.shape
+    blocks = torch.stack(
+        (
+            gate.view(tokens, ffn // interleave, interleave),
+            linear.view(tokens, ffn // interleave, interleave),
+        ),
+        dim=2,
+    )
+    return blocks.view(tokens, 2 * ffn)
+
+
+def expert_of_rows(split_sizes: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Expert index of every row (``len(split_sizes)`` for rows past the last expert), on the device."""
+    ends = torch.cumsum(split_sizes.long(), dim=0)
+    return torch.bucketize(torch.arange(tokens, device=split_sizes.device), ends, right=True)
+
+
+def swiglu_fwd(c: torch.Tensor, probs: torch.Tensor, interleave: int) -> torch.Tensor:
+    """Reference of ``lowp::swiglu_fwd``: ``(silu(a) * b * p)`` rounded once to c's dtype."""
+    out = swiglu_fwd_output(c, probs, interleave)
+    gate, linear = split_glu(c, interleave)
+    out.copy_(torch.nn.functional.silu(gate) * linear * probs.float().unsqueeze(1))
+    return out
+
+
+def dglu(
+    grad: torch.Tensor, c: torch.Tensor, probs: torch.Tensor, split_sizes: torch.Tensor, interleave: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference of ``lowp::dglu``: ``(dc, dprobs fp32, per-expert amax fp32)``."""
+    dc, dprobs, amax = dglu_outputs(grad, c, probs, split_sizes, interleave)
+    gate, linear = split_glu(c, interleave)
+    g = grad.float()
+    sig = torch.sigmoid(gate)
+    swish = gate * sig
+    dprobs.copy_((g * swish * linear).sum(dim=1))
+    scaled = g * probs.float().unsqueeze(1)
+    d_gate = scaled * linear * sig * (1.0 + gate * (1.0 - sig))
+    d_linear = scaled * swish
+    dc.copy_(join_glu(d_gate, d_linear, interleave))
+    row_amax = (
+        torch.maximum(d_gate.abs().amax(dim=1), d_linear.abs().amax(dim=1)) if g.shape[1] else dprobs * 0
+    )
+    experts = split_sizes.shape[0]
+    per_expert = torch.zeros(experts + 1, dtype=torch.float32, device=c.device)
+    per_expert.scatter_reduce_(0, expert_of_rows(split_sizes, c.shape[0]), row_amax, reduce="amax")
+    amax.copy_(per_expert[:experts])
+    return dc, dprobs, amax
