@@ -19,8 +19,8 @@ from ..meta.cross_entropy import (
     cross_entropy_bwd_output,
     cross_entropy_fwd_outputs,
 )
-from .mxfp8 import TRITON_FP8, quantize_tile_columnwise, quantize_tile_rowwise, store_tile, tile_cols
-from .softmax import finish_logsumexp, online_softmax_update
+from .mxfp8 import TRITON_FP8, quantize_tile, store_tile, tile_cols
+from .softmax import finish_logsumexp, online_softmax_update, rows_with_unit_stride
 
 FWD_BLOCK = 8192
 BWD_BLOCK_COLS = 128
@@ -235,46 +235,30 @@ def cross_entropy_bwd_mxfp8_kernel(
     grad = grad.to(logits_ptr.dtype.element_ty).to(tl.float32)
     if not EVEN:
         grad = tl.where((rows_idx[:, None] < rows) & (cols[None, :] < n_cols), grad, 0.0)
-    if ROWWISE:
-        quantize_tile_rowwise(
-            grad,
-            rows_idx,
-            cols,
-            rows,
-            n_cols,
-            tile_col0,
-            row_data_ptr,
-            row_scale_ptr,
-            row_scale_cols,
-            BLOCK_COLS,
-            FP8_MAX,
-            MAX_RCP,
-            OUT_DTYPE,
-            SWIZZLED,
-            EVEN,
-        )
-    if COLWISE:
-        quantize_tile_columnwise(
-            grad,
-            rows_idx,
-            cols,
-            rows,
-            n_cols,
-            tl.program_id(0),
-            col_data_ptr,
-            col_scale_ptr,
-            col_scale_rows,
-            col_scale_cols,
-            FP8_MAX,
-            MAX_RCP,
-            OUT_DTYPE,
-            SWIZZLED,
-            EVEN,
-        )
-
-
-def _rows_with_unit_stride(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
+    quantize_tile(
+        grad,
+        rows_idx,
+        cols,
+        rows,
+        n_cols,
+        tile_col0,
+        tl.program_id(0),
+        row_data_ptr,
+        row_scale_ptr,
+        row_scale_cols,
+        col_data_ptr,
+        col_scale_ptr,
+        col_scale_rows,
+        col_scale_cols,
+        BLOCK_COLS,
+        FP8_MAX,
+        MAX_RCP,
+        OUT_DTYPE,
+        ROWWISE,
+        COLWISE,
+        SWIZZLED,
+        EVEN,
+    )
 
 
 def _bwd_scalars(label_smoothing: float, n_cols: int) -> tuple[float, float]:
@@ -294,7 +278,7 @@ def launch_cross_entropy_fwd(
     rows, n_cols = logits.shape
     if rows == 0:
         return loss, lse
-    logits = _rows_with_unit_stride(logits)
+    logits = rows_with_unit_stride(logits)
     block = block or min(FWD_BLOCK, triton.next_power_of_2(n_cols))
     # One warp per 2048 elements of a row block: 92-93% of copy at 4096 x 129280 on the H200.
     num_warps = num_warps or max(1, block // 2048)
@@ -330,7 +314,7 @@ def launch_cross_entropy_bwd(
     rows, n_cols = logits.shape
     if rows == 0 or n_cols == 0:
         return dlogits
-    logits = _rows_with_unit_stride(logits)
+    logits = rows_with_unit_stride(logits)
     eps, target_weight = _bwd_scalars(label_smoothing, n_cols)
     cross_entropy_bwd_kernel[_bwd_grid(rows, n_cols, BWD_BLOCK_COLS)](
         logits,
@@ -383,7 +367,7 @@ def launch_cross_entropy_bwd_mxfp8(
     rows, n_cols = logits.shape
     if rows == 0 or n_cols == 0:
         return outputs
-    logits = _rows_with_unit_stride(logits)
+    logits = rows_with_unit_stride(logits)
     eps, target_weight = _bwd_scalars(label_smoothing, n_cols)
     data_dtype = FP8_DTYPES[fp8_dtype]
     # 64 columns on one warp: 73% of copy at 4096 x 129280 on the H200 (128 columns: 54%, register-bound).

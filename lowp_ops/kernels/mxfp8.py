@@ -177,11 +177,14 @@ def quantize_tile_columnwise(
 
 
 @triton.jit
-def mxfp8_quantize_kernel(
-    x_ptr,
-    stride_row,
+def quantize_tile(
+    x,
+    rows_idx,
+    cols_idx,
     rows,
     cols,
+    tile_col0,
+    row_block,
     row_data_ptr,
     row_scale_ptr,
     row_scale_cols,
@@ -198,19 +201,8 @@ def mxfp8_quantize_kernel(
     SWIZZLED: tl.constexpr,
     EVEN: tl.constexpr,
 ):
-    """One program: a 32 x BLOCK_COLS tile read once; both copies come from registers. EVEN: every tile
-    is in bounds (rows % 32 == 0, cols % BLOCK_COLS == 0), so no masks are evaluated."""
-    row_block = tl.program_id(0)
-    tile_col0 = tl.program_id(1) * BLOCK_COLS
-    rows_idx = row_block * 32 + tl.arange(0, 32)
-    cols_idx = tile_col0 + tl.arange(0, BLOCK_COLS)
-    ptrs = x_ptr + rows_idx[:, None].to(tl.int64) * stride_row + cols_idx[None, :]
-    # Upcast right after the load (bf16 math is wrong in the Triton interpreter); padding lanes are 0.
-    if EVEN:
-        x = tl.load(ptrs).to(tl.float32)
-    else:
-        x = tl.load(ptrs, mask=(rows_idx[:, None] < rows) & (cols_idx[None, :] < cols), other=0.0)
-        x = x.to(tl.float32)
+    """Write the requested copies of the fp32 tile ``x`` [32, BLOCK_COLS] (this program's 32-row block
+    ``row_block``, first column ``tile_col0``), both from registers."""
     if ROWWISE:
         quantize_tile_rowwise(
             x,
@@ -247,6 +239,67 @@ def mxfp8_quantize_kernel(
             SWIZZLED,
             EVEN,
         )
+
+
+@triton.jit
+def mxfp8_quantize_kernel(
+    x_ptr,
+    stride_row,
+    rows,
+    cols,
+    row_data_ptr,
+    row_scale_ptr,
+    row_scale_cols,
+    col_data_ptr,
+    col_scale_ptr,
+    col_scale_rows,
+    col_scale_cols,
+    BLOCK_COLS: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MAX_RCP: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    ROWWISE: tl.constexpr,
+    COLWISE: tl.constexpr,
+    SWIZZLED: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    """One program: a 32 x BLOCK_COLS tile read once; both copies come from registers. EVEN: every tile
+    is in bounds (rows % 32 == 0, cols % BLOCK_COLS == 0), so no masks are evaluated."""
+    row_block = tl.program_id(0)
+    tile_col0 = tl.program_id(1) * BLOCK_COLS
+    rows_idx = row_block * 32 + tl.arange(0, 32)
+    cols_idx = tile_col0 + tl.arange(0, BLOCK_COLS)
+    ptrs = x_ptr + rows_idx[:, None].to(tl.int64) * stride_row + cols_idx[None, :]
+    # Upcast right after the load (bf16 math is wrong in the Triton interpreter); padding lanes are 0.
+    if EVEN:
+        x = tl.load(ptrs).to(tl.float32)
+    else:
+        x = tl.load(ptrs, mask=(rows_idx[:, None] < rows) & (cols_idx[None, :] < cols), other=0.0)
+        x = x.to(tl.float32)
+    quantize_tile(
+        x,
+        rows_idx,
+        cols_idx,
+        rows,
+        cols,
+        tile_col0,
+        row_block,
+        row_data_ptr,
+        row_scale_ptr,
+        row_scale_cols,
+        col_data_ptr,
+        col_scale_ptr,
+        col_scale_rows,
+        col_scale_cols,
+        BLOCK_COLS,
+        FP8_MAX,
+        MAX_RCP,
+        OUT_DTYPE,
+        ROWWISE,
+        COLWISE,
+        SWIZZLED,
+        EVEN,
+    )
 
 
 @triton.jit

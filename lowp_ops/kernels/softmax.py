@@ -132,7 +132,8 @@ def _num_warps(block: int) -> int:
     return 8 if block >= 2048 else 4
 
 
-def _rows_with_unit_stride(x: torch.Tensor) -> torch.Tensor:
+def rows_with_unit_stride(x: torch.Tensor) -> torch.Tensor:
+    """x itself when its last dim is unit-stride (rows are read through their stride), else a copy."""
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
@@ -142,7 +143,7 @@ def launch_logsumexp(x: torch.Tensor) -> torch.Tensor:
     rows, n_cols = x.shape
     if rows == 0:
         return lse
-    x = _rows_with_unit_stride(x)
+    x = rows_with_unit_stride(x)
     block = row_block(n_cols)
     logsumexp_kernel[(rows,)](x, x.stride(0), lse, n_cols, BLOCK=block, num_warps=_num_warps(block))
     return lse
@@ -153,7 +154,7 @@ def launch_softmax_fwd(x: torch.Tensor, log: bool, masked_rows: str) -> torch.Te
     rows, n_cols = x.shape
     if rows == 0 or n_cols == 0:
         return out
-    x = _rows_with_unit_stride(x)
+    x = rows_with_unit_stride(x)
     block = row_block(n_cols)
     softmax_fwd_kernel[(rows,)](
         x,
