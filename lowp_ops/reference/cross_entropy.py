@@ -16,11 +16,8 @@ from __future__ import annotations
 import torch
 
 from ..formats import round_to_fp32
-from ..meta.cross_entropy import (
-    cross_entropy_bwd_mxfp8_outputs,
-    cross_entropy_bwd_output,
-    cross_entropy_fwd_outputs,
-)
+from ..meta.cross_entropy import cross_entropy_bwd_output, cross_entropy_fwd_outputs
+from ..meta.mxfp8 import check_quantize_args
 from .mxfp8 import mxfp8_quantize
 from .softmax import masked_safe_logsumexp
 
@@ -98,17 +95,7 @@ def cross_entropy_bwd_mxfp8(
     scale_layout: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> the MXFP8 payload of :func:`cross_entropy_bwd` (by definition: quantize its output)."""
-    cross_entropy_bwd_mxfp8_outputs(
-        logits,
-        target,
-        lse,
-        grad_rows,
-        label_smoothing,
-        ignore_index,
-        fp8_dtype,
-        rowwise,
-        columnwise,
-        scale_layout,
-    )
+    # Reject bad MXFP8 arguments before computing the gradient (the bf16 backward checks the rest).
+    check_quantize_args(logits, fp8_dtype, rowwise, columnwise, scale_layout)
     dlogits = cross_entropy_bwd(logits, target, lse, grad_rows, label_smoothing, ignore_index)
     return mxfp8_quantize(dlogits, fp8_dtype, rowwise, columnwise, scale_layout)
