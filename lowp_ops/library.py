@@ -96,13 +96,13 @@ nvfp4_dequantize = _define(
 )
 
 # ---------------------------------------------------------------------------------------- MoE SwiGLU
-# Reference only so far (graph-safe on CUDA too; split sizes never leave the device).
+# Split sizes never leave the device.
 
 swiglu_fwd = _define(
     "swiglu_fwd",
     "(Tensor c, Tensor probs, int interleave) -> Tensor",
     swiglu_ref.swiglu_fwd,
-    None,
+    "swiglu.launch_swiglu_fwd",
     swiglu_meta.swiglu_fwd_output,
 )
 
@@ -110,7 +110,7 @@ dglu = _define(
     "dglu",
     "(Tensor grad, Tensor c, Tensor probs, Tensor split_sizes, int interleave) -> (Tensor, Tensor, Tensor)",
     swiglu_ref.dglu,
-    None,
+    "swiglu.launch_dglu",
     swiglu_meta.dglu_outputs,
 )
 

@@ -10,6 +10,9 @@ the first half), ``s = sigmoid(a)``, ``u = a s b``:
   layout; per expert, ``amax = max(|d1|, |d2|)`` over exactly the fp32 values rounded into ``dc`` (0 for
   an empty expert), so ``round(amax) == max |dc|`` exactly (RNE is monotone). Rows past
   ``sum(split_sizes)`` count for no expert. Split sizes stay on the device: no host sync.
+
+Every product is evaluated left to right exactly as written here, with ``sigmoid(x) = 1 / (1 +
+exp(-x))``; the Triton kernels (``lowp_ops.kernels.swiglu``) follow the same fp32 steps.
 """
 
 from __future__ import annotations
@@ -50,11 +53,16 @@ def expert_of_rows(split_sizes: torch.Tensor, tokens: int) -> torch.Tensor:
     return torch.bucketize(torch.arange(tokens, device=split_sizes.device), ends, right=True)
 
 
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``1 / (1 + exp(-x))``, written out so that the Triton kernels can follow the same steps."""
+    return 1.0 / (1.0 + torch.exp(-x))
+
+
 def swiglu_fwd(c: torch.Tensor, probs: torch.Tensor, interleave: int) -> torch.Tensor:
-    """Reference of ``lowp::swiglu_fwd``: ``(silu(a) * b * p)`` rounded once to c's dtype."""
+    """Reference of ``lowp::swiglu_fwd``: ``(a * sigmoid(a) * b * p)`` rounded once to c's dtype."""
     out = swiglu_fwd_output(c, probs, interleave)
     gate, linear = split_glu(c, interleave)
-    out.copy_(torch.nn.functional.silu(gate) * linear * probs.float().unsqueeze(1))
+    out.copy_(gate * sigmoid(gate) * linear * probs.float().unsqueeze(1))
     return out
 
 
@@ -65,7 +73,7 @@ def dglu(
     dc, dprobs, amax = dglu_outputs(grad, c, probs, split_sizes, interleave)
     gate, linear = split_glu(c, interleave)
     g = grad.float()
-    sig = torch.sigmoid(gate)
+    sig = sigmoid(gate)
     swish = gate * sig
     dprobs.copy_((g * swish * linear).sum(dim=1))
     scaled = g * probs.float().unsqueeze(1)

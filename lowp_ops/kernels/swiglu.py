@@ -1,0 +1,270 @@
+"""Triton SwiGLU-times-probs forward and the fused dGLU backward of grouped MoE experts
+(te_grouped_mlp_nvfp4.md §2.1, §2.6-2.7; semantics in ``lowp_ops.reference.swiglu``).
+
+One program owns ``BLOCK_T`` rows and walks the ffn dim in ``BLOCK_F`` chunks, so each row's dprobs
+sum stays in registers (deterministic, no atomics) and g and c are read once. The per-expert amax is
+an integer ``atomic_max`` on the fp32 bits (the values are ``|d| >= 0``, whose bit patterns order like
+the floats; a NaN sorts above Inf and wins, as in the reference). Rows find their expert by comparing
+against the device cumsum of the split sizes: no host sync.
+
+fp32 math in the reference's order, one rounding at the store. On the GPU the exponential is
+libdevice's ``expf`` (torch's CUDA ``exp``), the division is IEEE (``div_rn``) and kernels launch with
+``enable_fp_fusion=False`` (no FMA contraction): the elementwise outputs can then match the reference
+run on CUDA bit for bit. Not bit-exact anywhere: dprobs (fp32 sum in a different order than torch's
+reduction) and, in the interpreter, ``exp`` (numpy's, which differs from torch's CPU ``exp`` by an ulp).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from ..meta.swiglu import dglu_outputs, swiglu_fwd_output
+
+INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def exp_like_torch(x):
+    """``expf`` as torch's CUDA kernels compute it (libdevice); numpy's ``exp`` in the interpreter."""
+    if INTERPRETING:  # noqa: SIM108 (a constexpr branch: the other one is never compiled)
+        result = tl.exp(x)
+    else:
+        result = libdevice.exp(x)
+    return result
+
+
+@triton.jit
+def sigmoid(x):
+    """``1 / (1 + exp(-x))`` with an IEEE division, as the reference writes it."""
+    return tl.math.div_rn(1.0, 1.0 + exp_like_torch(-x))
+
+
+@triton.jit
+def round_for_store(x, OUT_DTYPE: tl.constexpr):
+    """fp32 -> OUT_DTYPE with round-to-nearest-even. The interpreter (triton 3.9) truncates fp32 -> bf16,
+    so there the rounding is done on the bits first and the cast only drops zeros."""
+    if INTERPRETING and OUT_DTYPE == tl.bfloat16:  # noqa: SIM300
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(OUT_DTYPE)
+
+
+@triton.jit
+def glu_columns(ffn_idx, ffn, INTERLEAVE: tl.constexpr):
+    """Columns of c holding gate and linear channel ``ffn_idx``: [gate | linear] halves, or alternating
+    INTERLEAVE-wide blocks."""
+    if INTERLEAVE == 0:
+        gate_col = ffn_idx
+        linear_col = ffn_idx + ffn
+    else:
+        gate_col = (ffn_idx // INTERLEAVE) * (2 * INTERLEAVE) + ffn_idx % INTERLEAVE
+        linear_col = gate_col + INTERLEAVE
+    return gate_col, linear_col
+
+
+@triton.jit
+def _max_keep_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def swiglu_fwd_kernel(
+    c_ptr,
+    probs_ptr,
+    out_ptr,
+    tokens,
+    ffn,
+    stride_c,
+    BLOCK_T: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    """h[t, f] = gate * sigmoid(gate) * linear * p[t], one [BLOCK_T, BLOCK_F] tile per program."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ffn_idx = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    gate_col, linear_col = glu_columns(ffn_idx, ffn, INTERLEAVE)
+    c_row = c_ptr + rows[:, None].to(tl.int64) * stride_c
+    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * ffn + ffn_idx[None, :]
+    # Upcast right after every load (bf16 math is wrong in the interpreter).
+    if EVEN:
+        gate = tl.load(c_row + gate_col[None, :]).to(tl.float32)
+        linear = tl.load(c_row + linear_col[None, :]).to(tl.float32)
+        prob = tl.load(probs_ptr + rows).to(tl.float32)
+    else:
+        mask = (rows[:, None] < tokens) & (ffn_idx[None, :] < ffn)
+        gate = tl.load(c_row + gate_col[None, :], mask=mask, other=0.0).to(tl.float32)
+        linear = tl.load(c_row + linear_col[None, :], mask=mask, other=0.0).to(tl.float32)
+        prob = tl.load(probs_ptr + rows, mask=rows < tokens, other=0.0).to(tl.float32)
+    h = gate * sigmoid(gate) * linear * prob[:, None]
+    h = round_for_store(h, out_ptr.dtype.element_ty)
+    if EVEN:
+        tl.store(out_ptrs, h)
+    else:
+        tl.store(out_ptrs, h, mask=mask)
+
+
+@triton.jit
+def dglu_kernel(
+    grad_ptr,
+    c_ptr,
+    probs_ptr,
+    expert_ends_ptr,
+    dc_ptr,
+    dprobs_ptr,
+    amax_bits_ptr,
+    tokens,
+    ffn,
+    experts,
+    stride_grad,
+    stride_c,
+    BLOCK_T: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    """dc, dprobs and the per-expert amax of BLOCK_T rows from one read of grad and c."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < tokens
+    if EVEN:
+        prob = tl.load(probs_ptr + rows).to(tl.float32)
+    else:
+        prob = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    grad_row = grad_ptr + rows[:, None].to(tl.int64) * stride_grad
+    c_row = c_ptr + rows[:, None].to(tl.int64) * stride_c
+    dc_row = dc_ptr + rows[:, None].to(tl.int64) * (2 * ffn)
+    dprob = tl.zeros([BLOCK_T], dtype=tl.float32)
+    row_amax = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for ffn0 in range(0, ffn, BLOCK_F):
+        ffn_idx = ffn0 + tl.arange(0, BLOCK_F)
+        gate_col, linear_col = glu_columns(ffn_idx, ffn, INTERLEAVE)
+        if EVEN:
+            g = tl.load(grad_row + ffn_idx[None, :]).to(tl.float32)
+            gate = tl.load(c_row + gate_col[None, :]).to(tl.float32)
+            linear = tl.load(c_row + linear_col[None, :]).to(tl.float32)
+        else:
+            mask = row_ok[:, None] & (ffn_idx[None, :] < ffn)
+            g = tl.load(grad_row + ffn_idx[None, :], mask=mask, other=0.0).to(tl.float32)
+            gate = tl.load(c_row + gate_col[None, :], mask=mask, other=0.0).to(tl.float32)
+            linear = tl.load(c_row + linear_col[None, :], mask=mask, other=0.0).to(tl.float32)
+        sig = sigmoid(gate)
+        swish = gate * sig
+        dprob += tl.sum(g * swish * linear, axis=1)
+        scaled = g * prob[:, None]
+        d_gate = scaled * linear * sig * (1.0 + gate * (1.0 - sig))
+        d_linear = scaled * swish
+        # Masked lanes hold zeros, so they never raise the amax.
+        tile_amax = tl.reduce(_max_keep_nan(tl.abs(d_gate), tl.abs(d_linear)), 1, _max_keep_nan)
+        row_amax = _max_keep_nan(row_amax, tile_amax)
+        d_gate = round_for_store(d_gate, dc_ptr.dtype.element_ty)
+        d_linear = round_for_store(d_linear, dc_ptr.dtype.element_ty)
+        if EVEN:
+            tl.store(dc_row + gate_col[None, :], d_gate)
+            tl.store(dc_row + linear_col[None, :], d_linear)
+        else:
+            tl.store(dc_row + gate_col[None, :], d_gate, mask=mask)
+            tl.store(dc_row + linear_col[None, :], d_linear, mask=mask)
+    tl.store(dprobs_ptr + rows, dprob, mask=row_ok)
+    # Expert of each row = number of expert ends at or below it (`experts` for rows past the last).
+    expert_idx = tl.arange(0, EXPERTS_POW2)
+    ends = tl.load(expert_ends_ptr + expert_idx, mask=expert_idx < experts, other=2147483647)
+    expert = tl.sum((rows[:, None] >= ends[None, :]).to(tl.int32), axis=1)
+    tl.atomic_max(
+        amax_bits_ptr + expert,
+        row_amax.to(tl.int32, bitcast=True),
+        mask=row_ok & (expert < experts),
+        sem="relaxed",
+    )
+
+
+def _rows_with_unit_stride(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _block_cols(ffn: int, widest: int) -> int:
+    return max(32, min(widest, triton.next_power_of_2(ffn)))
+
+
+def launch_swiglu_fwd(
+    c: torch.Tensor,
+    probs: torch.Tensor,
+    interleave: int,
+    block_rows: int = 8,
+    block_cols: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """``lowp::swiglu_fwd`` on a CUDA (or interpreted CPU) tensor; rows read through their stride."""
+    out = swiglu_fwd_output(c, probs, interleave)
+    tokens, ffn = out.shape
+    if tokens == 0:
+        return out
+    c = _rows_with_unit_stride(c)
+    block_cols = block_cols or _block_cols(ffn, 256)
+    grid = (triton.cdiv(tokens, block_rows), triton.cdiv(ffn, block_cols))
+    swiglu_fwd_kernel[grid](
+        c,
+        probs.contiguous(),
+        out,
+        tokens,
+        ffn,
+        c.stride(0),
+        BLOCK_T=block_rows,
+        BLOCK_F=block_cols,
+        INTERLEAVE=interleave,
+        EVEN=tokens % block_rows == 0 and ffn % block_cols == 0,
+        num_warps=num_warps,
+        enable_fp_fusion=False,
+    )
+    return out
+
+
+def launch_dglu(
+    grad: torch.Tensor,
+    c: torch.Tensor,
+    probs: torch.Tensor,
+    split_sizes: torch.Tensor,
+    interleave: int,
+    block_rows: int = 8,
+    block_cols: int | None = None,
+    num_warps: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``lowp::dglu`` on a CUDA (or interpreted CPU) tensor. ``block_rows``, ``block_cols`` and
+    ``num_warps`` override the launch configuration (for benchmarks)."""
+    dc, dprobs, amax = dglu_outputs(grad, c, probs, split_sizes, interleave)
+    amax_bits = amax.view(torch.int32).zero_()
+    tokens, ffn = grad.shape
+    if tokens == 0:
+        return dc, dprobs, amax
+    grad, c = _rows_with_unit_stride(grad), _rows_with_unit_stride(c)
+    experts = split_sizes.shape[0]
+    expert_ends = torch.cumsum(split_sizes, dim=0, dtype=torch.int32)
+    block_cols = block_cols or _block_cols(ffn, 256)
+    dglu_kernel[(triton.cdiv(tokens, block_rows),)](
+        grad,
+        c,
+        probs.contiguous(),
+        expert_ends,
+        dc,
+        dprobs,
+        amax_bits,
+        tokens,
+        ffn,
+        experts,
+        grad.stride(0),
+        c.stride(0),
+        BLOCK_T=block_rows,
+        BLOCK_F=block_cols,
+        EXPERTS_POW2=max(2, triton.next_power_of_2(experts)),
+        INTERLEAVE=interleave,
+        EVEN=tokens % block_rows == 0 and ffn % block_cols == 0,
+        num_warps=num_warps,
+        enable_fp_fusion=False,
+    )
+    return dc, dprobs, amax
