@@ -1,6 +1,9 @@
 """lowp_ops: low-precision training ops that stay inside torch.compile graphs and CUDA graphs."""
 
-from . import library  # noqa: F401  (registers torch.ops.lowp.*)
+from . import (
+    library,  # noqa: F401  (registers torch.ops.lowp.*)
+    nn,
+)
 from .formats import MXFP8Tensor, NVFP4Tensor
 from .functional import (
     cross_entropy,
@@ -11,6 +14,7 @@ from .functional import (
     softmax,
     swiglu,
 )
+from .moe import grouped_swiglu_mlp
 from .mxfp8 import mxfp8_dequantize, mxfp8_quantize
 from .nvfp4 import nvfp4_dequantize, nvfp4_quantize
 
@@ -20,10 +24,12 @@ __all__ = [
     "cross_entropy",
     "cross_entropy_with_mxfp8_grad",
     "dglu",
+    "grouped_swiglu_mlp",
     "log_softmax",
     "logsumexp",
     "mxfp8_dequantize",
     "mxfp8_quantize",
+    "nn",
     "nvfp4_dequantize",
     "nvfp4_quantize",
     "softmax",

@@ -1,0 +1,129 @@
+"""Grouped linear layers of MoE experts under the bf16 / MXFP8 / NVFP4 recipes, and the FC1 + SwiGLU
+node of the grouped MLP (te_grouped_mlp_nvfp4.md §2.1, §2.7, §3.10).
+
+Each expert ``e`` owns the rows ``[sum(split_sizes[:e]), sum(split_sizes[:e+1]))`` of the tokens and a
+weight ``w[e]`` (N, K) in ``nn.Linear`` layout. Three GEMMs per layer, all grouped (``lowp::grouped_mm``):
+fprop ``y = x w^T``, dgrad ``dx = dy w``, wgrad ``dw = dy^T x`` (contraction over the expert's tokens).
+
+Recipes, emulated on GPUs without block-scaled GEMMs (Hopper): the operands are quantized with our ops,
+dequantized to bf16 and multiplied by a bf16 grouped GEMM with fp32 accumulation. Equal to TE's recipe
+up to the accumulation order, except where noted.
+
+- ``bf16``: no quantization.
+- ``mxfp8`` (E4M3 everywhere, as TE's MXFP8BlockScaling): each GEMM operand quantized along its
+  contraction dim: row-wise copies for x, w, dy in fprop/dgrad inputs, column-wise (32-row blocks) for w
+  in dgrad and for dy, x in wgrad. 32-blocks never straddle experts when the split sizes are multiples
+  of 32 (the column-wise ones run along tokens); then the whole-tensor quantization equals TE's
+  per-expert one. E4M3 x 2^k dequantizes exactly to bf16.
+- ``nvfp4``: see :mod:`lowp_ops.grouped_nvfp4`.
+
+Split sizes stay on the device; nothing here reads a tensor value on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .meta.grouped_mlp import grouped_fc1_swiglu_outputs, grouped_linear_output
+
+
+def group_ends(split_sizes: torch.Tensor) -> torch.Tensor:
+    """int32 cumulative split sizes (the ``offs`` of ``torch._grouped_mm``), computed on the device."""
+    return torch.cumsum(split_sizes, dim=0, dtype=torch.int32)
+
+
+def _mxfp8_dequantized(t: torch.Tensor, use: str) -> torch.Tensor:
+    """``t`` (R, C) through MXFP8 E4M3 and back to bf16: 1x32 blocks along C (``rowwise``) or 32x1 along
+    R (``columnwise``)."""
+    rowwise = use == "rowwise"
+    row_data, row_scale, col_data, col_scale = torch.ops.lowp.mxfp8_quantize(
+        t, "e4m3", rowwise, not rowwise, "compact"
+    )
+    data, scale = (row_data, row_scale) if rowwise else (col_data, col_scale)
+    return torch.ops.lowp.mxfp8_dequantize(data, scale, "e4m3", use, "compact", torch.bfloat16)
+
+
+def _mxfp8_both(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise and column-wise MXFP8 round trips of ``t`` from one quantization pass."""
+    row_data, row_scale, col_data, col_scale = torch.ops.lowp.mxfp8_quantize(t, "e4m3", True, True, "compact")
+    dequantize = torch.ops.lowp.mxfp8_dequantize
+    return (
+        dequantize(row_data, row_scale, "e4m3", "rowwise", "compact", torch.bfloat16),
+        dequantize(col_data, col_scale, "e4m3", "columnwise", "compact", torch.bfloat16),
+    )
+
+
+def _flat(weight: torch.Tensor) -> torch.Tensor:
+    return weight.reshape(-1, weight.shape[-1])
+
+
+def linear_fprop(
+    x: torch.Tensor, weight: torch.Tensor, split_sizes: torch.Tensor, recipe: str
+) -> torch.Tensor:
+    """y (T, N) = x_e (T_e, K) w[e]^T per expert, bf16."""
+    offs = group_ends(split_sizes)
+    if recipe == "bf16":
+        return torch.ops.lowp.grouped_mm(x, weight.transpose(1, 2), offs)
+    if recipe == "mxfp8":
+        x_deq = _mxfp8_dequantized(x, "rowwise")
+        w_deq = _mxfp8_dequantized(_flat(weight), "rowwise").view(weight.shape)
+        return torch.ops.lowp.grouped_mm(x_deq, w_deq.transpose(1, 2), offs)
+    from .grouped_nvfp4 import nvfp4_fprop
+
+    return nvfp4_fprop(x, weight, split_sizes)
+
+
+def linear_backward(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    split_sizes: torch.Tensor,
+    recipe: str,
+    grad_amax: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx (T, K), dweight (E, N, K)) bf16 from grad = dy (T, N). ``grad_amax`` (E,) fp32: the per-expert
+    amax of ``grad`` before its bf16 rounding (nvfp4 only; from the dGLU epilogue), so that no amax
+    pass over ``grad`` runs."""
+    offs = group_ends(split_sizes)
+    if recipe == "bf16":
+        dx = torch.ops.lowp.grouped_mm(grad, weight, offs)
+        return dx, torch.ops.lowp.grouped_mm(grad.t(), x, offs)
+    if recipe == "mxfp8":
+        grad_row, grad_col = _mxfp8_both(grad)
+        w_col = _mxfp8_dequantized(_flat(weight), "columnwise").view(weight.shape)
+        x_col = _mxfp8_dequantized(x, "columnwise")
+        dx = torch.ops.lowp.grouped_mm(grad_row, w_col, offs)
+        return dx, torch.ops.lowp.grouped_mm(grad_col.t(), x_col, offs)
+    from .grouped_nvfp4 import nvfp4_backward
+
+    return nvfp4_backward(grad, x, weight, split_sizes, grad_amax)
+
+
+def grouped_linear(
+    x: torch.Tensor, weight: torch.Tensor, split_sizes: torch.Tensor, recipe: str
+) -> torch.Tensor:
+    """Implementation of ``lowp::grouped_linear`` (composed of ``lowp::`` ops on every device)."""
+    grouped_linear_output(x, weight, split_sizes, recipe)
+    return linear_fprop(x, weight, split_sizes, recipe)
+
+
+def fc1_probs(probs: torch.Tensor, recipe: str) -> torch.Tensor:
+    """The probabilities the forward multiplies by: TE's MXFP8 path rounds them to bf16 first (§5); the
+    backward always uses them as given."""
+    return probs.to(torch.bfloat16) if recipe == "mxfp8" else probs
+
+
+def grouped_fc1_swiglu(
+    x: torch.Tensor,
+    fc1_weight: torch.Tensor,
+    probs: torch.Tensor,
+    split_sizes: torch.Tensor,
+    recipe: str,
+    interleave: int,
+    fc1_dy_amax_from_dglu: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Implementation of ``lowp::grouped_fc1_swiglu``: ``(h, c)`` with ``c = FC1(x)`` (bf16, saved for the
+    dGLU) and ``h = silu(gate) * linear * probs`` (bf16)."""
+    grouped_fc1_swiglu_outputs(x, fc1_weight, probs, split_sizes, recipe, interleave, fc1_dy_amax_from_dglu)
+    c = linear_fprop(x, fc1_weight, split_sizes, recipe)
+    return torch.ops.lowp.swiglu_fwd(c, fc1_probs(probs, recipe), interleave), c

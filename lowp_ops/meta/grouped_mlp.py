@@ -1,0 +1,124 @@
+"""Argument checks and output allocation for the grouped GEMM and the grouped SwiGLU MLP ops."""
+
+from __future__ import annotations
+
+import torch
+
+from .checks import require
+from .swiglu import check_glu_inputs
+
+RECIPES = ("bf16", "mxfp8", "nvfp4")
+GEMM_ALIGNMENT = 8
+"""bf16 elements per 16 bytes: ``torch._grouped_mm`` (TMA) needs 16-byte aligned leading strides."""
+
+
+def check_recipe(recipe: str) -> None:
+    require(recipe in RECIPES, lambda: f"recipe must be one of {RECIPES}, got {recipe!r}")
+
+
+def check_split_sizes(split_sizes: torch.Tensor, experts: int, device: torch.device) -> None:
+    require(split_sizes.dim() == 1, lambda: f"split_sizes must be 1-D (experts,), got {split_sizes.dim()}-D")
+    require(
+        not split_sizes.is_floating_point() and not split_sizes.is_complex(),
+        lambda: f"split_sizes must be an integer tensor, got {split_sizes.dtype}",
+    )
+    require(
+        split_sizes.shape[0] == experts,
+        lambda: f"split_sizes must have one entry per expert ({experts}), got {split_sizes.shape[0]}",
+    )
+    require(
+        split_sizes.device == device,
+        lambda: f"split_sizes must be on the tokens' device {device}, got {split_sizes.device}",
+    )
+
+
+def _check_bf16_matrix(t: torch.Tensor, name: str, dims: int) -> None:
+    require(t.dim() == dims, lambda: f"{name} must be {dims}-D, got {t.dim()}-D")
+    require(t.dtype == torch.bfloat16, lambda: f"{name} must be bfloat16, got {t.dtype}")
+
+
+def grouped_mm_output(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``lowp::grouped_mm`` outputs, bf16 contiguous: ``a`` (T, K) x ``b`` (E, K, N) -> (T, N);
+    ``a`` (M, T) x ``b`` (T, N) -> (E, M, N) (groups along the contraction dim T)."""
+    require(a.dim() == 2, lambda: f"a must be 2-D, got {a.dim()}-D")
+    require(b.dim() in (2, 3), lambda: f"b must be 2-D or 3-D, got {b.dim()}-D")
+    require(
+        a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16,
+        lambda: f"a and b must be bfloat16, got {a.dtype} and {b.dtype}",
+    )
+    require(
+        offs.dim() == 1 and offs.dtype == torch.int32,
+        lambda: f"offs must be a 1-D int32 tensor of group ends, got {offs.dtype} {offs.dim()}-D",
+    )
+    require(
+        a.shape[1] == b.shape[-2],
+        lambda: f"a and b must share the contraction dim, got {tuple(a.shape)} and {tuple(b.shape)}",
+    )
+    if b.dim() == 3:
+        require(
+            offs.shape[0] == b.shape[0],
+            lambda: f"offs must have one entry per group of b ({b.shape[0]}), got {offs.shape[0]}",
+        )
+        return a.new_empty((a.shape[0], b.shape[2]))
+    return a.new_empty((offs.shape[0], a.shape[0], b.shape[1]))
+
+
+def check_grouped_linear(
+    x: torch.Tensor, weight: torch.Tensor, split_sizes: torch.Tensor, recipe: str
+) -> None:
+    """x (T, K) bf16, weight (E, N, K) bf16 (``nn.Linear`` layout per expert), K and N multiples of 8."""
+    _check_bf16_matrix(x, "x", 2)
+    _check_bf16_matrix(weight, "weight", 3)
+    require(
+        x.shape[1] == weight.shape[2],
+        lambda: f"x (T, {x.shape[1]}) and weight (E, N, K={weight.shape[2]}) must share K",
+    )
+    require(
+        x.shape[1] % GEMM_ALIGNMENT == 0 and weight.shape[1] % GEMM_ALIGNMENT == 0,
+        lambda: (
+            f"in and out features must be multiples of {GEMM_ALIGNMENT} (16-byte rows for the grouped GEMM), "
+            f"got {x.shape[1]} and {weight.shape[1]}"
+        ),
+    )
+    check_split_sizes(split_sizes, weight.shape[0], x.device)
+    check_recipe(recipe)
+
+
+def grouped_linear_output(
+    x: torch.Tensor, weight: torch.Tensor, split_sizes: torch.Tensor, recipe: str
+) -> torch.Tensor:
+    """y (T, N) bf16."""
+    check_grouped_linear(x, weight, split_sizes, recipe)
+    return x.new_empty((x.shape[0], weight.shape[1]))
+
+
+def grouped_linear_bwd_outputs(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, split_sizes: torch.Tensor, recipe: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx (T, K), dweight (E, N, K)) bf16."""
+    check_grouped_linear(x, weight, split_sizes, recipe)
+    require(
+        grad.shape == (x.shape[0], weight.shape[1]),
+        lambda: f"grad must have shape {(x.shape[0], weight.shape[1])}, got {tuple(grad.shape)}",
+    )
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def grouped_fc1_swiglu_outputs(
+    x: torch.Tensor,
+    fc1_weight: torch.Tensor,
+    probs: torch.Tensor,
+    split_sizes: torch.Tensor,
+    recipe: str,
+    interleave: int,
+    fc1_dy_amax_from_dglu: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h (T, F), c (T, 2F)) bf16 from x (T, H) and fc1_weight (E, 2F, H)."""
+    check_grouped_linear(x, fc1_weight, split_sizes, recipe)
+    c = x.new_empty((x.shape[0], fc1_weight.shape[1]))
+    check_glu_inputs(c, probs, interleave)
+    require(
+        not fc1_dy_amax_from_dglu or recipe == "nvfp4",
+        lambda: f"fc1_dy_amax_from_dglu needs recipe='nvfp4' (it feeds the NVFP4 amaxes), got {recipe!r}",
+    )
+    return x.new_empty((x.shape[0], fc1_weight.shape[1] // 2)), c

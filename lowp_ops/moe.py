@@ -1,0 +1,66 @@
+"""Public grouped SwiGLU MLP of MoE experts (thin wrapper over ``torch.ops.lowp``)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import library  # noqa: F401  (registers the ops)
+from .meta.checks import require
+from .meta.grouped_mlp import RECIPES
+
+
+def grouped_swiglu_mlp(
+    x: torch.Tensor,
+    fc1_weight: torch.Tensor,
+    fc2_weight: torch.Tensor,
+    split_sizes: torch.Tensor,
+    probs: torch.Tensor,
+    *,
+    recipe: str = "bf16",
+    fc1_dy_amax_from_dglu: bool = False,
+    glu_interleave_size: int | None = None,
+) -> torch.Tensor:
+    """MoE experts' SwiGLU MLP: ``y_t = W2_e (silu(gate) * linear * p_t)`` with ``(gate, linear) = W1_e x_t``.
+
+    Args:
+        x: (T, H) bf16 tokens sorted by expert: expert ``e`` owns rows ``[sum(split_sizes[:e]),
+            sum(split_sizes[:e+1]))``. ``sum(split_sizes)`` must equal T (not checked on CUDA: that
+            would be a host sync; rows past it come out unspecified there, zero on CPU).
+        fc1_weight: (E, 2F, H) bf16, per expert ``nn.Linear(H, 2F)``; gate rows first (TE's order) or,
+            with ``glu_interleave_size=32``, alternating 32-row gate/linear blocks.
+        fc2_weight: (E, H, F) bf16, per expert ``nn.Linear(F, H)``.
+        split_sizes: (E,) integer tensor on x's device; zeros (empty experts) allowed. Never read on the
+            host: forward and backward run without a sync and inside CUDA graphs.
+        probs: (T,) fp32 or bf16 router probabilities, multiplied after the activation, before FC2.
+        recipe: ``"bf16"``, ``"mxfp8"`` or ``"nvfp4"`` (emulated with bf16 grouped GEMMs on Hopper; see
+            :mod:`lowp_ops.grouped_linear`). MXFP8 wants split sizes that are multiples of 32, NVFP4 of 16.
+        fc1_dy_amax_from_dglu: nvfp4 only: the FC1 gradient's NVFP4 amaxes come from the dGLU epilogue
+            (row-wise ``bf16(amax)``, column-wise ``4 x`` that) instead of an amax pass.
+        glu_interleave_size: None or 32.
+
+    Returns y (T, H) bf16. H and F must be multiples of 8 (16-byte GEMM rows). Gradients flow to x,
+    both weights and probs; fp32 probs get an fp32 gradient that was never rounded to bf16, bf16 probs
+    get ``bf16(fp32 dprobs)``.
+    """
+    require(recipe in RECIPES, lambda: f"recipe must be one of {RECIPES}, got {recipe!r}")
+    require(
+        glu_interleave_size in (None, 32),
+        lambda: f"glu_interleave_size must be None or 32, got {glu_interleave_size!r}",
+    )
+    require(
+        fc1_weight.dim() == 3 and fc2_weight.dim() == 3,
+        lambda: f"fc1_weight and fc2_weight must be 3-D, got {fc1_weight.dim()}-D and {fc2_weight.dim()}-D",
+    )
+    experts, two_ffn, hidden = fc1_weight.shape
+    expected_fc2 = (experts, hidden, two_ffn // 2)
+    require(
+        tuple(fc2_weight.shape) == expected_fc2,
+        lambda: (
+            f"fc2_weight must have shape {expected_fc2} for fc1_weight {tuple(fc1_weight.shape)}, "
+            f"got {tuple(fc2_weight.shape)}"
+        ),
+    )
+    h, _ = torch.ops.lowp.grouped_fc1_swiglu(
+        x, fc1_weight, probs.reshape(-1), split_sizes, recipe, glu_interleave_size or 0, fc1_dy_amax_from_dglu
+    )
+    return torch.ops.lowp.grouped_linear(h, fc2_weight, split_sizes, recipe)

@@ -1,0 +1,69 @@
+"""Modules built on the ``lowp::`` ops."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .meta.checks import require
+from .meta.grouped_mlp import RECIPES
+from .moe import grouped_swiglu_mlp
+
+
+class GroupedSwiGLUMLP(torch.nn.Module):
+    """The experts of an MoE layer: per expert ``nn.Linear(hidden, 2 * ffn)``, SwiGLU times the router
+    probability, ``nn.Linear(ffn, hidden)``, no biases. Called as ``mlp(x, split_sizes, probs)`` with x
+    (T, hidden) sorted by expert and device ``split_sizes`` (see :func:`lowp_ops.grouped_swiglu_mlp`).
+
+    Weights: ``fc1_weight`` (E, 2 ffn, hidden), ``fc2_weight`` (E, hidden, ffn), bf16 by default,
+    initialized per expert like ``nn.Linear`` (uniform in +-1/sqrt(in_features)).
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        ffn: int,
+        *,
+        recipe: str = "bf16",
+        fc1_dy_amax_from_dglu: bool = False,
+        glu_interleave_size: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+    ):
+        super().__init__()
+        require(recipe in RECIPES, lambda: f"recipe must be one of {RECIPES}, got {recipe!r}")
+        self.num_experts, self.hidden, self.ffn = num_experts, hidden, ffn
+        self.recipe = recipe
+        self.fc1_dy_amax_from_dglu = fc1_dy_amax_from_dglu
+        self.glu_interleave_size = glu_interleave_size
+        factory = {"device": device, "dtype": dtype}
+        self.fc1_weight = torch.nn.Parameter(torch.empty(num_experts, 2 * ffn, hidden, **factory))
+        self.fc2_weight = torch.nn.Parameter(torch.empty(num_experts, hidden, ffn, **factory))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            for weight in (self.fc1_weight, self.fc2_weight):
+                bound = 1.0 / math.sqrt(weight.shape[2])
+                weight.uniform_(-bound, bound)
+
+    def forward(self, x: torch.Tensor, split_sizes: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        return grouped_swiglu_mlp(
+            x,
+            self.fc1_weight,
+            self.fc2_weight,
+            split_sizes,
+            probs,
+            recipe=self.recipe,
+            fc1_dy_amax_from_dglu=self.fc1_dy_amax_from_dglu,
+            glu_interleave_size=self.glu_interleave_size,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, hidden={self.hidden}, ffn={self.ffn}, "
+            f"recipe={self.recipe!r}, fc1_dy_amax_from_dglu={self.fc1_dy_amax_from_dglu}, "
+            f"glu_interleave_size={self.glu_interleave_size}"
+        )

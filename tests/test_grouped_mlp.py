@@ -1,0 +1,301 @@
+"""Grouped SwiGLU MLP of MoE experts: float64 oracle per recipe, probability gradient dtype contract,
+the grouped GEMM, opcheck, and compile without recompiles when split sizes (data) or token counts change.
+
+CPU tests run the references; ``interp`` runs the Triton SwiGLU/dGLU/MXFP8 kernels in the MLP; ``gpu``
+runs ``torch._grouped_mm`` and the kernels on CUDA.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import lowp_ops
+from lowp_ops.reference import grouped_mm as grouped_mm_ref
+
+TE_TOLERANCES = {"bf16": (0.125, 0.25), "mxfp8": (0.125, 0.25), "nvfp4": (0.25, 0.5)}  # (rtol, atol)
+# Relative Frobenius error against float64 (ours, tighter than TE's elementwise bounds).
+NORM_TOLERANCES = {"bf16": 0.02, "mxfp8": 0.08, "nvfp4": 0.3}
+RECIPES = ["bf16", "mxfp8"]
+
+
+def make_inputs(split_sizes, hidden, ffn, seed, device="cpu", probs_dtype=torch.float32):
+    """TE's test data: x, dy and weights ~ U(-0.25, 0.25), probs ~ U(0, 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens, experts = sum(split_sizes), len(split_sizes)
+
+    def uniform(*shape):
+        return ((torch.rand(*shape, generator=gen) - 0.5) * 0.5).bfloat16().to(device)
+
+    return {
+        "x": uniform(tokens, hidden),
+        "fc1_weight": uniform(experts, 2 * ffn, hidden),
+        "fc2_weight": uniform(experts, hidden, ffn),
+        "split_sizes": torch.tensor(split_sizes, device=device),
+        "probs": torch.rand(tokens, generator=gen).to(probs_dtype).to(device),
+        "dy": uniform(tokens, hidden),
+    }
+
+
+def float64_mlp(inputs, interleave: int = 0):
+    """(y, dx, dW1, dW2, dprobs) in float64 by autograd, one expert at a time (te §2.1)."""
+    x, w1, w2, probs = (
+        inputs[name].double().cpu().requires_grad_() for name in ("x", "fc1_weight", "fc2_weight", "probs")
+    )
+    outputs, start = [], 0
+    for expert, size in enumerate(inputs["split_sizes"].tolist()):
+        c = x[start : start + size] @ w1[expert].t()
+        if interleave:
+            blocks = c.view(size, -1, 2, interleave)
+            gate, linear = blocks[:, :, 0].reshape(size, -1), blocks[:, :, 1].reshape(size, -1)
+        else:
+            gate, linear = c.chunk(2, dim=1)
+        h = torch.nn.functional.silu(gate) * linear * probs[start : start + size, None]
+        outputs.append(h @ w2[expert].t())
+        start += size
+    y = torch.cat(outputs)
+    y.backward(inputs["dy"].double().cpu())
+    return y.detach(), x.grad, w1.grad, w2.grad, probs.grad
+
+
+def run_mlp(inputs, recipe, **kwargs):
+    """(y, dx, dW1, dW2, dprobs) of lowp_ops.grouped_swiglu_mlp."""
+    leaves = {
+        name: inputs[name].detach().clone().requires_grad_()
+        for name in ("x", "fc1_weight", "fc2_weight", "probs")
+    }
+    y = lowp_ops.grouped_swiglu_mlp(
+        leaves["x"],
+        leaves["fc1_weight"],
+        leaves["fc2_weight"],
+        inputs["split_sizes"],
+        leaves["probs"],
+        recipe=recipe,
+        **kwargs,
+    )
+    y.backward(inputs["dy"])
+    return y.detach(), *(leaves[name].grad for name in ("x", "fc1_weight", "fc2_weight", "probs"))
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    expected = expected.double().cpu()
+    return ((got.double().cpu() - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
+def assert_matches_float64(got, expected, recipe: str) -> None:
+    rtol, atol = TE_TOLERANCES[recipe]
+    for name, g, e in zip(("y", "dx", "dW1", "dW2", "dprobs"), got, expected, strict=True):
+        torch.testing.assert_close(
+            g.double().cpu(), e, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}"
+        )
+        assert relative_error(g, e) < NORM_TOLERANCES[recipe], (name, relative_error(g, e))
+
+
+# ------------------------------------------------------------------------------------ float64 oracle
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("hidden", [128, 256])
+def test_mlp_matches_float64_with_an_empty_expert(recipe, hidden):
+    """TE's test_grouped_mlp structure (E=4, splits {0, 1, 2, 3} x 256 shuffled, F = H) at 1/4 the tokens."""
+    inputs = make_inputs([64, 0, 192, 128], hidden, hidden, seed=hidden)
+    got = run_mlp(inputs, recipe)
+    assert_matches_float64(got, float64_mlp(inputs), recipe)
+    assert not got[2][1].any() and not got[3][1].any(), "an empty expert gets zero weight gradients"
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_interleaved_gate_layout_is_the_concatenated_one_permuted(recipe):
+    inputs = make_inputs([64, 0, 32, 96], 64, 64, seed=1)
+    ffn = 64
+    # Row j of the interleaved FC1 weight: block j // 64, half (j % 64) // 32, channel j % 32.
+    perm = torch.arange(2 * ffn).view(2, ffn // 32, 32).transpose(0, 1).reshape(-1)
+    interleaved = dict(inputs, fc1_weight=inputs["fc1_weight"][:, perm])
+    got = run_mlp(interleaved, recipe, glu_interleave_size=32)
+    expected = run_mlp(inputs, recipe)
+    for index, name in ((0, "y"), (2, "dW1"), (3, "dW2"), (4, "dprobs")):
+        expected_value = expected[index][:, perm] if name == "dW1" else expected[index]
+        assert torch.equal(got[index], expected_value), name
+    # dx sums over the 2F channels in another order.
+    torch.testing.assert_close(got[1], expected[1], rtol=2**-7, atol=1e-6)
+
+
+@given(
+    splits=st.lists(st.sampled_from([0, 0, 1, 3, 8, 13, 32]), min_size=1, max_size=5),
+    probs_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**20),
+)
+def test_bf16_mlp_over_random_splits_matches_float64(splits, probs_dtype, seed):
+    inputs = make_inputs(splits, 32, 16, seed, probs_dtype=probs_dtype)
+    got = run_mlp(inputs, "bf16")
+    expected = float64_mlp(inputs)
+    assert got[4].dtype == probs_dtype
+    for name, g, e in zip(("y", "dx", "dW1", "dW2", "dprobs"), got, expected, strict=True):
+        torch.testing.assert_close(g.double(), e, rtol=0.02, atol=0.02, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# -------------------------------------------------------------------------------- probability gradient
+
+
+def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(2**-126))) - 7)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp32_probs_get_an_fp32_gradient_never_rounded_to_bf16(recipe):
+    """The node's dprobs against float64 Σ g u from the same g and c: far below a bf16 ulp."""
+    inputs = make_inputs([32, 0, 64], 64, 32, seed=2)
+    probs = inputs["probs"].clone().requires_grad_()
+    h, c = torch.ops.lowp.grouped_fc1_swiglu(
+        inputs["x"], inputs["fc1_weight"], probs, inputs["split_sizes"], recipe, 0, False
+    )
+    grad_h = inputs["dy"][:, :32]
+    h.backward(grad_h)
+    gate, linear = c.double().chunk(2, dim=1)
+    expected = (grad_h.double() * torch.nn.functional.silu(gate) * linear).sum(dim=1)
+    assert probs.grad.dtype == torch.float32
+    assert ((probs.grad.double() - expected).abs() < 0.01 * bf16_ulp(expected) + 1e-12).all()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_bf16_probs_get_the_single_rounding_of_the_fp32_gradient(recipe):
+    inputs = make_inputs([32, 16, 0], 64, 32, seed=3, probs_dtype=torch.bfloat16)
+    got16 = run_mlp(inputs, recipe)
+    got32 = run_mlp(dict(inputs, probs=inputs["probs"].float()), recipe)
+    assert got16[4].dtype == torch.bfloat16
+    if recipe != "mxfp8":  # mxfp8 rounds fp32 probs to bf16 in its forward (te §5): same values here
+        assert torch.equal(got16[0], got32[0])
+    assert torch.equal(got16[4], got32[4].bfloat16())
+
+
+# ------------------------------------------------------------------------------------------ grouped_mm
+
+
+def test_grouped_mm_reference_loops_over_groups():
+    gen = torch.Generator().manual_seed(4)
+    a = torch.randn(20, 16, generator=gen).bfloat16()
+    b = torch.randn(3, 16, 8, generator=gen).bfloat16()
+    offs = torch.tensor([5, 5, 20], dtype=torch.int32)
+    out = grouped_mm_ref.grouped_mm(a, b, offs)
+    bounds = list(itertools.pairwise([0, 5, 5, 20]))
+    for group, (start, end) in enumerate(bounds):
+        assert torch.equal(out[start:end], (a[start:end].double() @ b[group].double()).bfloat16())
+    wgrad = grouped_mm_ref.grouped_mm(a.t(), torch.randn(20, 8).bfloat16(), offs)
+    assert wgrad.shape == (3, 16, 8) and not wgrad[1].any()
+
+
+# ------------------------------------------------------------------------------------ traceability
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_opcheck(recipe):
+    inputs = make_inputs([8, 0, 24], 32, 32, seed=5)
+    x, w1, w2, splits, probs = (inputs[k] for k in ("x", "fc1_weight", "fc2_weight", "split_sizes", "probs"))
+    offs = torch.cumsum(splits, 0, dtype=torch.int32)
+    if recipe == "bf16":
+        torch.library.opcheck(torch.ops.lowp.grouped_mm.default, (x, w1.transpose(1, 2), offs))
+        torch.library.opcheck(torch.ops.lowp.grouped_mm.default, (x.t(), x, offs))
+    torch.library.opcheck(
+        torch.ops.lowp.grouped_linear.default,
+        (x.requires_grad_(), w2.transpose(1, 2).contiguous(), splits, recipe),
+    )
+    torch.library.opcheck(
+        torch.ops.lowp.grouped_fc1_swiglu.default,
+        (x.detach().requires_grad_(), w1.requires_grad_(), probs.requires_grad_(), splits, recipe, 32, False),
+    )
+
+
+def test_compiled_forward_backward_does_not_recompile_over_token_counts_and_splits():
+    """One forward and one backward graph (AOTAutograd) reused for new token counts and split sizes."""
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    mlp = lowp_ops.nn.GroupedSwiGLUMLP(3, 32, 16)
+    compiled = torch.compile(mlp, fullgraph=True, dynamic=True, backend="aot_eager")
+
+    def step(module, inputs):
+        x = inputs["x"].detach().requires_grad_()
+        probs = inputs["probs"].detach().requires_grad_()
+        y = module(x, inputs["split_sizes"], probs)
+        y.backward(inputs["dy"])
+        grads = [y.detach(), x.grad, probs.grad, mlp.fc1_weight.grad, mlp.fc2_weight.grad]
+        mlp.zero_grad()
+        return grads
+
+    for index, splits in enumerate(([8, 0, 16], [5, 30, 2], [40, 9, 0], [1, 1, 1])):
+        inputs = make_inputs(splits, 32, 16, seed=index)
+        if index == 2:
+            torch.compiler.set_stance("fail_on_recompile")
+        try:
+            got = step(compiled, inputs)
+        finally:
+            torch.compiler.set_stance("default")
+        expected = step(mlp, inputs)
+        assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True)), splits
+    assert not counters["graph_break"]
+
+
+# ----------------------------------------------------------------------------------------- arguments
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"recipe": "fp8"}, "recipe must be one of"),
+        ({"glu_interleave_size": 16}, "None or 32"),
+        ({"fc1_dy_amax_from_dglu": True}, "needs recipe='nvfp4'"),
+        ({"fc2_weight": torch.zeros(2, 32, 8, dtype=torch.bfloat16)}, "fc2_weight must have shape"),
+        ({"split_sizes": torch.tensor([4, 4, 4])}, "one entry per expert"),
+        ({"split_sizes": torch.tensor([4.0, 4.0])}, "integer tensor"),
+        ({"x": torch.zeros(8, 32)}, "x must be bfloat16"),
+    ],
+)
+def test_bad_arguments_raise_naming_them(change, match):
+    inputs = make_inputs([4, 4], 32, 16, seed=0)
+    args = {
+        "x": inputs["x"],
+        "fc1_weight": inputs["fc1_weight"],
+        "fc2_weight": inputs["fc2_weight"],
+        "split_sizes": inputs["split_sizes"],
+        "probs": inputs["probs"],
+    }
+    kwargs = {}
+    for key, value in change.items():
+        (args if key in args else kwargs)[key] = value
+    with pytest.raises(ValueError, match=match):
+        lowp_ops.grouped_swiglu_mlp(*args.values(), **kwargs)
+
+
+# ------------------------------------------------------------------------------ interpreter and GPU
+
+
+@pytest.mark.interp
+def test_mlp_with_triton_kernels_matches_float64():
+    """The SwiGLU/dGLU and MXFP8 Triton kernels inside the MLP (interpreter), small shapes."""
+    inputs = make_inputs([32, 0, 64], 64, 32, seed=6)
+    for recipe in RECIPES:
+        assert_matches_float64(run_mlp(inputs, recipe), float64_mlp(inputs), recipe)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("hidden", [128, 256])
+def test_mlp_on_cuda_matches_float64_with_an_empty_expert(recipe, hidden):
+    inputs = make_inputs([256, 0, 768, 512], hidden, hidden, seed=hidden, device="cuda")
+    assert_matches_float64(run_mlp(inputs, recipe), float64_mlp(inputs), recipe)
+
+
+@pytest.mark.gpu
+def test_grouped_mm_on_cuda_matches_the_reference_loop():
+    gen = torch.Generator().manual_seed(7)
+    a = torch.randn(1000, 256, generator=gen).bfloat16()
+    b = torch.randn(4, 256, 512, generator=gen).bfloat16()
+    g = torch.randn(1000, 512, generator=gen).bfloat16()
+    offs = torch.tensor([300, 300, 808, 1000], dtype=torch.int32)
+    for args in ((a, b, offs), (a.t(), g, offs), (g, b.transpose(1, 2), offs)):
+        got = torch.ops.lowp.grouped_mm(*(t.cuda() for t in args)).cpu()
+        expected = grouped_mm_ref.grouped_mm(*args)
+        torch.testing.assert_close(got, expected, rtol=2**-7, atol=1e-2)
