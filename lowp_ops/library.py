@@ -18,13 +18,17 @@ import torch
 from . import grouped_linear as grouped_linear_impl
 from .meta import cross_entropy as ce_meta
 from .meta import grouped_mlp as grouped_mlp_meta
+from .meta import linear_cross_entropy as linear_ce_meta
 from .meta import mxfp8 as mxfp8_meta
+from .meta import mxfp8_gemm as mxfp8_gemm_meta
 from .meta import nvfp4 as nvfp4_meta
 from .meta import softmax as softmax_meta
 from .meta import swiglu as swiglu_meta
 from .reference import cross_entropy as ce_ref
 from .reference import grouped_mm as grouped_mm_ref
+from .reference import linear_cross_entropy as linear_ce_ref
 from .reference import mxfp8 as mxfp8_ref
+from .reference import mxfp8_gemm as mxfp8_gemm_ref
 from .reference import nvfp4 as nvfp4_ref
 from .reference import softmax as softmax_ref
 from .reference import swiglu as swiglu_ref
@@ -79,17 +83,27 @@ mxfp8_dequantize = _define(
 )
 
 # ----------------------------------------------------------------------------------------------- NVFP4
-# Reference only so far (it is graph-safe on CUDA too); the Triton kernels are the next step.
+# sr_seed: int64 [seed, offset] on the device (stochastic rounding, graph-safe), None for round-to-nearest.
 
 nvfp4_quantize = _define(
     "nvfp4_quantize",
     "(Tensor x, bool rowwise, bool columnwise, bool rht, Tensor? amax_rowwise, Tensor? amax_columnwise,"
-    " bool block_2d) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    " bool block_2d, Tensor? sr_seed=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     nvfp4_ref.nvfp4_quantize,
-    None,
+    "nvfp4.launch_nvfp4_quantize",
     nvfp4_meta.nvfp4_quantize_outputs,
 )
 
+nvfp4_group_quantize = _define(
+    "nvfp4_group_quantize",
+    "(Tensor x, Tensor split_sizes, bool rowwise, bool columnwise, bool rht, Tensor? amax_rowwise,"
+    " Tensor? amax_columnwise, Tensor? sr_seed=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    nvfp4_ref.nvfp4_group_quantize,
+    "nvfp4.launch_nvfp4_group_quantize",
+    nvfp4_meta.nvfp4_group_quantize_outputs,
+)
+
+# Dequantize: the reference (graph-safe, no host sync) serves CUDA too.
 nvfp4_dequantize = _define(
     "nvfp4_dequantize",
     "(Tensor data, Tensor scale, Tensor amax, ScalarType dtype) -> Tensor",
@@ -291,3 +305,94 @@ def _grouped_fc1_swiglu_backward(ctx, grad_h, _grad_c):
 
 grouped_linear.register_autograd(_grouped_linear_backward, setup_context=_grouped_linear_setup)
 grouped_fc1_swiglu.register_autograd(_grouped_fc1_swiglu_backward, setup_context=_grouped_fc1_swiglu_setup)
+
+
+# ------------------------------------------------------------ MXFP8 GEMM and LM head + cross entropy
+
+mxfp8_gemm = _define(
+    "mxfp8_gemm",
+    "(Tensor a_data, Tensor a_scale, str a_use, str a_fp8_dtype, Tensor b, Tensor? b_scale, str b_fp8_dtype,"
+    " ScalarType out_dtype) -> Tensor",
+    mxfp8_gemm_ref.mxfp8_gemm,
+    "mxfp8_gemm.launch_mxfp8_gemm",
+    mxfp8_gemm_meta.mxfp8_gemm_output,
+)
+
+linear_cross_entropy_fwd = _define(
+    "linear_cross_entropy_fwd",
+    "(Tensor hidden, Tensor weight, Tensor target, float label_smoothing, SymInt ignore_index,"
+    " str grad_format, str other_operand, int chunk_size) -> (Tensor, Tensor)",
+    linear_ce_ref.linear_cross_entropy_fwd,
+    "linear_cross_entropy.launch_linear_cross_entropy_fwd",
+    linear_ce_meta.linear_cross_entropy_fwd_outputs,
+)
+
+linear_cross_entropy_bwd = _define(
+    "linear_cross_entropy_bwd",
+    "(Tensor hidden, Tensor weight, Tensor target, Tensor lse, Tensor grad_rows, float label_smoothing,"
+    " SymInt ignore_index, str grad_format, str other_operand, int chunk_size, bool compute_dhidden,"
+    " bool compute_dweight) -> (Tensor, Tensor)",
+    linear_ce_ref.linear_cross_entropy_bwd,
+    "linear_cross_entropy.launch_linear_cross_entropy_bwd",
+    linear_ce_meta.linear_cross_entropy_bwd_outputs,
+)
+
+linear_cross_entropy_fwd_bwd = _define(
+    "linear_cross_entropy_fwd_bwd",
+    "(Tensor hidden, Tensor weight, Tensor target, Tensor row_weight, float label_smoothing,"
+    " SymInt ignore_index, str grad_format, str other_operand, int chunk_size, bool compute_dhidden,"
+    " bool compute_dweight) -> (Tensor, Tensor, Tensor)",
+    linear_ce_ref.linear_cross_entropy_fwd_bwd,
+    "linear_cross_entropy.launch_linear_cross_entropy_fwd_bwd",
+    linear_ce_meta.linear_cross_entropy_fwd_bwd_outputs,
+)
+
+scale_by = _define(
+    "scale_by",
+    "(Tensor x, Tensor scale) -> Tensor",
+    linear_ce_ref.scale_by,
+    "linear_cross_entropy.launch_scale_by",
+    linear_ce_meta.scale_by_output,
+)
+
+
+def _linear_cross_entropy_setup(ctx, inputs, output):
+    hidden, weight, target, label_smoothing, ignore_index, grad_format, other_operand, chunk_size = inputs
+    ctx.config = (label_smoothing, ignore_index, grad_format, other_operand, chunk_size)
+    ctx.save_for_backward(hidden, weight, target, output[1])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _linear_cross_entropy_backward(ctx, grad_loss, _grad_lse):
+    hidden, weight, target, lse = ctx.saved_tensors
+    need_dhidden, need_dweight = ctx.needs_input_grad[:2]
+    dhidden, dweight = linear_cross_entropy_bwd(
+        hidden, weight, target, lse, grad_loss.float(), *ctx.config, need_dhidden, need_dweight
+    )
+    return (dhidden if need_dhidden else None, dweight if need_dweight else None, *[None] * 6)
+
+
+def _linear_cross_entropy_fwd_bwd_setup(ctx, inputs, output):
+    _, dhidden, dweight = output
+    ctx.computed = inputs[-2:]
+    ctx.save_for_backward(dhidden, dweight)
+    ctx.mark_non_differentiable(dhidden, dweight)
+
+
+def _linear_cross_entropy_fwd_bwd_backward(ctx, grad_loss, _grad_dhidden, _grad_dweight):
+    # The forward computed the gradients of the loss itself; the chain rule only scales them.
+    dhidden, dweight = ctx.saved_tensors
+    computed_dhidden, computed_dweight = ctx.computed
+    return (
+        scale_by(dhidden, grad_loss) if computed_dhidden else None,
+        scale_by(dweight, grad_loss) if computed_dweight else None,
+        *[None] * 9,
+    )
+
+
+linear_cross_entropy_fwd.register_autograd(
+    _linear_cross_entropy_backward, setup_context=_linear_cross_entropy_setup
+)
+linear_cross_entropy_fwd_bwd.register_autograd(
+    _linear_cross_entropy_fwd_bwd_backward, setup_context=_linear_cross_entropy_fwd_bwd_setup
+)

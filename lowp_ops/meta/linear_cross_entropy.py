@@ -1,0 +1,187 @@
+"""Argument checks, chunking rule and output allocation for the LM-head + cross-entropy ops.
+
+Shapes: ``hidden (N, H)``, ``weight (V, H)`` of one dtype (bf16/fp16/fp32), ``target (N,)`` int64/int32.
+Tokens are processed ``chunk_size`` rows at a time, so only one chunk's logits exist at once.
+
+Peak extra memory (beyond inputs and the ``dhidden (N, H)`` / ``dweight (V, H)`` gradients), with
+``C = chunk_size`` and ``b`` the inputs' element size:
+
+- forward without gradients: ``C·V·b`` (one logits chunk) + 8 N bytes (loss, lse);
+- gradient, ``grad_format=None``: ``2·C·V·b`` (logits chunk and its bf16 gradient);
+- gradient, MXFP8: ``C·V·(b + 2 + 1/16)`` (logits chunk, row- and column-wise FP8 copies, E8M0 scales);
+  ``other_operand="mxfp8"`` adds the quantized weight ``1.03·V·H`` and one ``1.03·C·H`` hidden chunk.
+
+The default chunk keeps a logits chunk near 512 MiB of bf16: at V = 129280 that is 2048 tokens, so the
+gradient's extra memory (1 GiB) equals the size of ``dweight`` at H = 4096.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import HIGH_PRECISION_DTYPES
+from .checks import require
+from .cross_entropy import TARGET_DTYPES, check_label_smoothing
+from .mxfp8_gemm import check_other_operand
+
+GRAD_FORMATS = ("none", "mxfp8_e4m3", "mxfp8_e5m2")
+"""Op-level names of the logits-gradient format; the public ``grad_format=None`` is ``"none"``."""
+
+LOGITS_CHUNK_ELEMENTS = 2**28
+CHUNK_MULTIPLE = 256
+
+
+def default_chunk_size(vocab: int) -> int:
+    """The largest multiple of 256 tokens whose logits hold at most 2^28 elements (at least 256)."""
+    return max(CHUNK_MULTIPLE, LOGITS_CHUNK_ELEMENTS // max(vocab, 1) // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
+
+
+def chunk_bounds(n_rows: int, vocab: int, chunk_size: int) -> list[tuple[int, int]]:
+    """Row ranges ``[start, end)`` of the chunks; ``chunk_size == 0`` picks :func:`default_chunk_size`."""
+    size = chunk_size or default_chunk_size(vocab)
+    return [(start, min(start + size, n_rows)) for start in range(0, n_rows, size)]
+
+
+def fp8_dtype_of(grad_format: str) -> str:
+    """``"mxfp8_e4m3"`` -> ``"e4m3"``."""
+    return grad_format.removeprefix("mxfp8_")
+
+
+def check_grad_format(grad_format: str) -> None:
+    require(
+        grad_format in GRAD_FORMATS,
+        lambda: f"grad_format must be one of {list(GRAD_FORMATS)}, got {grad_format!r}",
+    )
+
+
+def check_chunk_size(chunk_size: int) -> None:
+    require(
+        isinstance(chunk_size, int) and chunk_size >= 0,
+        lambda: f"chunk_size must be a positive int (0 or None: automatic), got {chunk_size!r}",
+    )
+
+
+def check_hidden_weight_target(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> None:
+    """Shapes and dtypes of ``hidden (..., H)``, ``weight (V, H)``, ``target (...)``."""
+    require(
+        hidden.dtype in HIGH_PRECISION_DTYPES,
+        lambda: f"hidden must be float32, bfloat16 or float16, got {hidden.dtype}",
+    )
+    require(
+        weight.dtype == hidden.dtype,
+        lambda: f"weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}",
+    )
+    require(hidden.dim() >= 1, lambda: "hidden must have at least one dimension (the hidden size)")
+    require(weight.dim() == 2, lambda: f"weight must be 2-D (V, H), got {weight.dim()}-D")
+    require(
+        weight.shape[1] == hidden.shape[-1],
+        lambda: (
+            f"weight must have shape (V, {hidden.shape[-1]}) to match hidden's last dim, "
+            f"got {tuple(weight.shape)}"
+        ),
+    )
+    require(weight.shape[0] >= 1, lambda: "weight must have at least one row (the vocabulary)")
+    require(target.dtype in TARGET_DTYPES, lambda: f"target must be int64 or int32, got {target.dtype}")
+    require(
+        target.shape == hidden.shape[:-1],
+        lambda: (
+            f"target must have shape {tuple(hidden.shape[:-1])} (hidden.shape[:-1]), "
+            f"got {tuple(target.shape)}"
+        ),
+    )
+
+
+def _check_rows(hidden, weight, target, label_smoothing, chunk_size) -> None:
+    require(hidden.dim() == 2, lambda: f"hidden must be 2-D (N, H) here, got {hidden.dim()}-D")
+    check_hidden_weight_target(hidden, weight, target)
+    check_label_smoothing(label_smoothing)
+    check_chunk_size(chunk_size)
+
+
+def _check_grad_args(hidden, grad_format, other_operand, name: str, per_row: torch.Tensor) -> None:
+    check_grad_format(grad_format)
+    check_other_operand(other_operand)
+    rows = hidden.shape[0]
+    require(
+        per_row.dtype == torch.float32 and per_row.shape == (rows,),
+        lambda: f"{name} must be float32 of shape ({rows},), got {per_row.dtype} {tuple(per_row.shape)}",
+    )
+
+
+def _grad_outputs(hidden, weight, compute_dhidden: bool, compute_dweight: bool):
+    """``(dhidden (N, H), dweight (V, H))`` in the inputs' dtype; one not computed is an empty ``(0,)``."""
+    dhidden = hidden.new_empty(hidden.shape if compute_dhidden else (0,))
+    dweight = weight.new_empty(weight.shape if compute_dweight else (0,))
+    return dhidden, dweight
+
+
+def linear_cross_entropy_fwd_outputs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    grad_format: str,
+    other_operand: str,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss (N,) fp32, lse (N,) fp32)``; ``grad_format`` and ``other_operand`` are for the backward."""
+    _check_rows(hidden, weight, target, label_smoothing, chunk_size)
+    check_grad_format(grad_format)
+    check_other_operand(other_operand)
+    rows = hidden.shape[0]
+    return hidden.new_empty((rows,), dtype=torch.float32), hidden.new_empty((rows,), dtype=torch.float32)
+
+
+def linear_cross_entropy_bwd_outputs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    grad_rows: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    grad_format: str,
+    other_operand: str,
+    chunk_size: int,
+    compute_dhidden: bool,
+    compute_dweight: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dhidden, dweight)`` as :func:`_grad_outputs`."""
+    _check_rows(hidden, weight, target, label_smoothing, chunk_size)
+    _check_grad_args(hidden, grad_format, other_operand, "grad_rows", grad_rows)
+    rows = hidden.shape[0]
+    require(lse.dtype == torch.float32 and lse.shape == (rows,), lambda: "lse must be float32 of shape (N,)")
+    return _grad_outputs(hidden, weight, compute_dhidden, compute_dweight)
+
+
+def linear_cross_entropy_fwd_bwd_outputs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    row_weight: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    grad_format: str,
+    other_operand: str,
+    chunk_size: int,
+    compute_dhidden: bool,
+    compute_dweight: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss () fp32, dhidden, dweight)``."""
+    _check_rows(hidden, weight, target, label_smoothing, chunk_size)
+    _check_grad_args(hidden, grad_format, other_operand, "row_weight", row_weight)
+    loss = hidden.new_empty((), dtype=torch.float32)
+    return (loss, *_grad_outputs(hidden, weight, compute_dhidden, compute_dweight))
+
+
+def scale_by_output(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x``'s shape and dtype, contiguous; ``scale`` is a 0-d float tensor."""
+    require(
+        scale.dim() == 0 and scale.is_floating_point(),
+        lambda: f"scale must be a 0-d float tensor, got {scale.dtype} of shape {tuple(scale.shape)}",
+    )
+    require(
+        x.dtype in HIGH_PRECISION_DTYPES, lambda: f"x must be float32, bfloat16 or float16, got {x.dtype}"
+    )
+    return x.new_empty(x.shape)

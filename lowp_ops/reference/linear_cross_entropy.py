@@ -1,0 +1,322 @@
+"""LM head + cross entropy, chunk by chunk over tokens (pure PyTorch: the semantics and the CPU ops).
+
+Per chunk of rows ``c``:
+
+- ``logits_c = dtype(hidden_c @ weight^T)`` (fp32 accumulation, one rounding to the inputs' dtype);
+- the cross-entropy forward of :mod:`lowp_ops.reference.cross_entropy` (per-row loss and lse);
+- ``dlogits_c`` by the cross-entropy backward for the given per-row gradient: in the inputs' dtype, or
+  its MXFP8 payload (E4M3/E5M2, row- and column-wise copies, compact scales), byte for byte
+  ``cross_entropy_bwd_mxfp8`` of the same logits;
+- ``dhidden_c = dtype(op(dlogits_c) @ weight)``: the row-wise copy (blocks along V, the K dim) for MXFP8;
+- ``dweight = dtype(dweight + op(dlogits_c)^T @ hidden_c)``: the column-wise copy (blocks along the
+  chunk's tokens, the K dim) for MXFP8; fp32 inside a chunk, one rounding per chunk.
+
+``other_operand="mxfp8"`` also quantizes the GEMMs' other operand with its blocks along K (E4M3, TE's
+recipe): ``weight`` column-wise once, each ``hidden_c`` column-wise. The schedule (:func:`forward_chunks`,
+:func:`gradient_chunks`) is shared with the CUDA implementation, which passes its own :class:`Steps`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..meta.linear_cross_entropy import (
+    chunk_bounds,
+    fp8_dtype_of,
+    linear_cross_entropy_bwd_outputs,
+    linear_cross_entropy_fwd_bwd_outputs,
+    linear_cross_entropy_fwd_outputs,
+    scale_by_output,
+)
+from . import cross_entropy as ce_ref
+from . import mxfp8 as mxfp8_ref
+from .mxfp8_gemm import dequantized_operands
+
+OTHER_FP8_DTYPE = "e4m3"
+"""Weights and activations quantize to E4M3 (TE's MXFP8 recipe); dY may be E4M3 or E5M2."""
+
+
+@dataclass(frozen=True)
+class Steps:
+    """The per-chunk building blocks of one implementation (signatures as the ``lowp::`` ops)."""
+
+    logits: Callable  # (hidden_c, weight) -> logits_c in the inputs' dtype
+    ce_fwd: Callable  # lowp::cross_entropy_fwd
+    ce_bwd: Callable  # lowp::cross_entropy_bwd
+    ce_bwd_mxfp8: Callable  # lowp::cross_entropy_bwd_mxfp8
+    matmul_into: Callable  # (out, a, b, accumulate): out = dtype(a @ b [+ out])
+    mxfp8_gemm_into: Callable  # (out, *lowp::mxfp8_gemm args without out_dtype, accumulate)
+    quantize_columnwise: Callable  # (x, fp8_dtype) -> (col_data uint8, col_scale)
+
+
+def _logits(hidden_c: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return (hidden_c.float() @ weight.float().t()).to(hidden_c.dtype)
+
+
+def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
+    product = a.float() @ b.float()
+    out.copy_(product + out.float() if accumulate else product)
+
+
+def _mxfp8_gemm_into(out, a_data, a_scale, a_use, a_fp8_dtype, b, b_scale, b_fp8_dtype, accumulate) -> None:
+    a, b32 = dequantized_operands(a_data, a_scale, a_use, a_fp8_dtype, b, b_scale, b_fp8_dtype)
+    product = a @ b32
+    out.copy_(product + out.float() if accumulate else product)
+
+
+def _quantize_columnwise(x: torch.Tensor, fp8_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    _, _, col_data, col_scale = mxfp8_ref.mxfp8_quantize(x, fp8_dtype, False, True, "compact")
+    return col_data, col_scale
+
+
+REFERENCE_STEPS = Steps(
+    logits=_logits,
+    ce_fwd=ce_ref.cross_entropy_fwd,
+    ce_bwd=ce_ref.cross_entropy_bwd,
+    ce_bwd_mxfp8=ce_ref.cross_entropy_bwd_mxfp8,
+    matmul_into=_matmul_into,
+    mxfp8_gemm_into=_mxfp8_gemm_into,
+    quantize_columnwise=_quantize_columnwise,
+)
+
+
+@dataclass
+class GradientWriter:
+    """Writes one chunk's ``dlogits`` into ``dhidden`` rows and accumulates it into ``dweight``."""
+
+    weight: torch.Tensor
+    dhidden: torch.Tensor
+    dweight: torch.Tensor
+    label_smoothing: float
+    ignore_index: int
+    grad_format: str
+    other_operand: str
+    steps: Steps
+    dweight_written: bool = False
+    weight_mxfp8: tuple[torch.Tensor, torch.Tensor] | None = None
+    on_dlogits: Callable | None = None  # test hook: called with each chunk's dlogits (tensor or payload)
+
+    @property
+    def compute_dhidden(self) -> bool:
+        return self.dhidden.dim() == 2
+
+    @property
+    def compute_dweight(self) -> bool:
+        return self.dweight.dim() == 2
+
+    def write(self, start: int, end: int, hidden_c, logits_c, target_c, lse_c, grad_rows_c) -> None:
+        args = (logits_c, target_c, lse_c, grad_rows_c, self.label_smoothing, self.ignore_index)
+        if self.grad_format == "none":
+            dlogits = self.steps.ce_bwd(*args)
+            if self.on_dlogits is not None:
+                self.on_dlogits(start, end, dlogits)
+            self._bf16_gemms(start, end, hidden_c, dlogits)
+        else:
+            fp8_dtype = fp8_dtype_of(self.grad_format)
+            payload = self.steps.ce_bwd_mxfp8(
+                *args, fp8_dtype, self.compute_dhidden, self.compute_dweight, "compact"
+            )
+            if self.on_dlogits is not None:
+                self.on_dlogits(start, end, payload)
+            self._mxfp8_gemms(start, end, hidden_c, fp8_dtype, *payload)
+
+    def _bf16_gemms(self, start, end, hidden_c, dlogits) -> None:
+        if self.compute_dhidden:
+            self.steps.matmul_into(self.dhidden[start:end], dlogits, self.weight, False)
+        if self.compute_dweight:
+            self.steps.matmul_into(self.dweight, dlogits.t(), hidden_c, self.dweight_written)
+            self.dweight_written = True
+
+    def _other(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The GEMM's other operand (K, N) as given, or its column-wise MXFP8 copy."""
+        if self.other_operand == "bf16":
+            return x, None
+        return self.steps.quantize_columnwise(x, OTHER_FP8_DTYPE)
+
+    def _mxfp8_gemms(self, start, end, hidden_c, fp8_dtype, row_data, row_scale, col_data, col_scale) -> None:
+        if self.compute_dhidden:
+            if self.weight_mxfp8 is None:
+                self.weight_mxfp8 = self._other(self.weight)
+            w, w_scale = self.weight_mxfp8
+            self.steps.mxfp8_gemm_into(
+                self.dhidden[start:end],
+                row_data,
+                row_scale,
+                "rowwise",
+                fp8_dtype,
+                w,
+                w_scale,
+                OTHER_FP8_DTYPE,
+                False,
+            )
+        if self.compute_dweight:
+            x, x_scale = self._other(hidden_c)
+            self.steps.mxfp8_gemm_into(
+                self.dweight,
+                col_data,
+                col_scale,
+                "columnwise",
+                fp8_dtype,
+                x,
+                x_scale,
+                OTHER_FP8_DTYPE,
+                self.dweight_written,
+            )
+            self.dweight_written = True
+
+    def finish(self) -> None:
+        if self.compute_dweight and not self.dweight_written:
+            self.dweight.zero_()  # no tokens: dweight is an empty sum
+
+
+def forward_chunks(
+    hidden, weight, target, label_smoothing, ignore_index, grad_format, other_operand, chunk_size, *, steps
+):
+    """``lowp::linear_cross_entropy_fwd`` with the given steps: ``(loss (N,), lse (N,))`` fp32."""
+    loss, lse = linear_cross_entropy_fwd_outputs(
+        hidden, weight, target, label_smoothing, ignore_index, grad_format, other_operand, chunk_size
+    )
+    for start, end in chunk_bounds(hidden.shape[0], weight.shape[0], chunk_size):
+        logits_c = steps.logits(hidden[start:end], weight)
+        loss_c, lse_c = steps.ce_fwd(logits_c, target[start:end], label_smoothing, ignore_index)
+        loss[start:end] = loss_c
+        lse[start:end] = lse_c
+    return loss, lse
+
+
+def gradient_chunks(
+    hidden, weight, target, lse, per_row, writer: GradientWriter, chunk_size, loss_rows=None
+) -> None:
+    """The gradient of ``Σ per_row[r] · loss[r]`` into ``writer``. With ``lse`` None (fused forward), the
+    forward runs on the same logits chunk, fills ``loss_rows`` and supplies the lse."""
+    for start, end in chunk_bounds(hidden.shape[0], weight.shape[0], chunk_size):
+        hidden_c, target_c = hidden[start:end], target[start:end]
+        logits_c = writer.steps.logits(hidden_c, weight)
+        if lse is None:
+            loss_c, lse_c = writer.steps.ce_fwd(
+                logits_c, target_c, writer.label_smoothing, writer.ignore_index
+            )
+            loss_rows[start:end] = loss_c
+        else:
+            lse_c = lse[start:end]
+        writer.write(start, end, hidden_c, logits_c, target_c, lse_c, per_row[start:end])
+    writer.finish()
+
+
+def backward_chunks(
+    hidden,
+    weight,
+    target,
+    lse,
+    grad_rows,
+    label_smoothing,
+    ignore_index,
+    grad_format,
+    other_operand,
+    chunk_size,
+    compute_dhidden,
+    compute_dweight,
+    steps: Steps,
+    on_dlogits=None,
+):
+    """``lowp::linear_cross_entropy_bwd`` with the given steps: logits recomputed per chunk."""
+    dhidden, dweight = linear_cross_entropy_bwd_outputs(
+        hidden,
+        weight,
+        target,
+        lse,
+        grad_rows,
+        label_smoothing,
+        ignore_index,
+        grad_format,
+        other_operand,
+        chunk_size,
+        compute_dhidden,
+        compute_dweight,
+    )
+    writer = GradientWriter(
+        weight,
+        dhidden,
+        dweight,
+        label_smoothing,
+        ignore_index,
+        grad_format,
+        other_operand,
+        steps,
+        on_dlogits=on_dlogits,
+    )
+    gradient_chunks(hidden, weight, target, lse, grad_rows, writer, chunk_size)
+    return dhidden, dweight
+
+
+def fwd_bwd_chunks(
+    hidden,
+    weight,
+    target,
+    row_weight,
+    label_smoothing,
+    ignore_index,
+    grad_format,
+    other_operand,
+    chunk_size,
+    compute_dhidden,
+    compute_dweight,
+    steps: Steps,
+    on_dlogits=None,
+):
+    """``lowp::linear_cross_entropy_fwd_bwd`` with the given steps: ``loss = Σ row_weight · loss_rows``
+    and its gradients, from one logits chunk each (three GEMMs per chunk, none recomputed)."""
+    loss, dhidden, dweight = linear_cross_entropy_fwd_bwd_outputs(
+        hidden,
+        weight,
+        target,
+        row_weight,
+        label_smoothing,
+        ignore_index,
+        grad_format,
+        other_operand,
+        chunk_size,
+        compute_dhidden,
+        compute_dweight,
+    )
+    writer = GradientWriter(
+        weight,
+        dhidden,
+        dweight,
+        label_smoothing,
+        ignore_index,
+        grad_format,
+        other_operand,
+        steps,
+        on_dlogits=on_dlogits,
+    )
+    loss_rows = row_weight.new_empty(row_weight.shape)
+    gradient_chunks(hidden, weight, target, None, row_weight, writer, chunk_size, loss_rows)
+    loss.copy_((loss_rows * row_weight).sum())
+    return loss, dhidden, dweight
+
+
+def linear_cross_entropy_fwd(*args):
+    """Reference of ``lowp::linear_cross_entropy_fwd``."""
+    return forward_chunks(*args, steps=REFERENCE_STEPS)
+
+
+def linear_cross_entropy_bwd(*args):
+    """Reference of ``lowp::linear_cross_entropy_bwd``."""
+    return backward_chunks(*args, steps=REFERENCE_STEPS)
+
+
+def linear_cross_entropy_fwd_bwd(*args):
+    """Reference of ``lowp::linear_cross_entropy_fwd_bwd``."""
+    return fwd_bwd_chunks(*args, steps=REFERENCE_STEPS)
+
+
+def scale_by(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Reference of ``lowp::scale_by``: ``x * scale`` in fp32, one rounding to x's dtype (the upstream
+    gradient of a fused loss applied to the gradients computed in its forward)."""
+    out = scale_by_output(x, scale)
+    out.copy_(x.float() * scale.float())
+    return out
