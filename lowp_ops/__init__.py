@@ -14,6 +14,7 @@ from .functional import (
     softmax,
     swiglu,
 )
+from .lm_head import linear_cross_entropy
 from .moe import grouped_swiglu_mlp
 from .mxfp8 import mxfp8_dequantize, mxfp8_quantize
 from .nvfp4 import nvfp4_dequantize, nvfp4_quantize
@@ -25,6 +26,7 @@ __all__ = [
     "cross_entropy_with_mxfp8_grad",
     "dglu",
     "grouped_swiglu_mlp",
+    "linear_cross_entropy",
     "log_softmax",
     "logsumexp",
     "mxfp8_dequantize",

@@ -1,0 +1,108 @@
+"""The LM head and its loss in one autograd node: ``linear_cross_entropy``."""
+
+from __future__ import annotations
+
+import torch
+
+from . import library  # noqa: F401  (registers the ops)
+from .functional import _check_process_group, _reduce
+from .meta.checks import require
+from .meta.cross_entropy import check_label_smoothing, check_reduction
+from .meta.linear_cross_entropy import check_chunk_size, check_hidden_weight_target
+from .meta.mxfp8_gemm import check_other_operand
+
+PUBLIC_GRAD_FORMATS = (None, "mxfp8_e4m3", "mxfp8_e5m2")
+
+
+def _row_weight(target_rows: torch.Tensor, reduction: str, ignore_index: int) -> torch.Tensor:
+    """fp32 (N,) weights of the per-row losses in the reduced loss: 1 (sum) or 1 / n_valid (mean), on
+    the device (an expanded 0-d tensor; inf when every row is ignored, so the mean is NaN like PyTorch)."""
+    if reduction == "sum":
+        weight = torch.ones((), dtype=torch.float32, device=target_rows.device)
+    else:
+        weight = torch.reciprocal((target_rows != ignore_index).sum().float())
+    return weight.expand(target_rows.shape)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    grad_format: str | None = None,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    process_group=None,
+    chunk_size: int | None = None,
+    other_operand: str = "bf16",
+) -> torch.Tensor:
+    """``F.cross_entropy(F.linear(hidden, weight), target)`` without the ``(N, V)`` logits in memory.
+
+    Args:
+        hidden: ``(..., H)`` bf16/fp16/fp32; weight: ``(V, H)`` of the same dtype; target: ``(...)``
+            int64/int32 (``ignore_index`` rows give loss 0 and gradient 0).
+        grad_format: ``None``: the logits gradient stays in the inputs' dtype and feeds cuBLAS GEMMs.
+            ``"mxfp8_e4m3"`` / ``"mxfp8_e5m2"``: the cross-entropy backward writes it directly as MXFP8
+            (row- and column-wise copies, byte for byte ``cross_entropy_with_mxfp8_grad``'s), and the
+            dgrad GEMM reads the row-wise copy (blocks along V), the wgrad GEMM the column-wise one
+            (blocks along tokens) — te_cross_entropy_mxfp8.md part C.
+        other_operand: for the MXFP8 GEMMs: ``"bf16"`` keeps weight / hidden as given; ``"mxfp8"``
+            quantizes them to E4M3 with blocks along K as TransformerEngine's MXFP8 recipe does.
+        chunk_size: tokens per chunk (None: the largest multiple of 256 with at most 2^28 logits).
+            Peak extra memory with gradients: ``2·chunk·V·b`` (bf16 gradient) or ``chunk·V·(b + 2.06)``
+            bytes (MXFP8), b the inputs' element size; see :mod:`lowp_ops.meta.linear_cross_entropy`.
+        label_smoothing, ignore_index, reduction: as ``F.cross_entropy``; process_group: not yet.
+
+    Returns the fp32 loss (0-d, or ``target.shape`` for ``reduction="none"``); gradients come in the
+    inputs' dtypes. Logits are ``dtype(hidden @ weight^T)`` with fp32 accumulation, per chunk.
+
+    When a gradient is needed and the loss is reduced (``mean``/``sum``), the forward also computes the
+    gradients chunk by chunk (three GEMMs per chunk, like Liger's fused linear cross entropy) and the
+    backward only scales them by the upstream gradient, in fp32. With ``reduction="none"`` the forward
+    keeps ``hidden``, ``weight``, ``target`` and the per-row log-sum-exp, and the backward recomputes each
+    chunk's logits (four GEMMs per chunk). No host synchronization either way.
+    """
+    _check_process_group(process_group)
+    check_hidden_weight_target(hidden, weight, target)
+    check_label_smoothing(label_smoothing)
+    check_reduction(reduction)
+    require(
+        grad_format in PUBLIC_GRAD_FORMATS,
+        lambda: f"grad_format must be one of {list(PUBLIC_GRAD_FORMATS)}, got {grad_format!r}",
+    )
+    check_other_operand(other_operand)
+    chunk = 0 if chunk_size is None else chunk_size
+    check_chunk_size(chunk)
+    require(chunk_size is None or chunk_size > 0, lambda: f"chunk_size must be positive, got {chunk_size}")
+
+    hidden_rows = hidden.reshape(-1, hidden.shape[-1])
+    target_rows = target.reshape(-1)
+    op_format = grad_format or "none"
+    need_dhidden, need_dweight = hidden.requires_grad, weight.requires_grad
+    if torch.is_grad_enabled() and (need_dhidden or need_dweight) and reduction != "none":
+        loss, _, _ = torch.ops.lowp.linear_cross_entropy_fwd_bwd(
+            hidden_rows,
+            weight,
+            target_rows,
+            _row_weight(target_rows, reduction, ignore_index),
+            float(label_smoothing),
+            int(ignore_index),
+            op_format,
+            other_operand,
+            chunk,
+            need_dhidden,
+            need_dweight,
+        )
+        return loss
+    loss_rows, _ = torch.ops.lowp.linear_cross_entropy_fwd(
+        hidden_rows,
+        weight,
+        target_rows,
+        float(label_smoothing),
+        int(ignore_index),
+        op_format,
+        other_operand,
+        chunk,
+    )
+    return _reduce(loss_rows, target_rows, target.shape, reduction, ignore_index)
