@@ -83,17 +83,27 @@ mxfp8_dequantize = _define(
 )
 
 # ----------------------------------------------------------------------------------------------- NVFP4
-# Reference only so far (it is graph-safe on CUDA too); the Triton kernels are the next step.
+# sr_seed: int64 [seed, offset] on the device (stochastic rounding, graph-safe), None for round-to-nearest.
 
 nvfp4_quantize = _define(
     "nvfp4_quantize",
     "(Tensor x, bool rowwise, bool columnwise, bool rht, Tensor? amax_rowwise, Tensor? amax_columnwise,"
-    " bool block_2d) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    " bool block_2d, Tensor? sr_seed=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     nvfp4_ref.nvfp4_quantize,
-    None,
+    "nvfp4.launch_nvfp4_quantize",
     nvfp4_meta.nvfp4_quantize_outputs,
 )
 
+nvfp4_group_quantize = _define(
+    "nvfp4_group_quantize",
+    "(Tensor x, Tensor split_sizes, bool rowwise, bool columnwise, bool rht, Tensor? amax_rowwise,"
+    " Tensor? amax_columnwise, Tensor? sr_seed=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    nvfp4_ref.nvfp4_group_quantize,
+    "nvfp4.launch_nvfp4_group_quantize",
+    nvfp4_meta.nvfp4_group_quantize_outputs,
+)
+
+# Dequantize: the reference (graph-safe, no host sync) serves CUDA too.
 nvfp4_dequantize = _define(
     "nvfp4_dequantize",
     "(Tensor data, Tensor scale, Tensor amax, ScalarType dtype) -> Tensor",

@@ -35,6 +35,7 @@ def check_quantize_args(
     amax_rowwise: torch.Tensor | None,
     amax_columnwise: torch.Tensor | None,
     block_2d: bool,
+    sr_seed: torch.Tensor | None = None,
 ) -> None:
     require(
         x.dtype in HIGH_PRECISION_DTYPES, lambda: f"x must be float32, bfloat16 or float16, got {x.dtype}"
@@ -55,6 +56,15 @@ def check_quantize_args(
         require(rows % NVFP4_BLOCK_SIZE == 0, lambda: f"rht needs rows divisible by 16, got {rows}")
     _check_amax(amax_rowwise, "amax_rowwise")
     _check_amax(amax_columnwise, "amax_columnwise")
+    check_sr_seed(sr_seed)
+
+
+def check_sr_seed(sr_seed: torch.Tensor | None) -> None:
+    if sr_seed is not None:
+        require(
+            sr_seed.dtype == torch.int64 and sr_seed.numel() == 2,
+            lambda: f"sr_seed must be int64 [seed, offset], got {sr_seed.dtype} {tuple(sr_seed.shape)}",
+        )
 
 
 def nvfp4_quantize_outputs(
@@ -65,11 +75,12 @@ def nvfp4_quantize_outputs(
     amax_rowwise: torch.Tensor | None,
     amax_columnwise: torch.Tensor | None,
     block_2d: bool,
+    sr_seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """``(row_data, row_scale, col_data, col_scale, amax_rowwise, amax_columnwise)``: uint8 data
     ``(M, K/2)`` / ``(K, M/2)``, uint8 E4M3 scales zero-padded to 128x4 tiles, fp32 ``(1,)`` amaxes; a copy
     not asked for is a 0-element tensor."""
-    check_quantize_args(x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d)
+    check_quantize_args(x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d, sr_seed)
     rows, cols = flat_2d_dims(x.shape)
 
     def copy(wanted: bool, outer, inner):
@@ -106,3 +117,80 @@ def nvfp4_dequantize_output(
         dtype in HIGH_PRECISION_DTYPES, lambda: f"dtype must be float32, bfloat16 or float16, got {dtype}"
     )
     return data.new_empty((rows, cols), dtype=dtype)
+
+
+# ------------------------------------------------------------------------------------- grouped form
+
+
+def group_col_scale_cols(tokens, experts) -> int:
+    """Columns of the grouped column-wise scale matrix: expert e's ``roundup(ceil(m_e/16), 4)`` columns
+    for any split of ``tokens`` rows over ``experts`` fit in ``tokens // 16 + 4 * experts``."""
+    return tokens // NVFP4_BLOCK_SIZE + SCALE_TILE_COLS * experts
+
+
+def _check_group_amax(amax: torch.Tensor | None, experts: int, name: str) -> None:
+    if amax is not None:
+        require(
+            amax.dtype == torch.float32 and amax.dim() == 1 and amax.shape[0] == experts,
+            lambda: f"{name} must be float32 of shape ({experts},), got {amax.dtype} {tuple(amax.shape)}",
+        )
+
+
+def check_group_quantize_args(
+    x: torch.Tensor,
+    split_sizes: torch.Tensor,
+    rowwise: bool,
+    columnwise: bool,
+    rht: bool,
+    amax_rowwise: torch.Tensor | None,
+    amax_columnwise: torch.Tensor | None,
+    sr_seed: torch.Tensor | None = None,
+) -> None:
+    require(x.dim() == 2, lambda: f"x must be 2-D (tokens, hidden), got {x.dim()}-D")
+    require(
+        split_sizes.dim() == 1 and split_sizes.dtype in (torch.int32, torch.int64),
+        lambda: f"split_sizes must be 1-D int32/int64, got {split_sizes.dtype} {split_sizes.dim()}-D",
+    )
+    require(split_sizes.shape[0] >= 1, lambda: "split_sizes must have at least one expert")
+    require(split_sizes.device == x.device, lambda: "split_sizes must be on the device of x")
+    check_quantize_args(x, rowwise, columnwise, rht, None, None, False, sr_seed)
+    experts = split_sizes.shape[0]
+    _check_group_amax(amax_rowwise, experts, "amax_rowwise")
+    _check_group_amax(amax_columnwise, experts, "amax_columnwise")
+
+
+def nvfp4_group_quantize_outputs(
+    x: torch.Tensor,
+    split_sizes: torch.Tensor,
+    rowwise: bool,
+    columnwise: bool,
+    rht: bool,
+    amax_rowwise: torch.Tensor | None,
+    amax_columnwise: torch.Tensor | None,
+    sr_seed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Outputs of ``lowp::nvfp4_group_quantize`` for x (T, K) and E experts; shapes depend on T, K, E only.
+
+    - ``row_data`` (T, K/2) and ``row_scale`` [roundup(T, 128), roundup(ceil(K/16), 4)]: the row-wise
+      copy of all rows in token order (each row with its expert's amax), as for an ungrouped x.
+    - ``col_data`` (K * T / 2,) flat: expert e's (K, m_e / 2) matrix, contiguous, at byte offset
+      ``K * row0_e / 2`` (``row0_e = sum_{i<e} m_i``), experts in order (TE's grouped layout).
+    - ``col_scale`` [roundup(K, 128), T // 16 + 4E]: expert e's [roundup(K, 128), roundup(ceil(m_e/16), 4)]
+      block in the columns from ``sum_{i<e} roundup(ceil(m_i/16), 4)``; every other byte is 0.
+    - ``amax_rowwise``, ``amax_columnwise``: fp32 (E,).
+    A copy not asked for is a 0-element tensor."""
+    check_group_quantize_args(
+        x, split_sizes, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, sr_seed
+    )
+    tokens, hidden = x.shape
+    experts = split_sizes.shape[0]
+    row_data, row_scale, col_data, col_scale = (x.new_empty((0, 0), dtype=torch.uint8) for _ in range(4))
+    if rowwise:
+        row_data = x.new_empty((tokens, hidden // 2), dtype=torch.uint8)
+        row_scale = x.new_zeros(scale_shape(tokens, hidden), dtype=torch.uint8)
+    if columnwise:
+        col_data = x.new_empty((hidden * tokens // 2,), dtype=torch.uint8)
+        col_rows = _round_up(hidden, SCALE_TILE_ROWS)
+        col_scale = x.new_zeros((col_rows, group_col_scale_cols(tokens, experts)), dtype=torch.uint8)
+    amax = x.new_empty((experts,), dtype=torch.float32)
+    return row_data, row_scale, col_data, col_scale, amax, torch.empty_like(amax)

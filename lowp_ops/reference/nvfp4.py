@@ -20,9 +20,22 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import F4E2M1_MAX, F8E4M3_MAX, NVFP4_BLOCK_SIZE, NVFP4_GLOBAL_SCALE_NUMERATOR, RHT_SIGN_MASK
+from ..formats import (
+    F4E2M1_MAX,
+    F8E4M3_MAX,
+    NVFP4_BLOCK_SIZE,
+    NVFP4_GLOBAL_SCALE_NUMERATOR,
+    RHT_SIGN_MASK,
+    SCALE_TILE_COLS,
+)
+from ..meta.checks import require
 from ..meta.mxfp8 import flat_2d_dims
-from ..meta.nvfp4 import nvfp4_dequantize_output, nvfp4_quantize_outputs
+from ..meta.nvfp4 import (
+    check_quantize_args,
+    nvfp4_dequantize_output,
+    nvfp4_group_quantize_outputs,
+    nvfp4_quantize_outputs,
+)
 
 _BLOCK = NVFP4_BLOCK_SIZE
 FLT_MAX = torch.finfo(torch.float32).max
@@ -40,6 +53,54 @@ def e2m1_codes(values: torch.Tensor) -> torch.Tensor:
     for threshold in _E2M1_UPPER_INCLUSIVE:
         code += magnitude >= threshold
     return code + (values < 0).to(torch.uint8) * 8
+
+
+_U32 = 0xFFFFFFFF
+
+
+def _mul_u32(v: torch.Tensor, constant: int) -> torch.Tensor:
+    """``v * constant mod 2^32`` for int64 ``v`` in [0, 2^32), without int64 overflow."""
+    low = v * (constant & 0xFFFF)
+    high = ((v * (constant >> 16)) & 0xFFFF) << 16
+    return (low + high) & _U32
+
+
+def hash32(v: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mix (xorshift-multiply, constants of C. Wellons' "lowbias32") on int64 tensors
+    holding uint32 values. Also the Triton kernels' random-bit generator, so SR matches bit for bit."""
+    v = v & _U32
+    v = v ^ (v >> 16)
+    v = _mul_u32(v, 0x7FEB352D)
+    v = v ^ (v >> 15)
+    v = _mul_u32(v, 0x846CA68B)
+    return v ^ (v >> 16)
+
+
+SR_STREAM_ROWWISE = 0
+SR_STREAM_COLUMNWISE = 1
+
+
+def sr_random_bits(sr_seed: torch.Tensor, stream: int, index: torch.Tensor) -> torch.Tensor:
+    """uint32 random bits (int64) for elements with linear ``index``: ``hash32((index + offset) ^ key)``,
+    ``key = hash32(seed + stream * 0x9E3779B9)`` (all mod 2^32); ``sr_seed = [seed, offset]``."""
+    seed, offset = sr_seed[0] & _U32, sr_seed[1] & _U32
+    key = hash32(seed + stream * 0x9E3779B9)
+    return hash32(((index + offset) & _U32) ^ key)
+
+
+def e2m1_codes_stochastic(values: torch.Tensor, random_bits: torch.Tensor) -> torch.Tensor:
+    """uint8 E2M1 codes of fp32 values in [-6, 6] rounded stochastically: |v| goes up to the next grid
+    value with probability (|v| - lower) / step, from 23 random bits ``r``: ``s = |v| + r * 2^-23 * step``
+    (one fp32 rounding), then ``s`` truncated onto the grid. Signs as in :func:`e2m1_codes`."""
+    magnitude = values.abs()
+    step = torch.where(magnitude < 2, 0.5, torch.where(magnitude < 4, 1.0, 2.0))
+    uniform = (random_bits >> 9).float() * 2.0**-23
+    shifted = magnitude + uniform * step
+    low = (shifted * 2).to(torch.int32)
+    high = (shifted.view(torch.int32) >> 22) - 252
+    code = torch.clamp(torch.where(shifted < 2, low, high), max=7)
+    code = torch.where(values < 0, code + 8, code)
+    return torch.where(torch.isnan(values), 0, code).to(torch.uint8)
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
@@ -73,11 +134,31 @@ def rht_matrix(dtype: torch.dtype = torch.bfloat16, device=None) -> torch.Tensor
     return (signs[:, None] * hadamard * 0.25).to(dtype)
 
 
+def rht_signs(device=None) -> torch.Tensor:
+    """fp32 ``s_i / 4`` of the 16 inputs (``s_i = -1`` where bit i of 0xD7E8 is set)."""
+    index = torch.arange(_BLOCK, device=device)
+    return 0.25 - 0.5 * ((RHT_SIGN_MASK >> index) & 1).float()
+
+
 def apply_rht(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (R, C) bf16 with C % 16 == 0: every 16-vector along the last dim times the RHT matrix (bf16
-    matmul, fp32 accumulation, one rounding to bf16)."""
+    """``t`` (R, C) bf16 with C % 16 == 0: every 16-vector along the last dim times the RHT matrix, in
+    fp32, rounded once to bf16.
+
+    The 16 products ``t_i * s_i / 4`` are exact in fp32 (a bf16 times a power of two); their sum is
+    not order-free (it is only when the 16 terms span at most 12 binades: 8 + 12 + 4 carry bits fit
+    fp32's 24), so the order is fixed: the fast Walsh-Hadamard butterfly over index bits 0, 1, 2, 3,
+    i.e. each output is the pairwise sum ((p0 +- p1) +- (p2 +- p3)) + ... in index order. The Triton
+    kernels add in the same order, so reference and kernels agree bit for bit on every device; a bf16
+    matmul (TE's reference) agrees whenever the sum is exact and can differ by one bf16 ulp otherwise.
+    """
     rows, cols = t.shape
-    return (t.reshape(-1, _BLOCK) @ rht_matrix(t.dtype, t.device)).view(rows, cols)
+    values = t.float().reshape(-1, _BLOCK) * rht_signs(t.device)
+    for bit in range(4):
+        # Index bit `bit` is this axis of the (n, 2, ..., 2) view; replace it by the output bit.
+        pairs = values.reshape(-1, 2 ** (3 - bit), 2, 2**bit)
+        even, odd = pairs[:, :, 0], pairs[:, :, 1]
+        values = torch.stack((even + odd, even - odd), dim=2)
+    return values.reshape(rows, cols).to(t.dtype)
 
 
 def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -88,8 +169,11 @@ def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.where((amax == 0) | (scale == 0), torch.ones_like(scale), scale)
 
 
-def quantize_blocks(t: torch.Tensor, amax: torch.Tensor, block_2d: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes (R, C) uint8, E4M3 block scales (R, ceil(C/16)) as uint8) of ``t`` (R, C)."""
+def quantize_blocks(
+    t: torch.Tensor, amax: torch.Tensor, block_2d: bool, random_bits: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes (R, C) uint8, E4M3 block scales (R, ceil(C/16)) as uint8) of ``t`` (R, C); stochastic
+    rounding when ``random_bits`` (R, C) is given."""
     rows, cols = t.shape
     pad_rows = -rows % _BLOCK if block_2d else 0
     x = torch.nn.functional.pad(t.float(), (0, -cols % _BLOCK, 0, pad_rows))
@@ -103,7 +187,11 @@ def quantize_blocks(t: torch.Tensor, amax: torch.Tensor, block_2d: bool) -> tupl
     block_scale = torch.clamp(vec_max * (encode * (1.0 / 6.0)), max=F8E4M3_MAX).to(torch.float8_e4m3fn)
     block_encode = torch.clamp(1.0 / (block_scale.float() * decode), max=FLT_MAX)
     scaled = torch.clamp(blocks * block_encode.unsqueeze(2), -F4E2M1_MAX, F4E2M1_MAX)
-    codes = e2m1_codes(scaled).view(x.shape)[:rows, :cols]
+    if random_bits is None:
+        codes = e2m1_codes(scaled).view(x.shape)[:rows, :cols]
+    else:
+        scaled = scaled.view(x.shape)[:rows, :cols]
+        codes = e2m1_codes_stochastic(scaled, random_bits)
     return codes, block_scale.view(torch.uint8)[:rows]
 
 
@@ -111,6 +199,42 @@ def _amax(t: torch.Tensor, given: torch.Tensor | None) -> torch.Tensor:
     if given is not None:
         return given.reshape(1).float()
     return t.abs().amax().float().reshape(1) if t.numel() else t.new_zeros((1,), dtype=torch.float32)
+
+
+def _quantize_copies(
+    x2d: torch.Tensor,
+    rowwise: bool,
+    columnwise: bool,
+    rht: bool,
+    amax_rowwise: torch.Tensor | None,
+    amax_columnwise: torch.Tensor | None,
+    block_2d: bool,
+    sr_seed: torch.Tensor | None,
+    row0: int = 0,
+    total_rows: int | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Unpadded (row codes, row scales, col codes, col scales, amax_row, amax_col) of ``x2d`` (rows of a
+    tensor of ``total_rows`` starting at ``row0``: the stochastic-rounding indices are global)."""
+    rows, cols = x2d.shape
+    total_rows = rows if total_rows is None else total_rows
+    col_input = x2d.t().contiguous()
+    if rht and columnwise:
+        col_input = apply_rht(col_input)
+    amax_row = _amax(x2d, amax_rowwise)
+    amax_col = _amax(col_input, amax_columnwise) if columnwise else amax_row
+    row_bits = col_bits = None
+    if sr_seed is not None:
+        token = row0 + torch.arange(rows, device=x2d.device)
+        hidden = torch.arange(cols, device=x2d.device)
+        row_bits = sr_random_bits(sr_seed, SR_STREAM_ROWWISE, token[:, None] * cols + hidden[None, :])
+        col_index = hidden[:, None] * total_rows + token[None, :]
+        col_bits = sr_random_bits(sr_seed, SR_STREAM_COLUMNWISE, col_index)
+    row_codes = row_scales = col_codes = col_scales = None
+    if rowwise:
+        row_codes, row_scales = quantize_blocks(x2d, amax_row, block_2d, row_bits)
+    if columnwise:
+        col_codes, col_scales = quantize_blocks(col_input, amax_col, block_2d, col_bits)
+    return row_codes, row_scales, col_codes, col_scales, amax_row, amax_col
 
 
 def nvfp4_quantize(
@@ -121,27 +245,82 @@ def nvfp4_quantize(
     amax_rowwise: torch.Tensor | None,
     amax_columnwise: torch.Tensor | None,
     block_2d: bool,
+    sr_seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Reference of ``lowp::nvfp4_quantize``; outputs as ``meta.nvfp4.nvfp4_quantize_outputs``."""
-    row_data, row_scale, col_data, col_scale, amax_row, amax_col = nvfp4_quantize_outputs(
-        x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d
+    """Reference of ``lowp::nvfp4_quantize``; outputs as ``meta.nvfp4.nvfp4_quantize_outputs``.
+    ``sr_seed`` (int64 [seed, offset]): stochastic rounding of both copies, random bits from
+    :func:`sr_random_bits` with linear indices ``row * K + col`` (row-wise) and ``col * M + row``
+    (column-wise); None: round to nearest."""
+    outputs = nvfp4_quantize_outputs(
+        x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d, sr_seed
     )
+    row_data, row_scale, col_data, col_scale, amax_row, amax_col = outputs
     rows, cols = flat_2d_dims(x.shape)
-    x2d = x.reshape(rows, cols)
-    col_input = x2d.t().contiguous()
-    if rht and columnwise:
-        col_input = apply_rht(col_input)
-    amax_row.copy_(_amax(x2d, amax_rowwise))
-    amax_col.copy_(_amax(col_input, amax_columnwise) if columnwise else amax_row)
+    row_codes, row_scales, col_codes, col_scales, amax_r, amax_c = _quantize_copies(
+        x.reshape(rows, cols), rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d, sr_seed
+    )
+    amax_row.copy_(amax_r)
+    amax_col.copy_(amax_c)
     if rowwise:
-        codes, scales = quantize_blocks(x2d, amax_row, block_2d)
-        row_data.copy_(pack_fp4(codes))
-        row_scale[:rows, : scales.shape[1]] = scales
+        row_data.copy_(pack_fp4(row_codes))
+        row_scale[:rows, : row_scales.shape[1]] = row_scales
     if columnwise:
-        codes, scales = quantize_blocks(col_input, amax_col, block_2d)
-        col_data.copy_(pack_fp4(codes))
-        col_scale[:cols, : scales.shape[1]] = scales
-    return row_data, row_scale, col_data, col_scale, amax_row, amax_col
+        col_data.copy_(pack_fp4(col_codes))
+        col_scale[:cols, : col_scales.shape[1]] = col_scales
+    return outputs
+
+
+def group_col_scale_starts(split_sizes: torch.Tensor) -> torch.Tensor:
+    """First column of each expert's block in the grouped column-wise scale matrix (device, no sync):
+    the exclusive cumsum of ``roundup(ceil(m_e / 16), 4)``."""
+    widths = (split_sizes + _BLOCK - 1) // _BLOCK
+    widths = (widths + SCALE_TILE_COLS - 1) // SCALE_TILE_COLS * SCALE_TILE_COLS
+    return torch.cumsum(widths, 0) - widths
+
+
+def nvfp4_group_quantize(
+    x: torch.Tensor,
+    split_sizes: torch.Tensor,
+    rowwise: bool,
+    columnwise: bool,
+    rht: bool,
+    amax_rowwise: torch.Tensor | None,
+    amax_columnwise: torch.Tensor | None,
+    sr_seed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Reference of ``lowp::nvfp4_group_quantize`` (layout: ``meta.nvfp4.nvfp4_group_quantize_outputs``):
+    expert e's rows ``x[row0_e : row0_e + m_e]`` quantized as :func:`nvfp4_quantize` would with the
+    expert's amaxes (given: ``amax_*[e]``; computed: over the expert's rows, 0 when empty). The split
+    sizes are read on the host here (the CPU implementation); the CUDA kernel keeps them on the device.
+    Every m_e must be even with ``columnwise`` and a multiple of 16 with ``rht``."""
+    outputs = nvfp4_group_quantize_outputs(
+        x, split_sizes, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, sr_seed
+    )
+    row_data, row_scale, col_data, col_scale, amax_row, amax_col = outputs
+    tokens, hidden = x.shape
+    sizes = split_sizes.tolist()
+    require(sum(sizes) == tokens, lambda: f"split_sizes must sum to x.shape[0] = {tokens}, got {sum(sizes)}")
+    scale_starts = group_col_scale_starts(split_sizes).tolist()
+    row0 = 0
+    for expert, size in enumerate(sizes):
+        given_row = None if amax_rowwise is None else amax_rowwise[expert]
+        given_col = None if amax_columnwise is None else amax_columnwise[expert]
+        rows = x[row0 : row0 + size]
+        check_quantize_args(rows, rowwise, columnwise, rht, given_row, given_col, False)
+        row_codes, row_scales, col_codes, col_scales, amax_r, amax_c = _quantize_copies(
+            rows, rowwise, columnwise, rht, given_row, given_col, False, sr_seed, row0, tokens
+        )
+        amax_row[expert] = amax_r[0]
+        amax_col[expert] = amax_c[0]
+        if rowwise:
+            row_data[row0 : row0 + size] = pack_fp4(row_codes)
+            row_scale[row0 : row0 + size, : row_scales.shape[1]] = row_scales
+        if columnwise and size:
+            col_data[hidden * row0 // 2 : hidden * (row0 + size) // 2] = pack_fp4(col_codes).reshape(-1)
+            start = scale_starts[expert]
+            col_scale[:hidden, start : start + col_scales.shape[1]] = col_scales
+        row0 += size
+    return outputs
 
 
 def nvfp4_dequantize(

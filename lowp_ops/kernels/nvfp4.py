@@ -1,0 +1,581 @@
+"""Triton NVFP4 quantization (te_grouped_mlp_nvfp4.md §3-4; semantics in ``lowp_ops.reference.nvfp4``).
+
+One program owns a ``TILE_ROWS x BLOCK_COLS`` tile of ``x``, read once, and writes from registers the
+row-wise copy (1x16 blocks along the columns) and the column-wise copy (16x1 blocks along the rows,
+after the 16-point RHT when asked, stored transposed) with their E4M3 block scales. Given amaxes are
+read as they are; missing ones come from a separate amax kernel (atomic max on the fp32 bits, no host
+sync). The grouped form maps programs to (expert, tile) from the device cumsum of the split sizes, so
+no block straddles two experts and each expert uses its own amaxes.
+
+Bit-exact with the reference: fp32 steps in the reference's order, IEEE divisions (``div_rn``), no FMA
+contraction, the RHT as the same butterfly (not ``tl.dot``: the order of its fp32 additions is the
+hardware's), E2M1 rounding by integer/compare steps (sm_90 has no ``cvt.*.e2m1``). The interpreter's
+own fp32 -> bf16 / fp8 casts truncate, so there those roundings are done on the bits first.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats import RHT_SIGN_MASK, SCALE_TILE_COLS, round_to_fp32
+from ..meta.mxfp8 import flat_2d_dims
+from ..meta.nvfp4 import nvfp4_group_quantize_outputs, nvfp4_quantize_outputs
+
+INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+ONE_SIXTH = tl.constexpr(round_to_fp32(1.0 / 6.0))
+SIGN_MASK = tl.constexpr(RHT_SIGN_MASK)
+SCALE_COLS_MULTIPLE = tl.constexpr(SCALE_TILE_COLS)
+# fp32 bits of 2^22: adding it rounds a magnitude < 2 to a multiple of 0.5 (the E2M1 code in its bits).
+HALF_STEP_SHIFTER = tl.constexpr(4194304.0)
+HALF_STEP_SHIFTER_BITS = tl.constexpr(0x4A800000)
+
+
+# ------------------------------------------------------------------------------------------ numerics
+
+
+@triton.jit
+def _max_keep_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _min_keep_nan(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def round_to_bf16(x):
+    """fp32 ``x`` rounded to bf16 (ties to even), returned as fp32."""
+    if INTERPRETING:
+        bits = x.to(tl.int32, bitcast=True)
+        out = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    else:
+        out = x.to(tl.bfloat16).to(tl.float32)
+    return out
+
+
+@triton.jit
+def hadamard_stage(v, A: tl.constexpr, B: tl.constexpr):
+    """``v`` viewed as [A, 2, B] (the middle axis is one bit of the row index): ``(a + b, a - b)``."""
+    pairs = tl.reshape(v, [A, 2, B])
+    bit = tl.arange(0, 2)
+    signs = (1 - 2 * (bit[:, None] & bit[None, :])).to(tl.float32)
+    # Sum over the input bit of [A, 2 in, 2 out, B]: one fp32 addition per output, a +- b.
+    out = tl.sum(tl.expand_dims(pairs, 2) * signs[None, :, :, None], axis=1)
+    return tl.reshape(out, [A * 2 * B])
+
+
+@triton.jit
+def hadamard16_rows(x, R: tl.constexpr, BC: tl.constexpr):
+    """The RHT of every 16-row block of the fp32 tile ``x`` [R, BC] along its rows, unrounded fp32:
+    exact products ``x_i * s_i / 4``, then the butterfly over row bits 0..3 (the reference's order)."""
+    row = tl.arange(0, R) % 16
+    negate = (tl.full([R], SIGN_MASK, tl.int32) >> row) & 1
+    signs = tl.where(negate == 1, -0.25, 0.25)
+    v = tl.reshape(x * signs[:, None], [R * BC])
+    v = hadamard_stage(v, R // 2, BC)
+    v = hadamard_stage(v, R // 4, 2 * BC)
+    v = hadamard_stage(v, R // 8, 4 * BC)
+    v = hadamard_stage(v, R // 16, 8 * BC)
+    return tl.reshape(v, [R, BC])
+
+
+@triton.jit
+def global_encode_scale(amax):
+    """``S_enc = min(2688 / amax, FLT_MAX)``, 1 where amax is 0 or the quotient is 0 (amax = inf)."""
+    scale = _min_keep_nan(tl.math.div_rn(2688.0, amax), FLT_MAX)
+    return tl.where((amax == 0) | (scale == 0), 1.0, scale)
+
+
+@triton.jit
+def e4m3_block_scale(vec_max, encode):
+    """(fp32 value, uint8 code) of ``e4m3_rn(min(vec_max * (S_enc * fp32(1/6)), 448))``; NaN -> 0x7F."""
+    v = _min_keep_nan(vec_max * (encode * ONE_SIXTH), 448.0)
+    if INTERPRETING:
+        # Round to 3 mantissa bits (subnormal ulp 2^-9) in fp32; the cast then only sees exact values.
+        exponent = (v.to(tl.int32, bitcast=True) >> 23) - 127
+        shifter = ((tl.maximum(exponent - 3, -9) + 150) << 23).to(tl.float32, bitcast=True)
+        value = (v + shifter) - shifter
+        code = tl.where(v != v, 0x7F, value.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
+    else:
+        fp8 = v.to(tl.float8e4nv)
+        value = fp8.to(tl.float32)
+        code = fp8.to(tl.uint8, bitcast=True)
+    return value, code.to(tl.uint8)
+
+
+@triton.jit
+def block_encode_factor(scale_value, decode):
+    """``min(1 / (fp32(s_b) * S_dec), FLT_MAX)``."""
+    return _min_keep_nan(tl.math.div_rn(1.0, scale_value * decode), FLT_MAX)
+
+
+@triton.jit
+def e2m1_code_rn(v):
+    """E2M1 code (int32, 0..15) of fp32 ``v``: ties to even, saturating at 6; negative values keep the
+    sign bit even when they round to 0; -0.0 and NaN give 0 (as the reference's comparisons do)."""
+    magnitude = tl.minimum(tl.abs(v), 6.0)
+    # |v| < 2: multiples of 0.5 are the codes 0..4; |v| >= 1: one mantissa bit, ties to even.
+    low = (magnitude + HALF_STEP_SHIFTER).to(tl.int32, bitcast=True) - HALF_STEP_SHIFTER_BITS
+    bits = magnitude.to(tl.int32, bitcast=True)
+    high = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252
+    code = tl.where(magnitude < 2.0, low, high)
+    code = tl.where(v < 0, code + 8, code)
+    return tl.where(v == v, code, 0)
+
+
+@triton.jit
+def pack_pairs(codes, N: tl.constexpr, M: tl.constexpr):
+    """[N, M] int32 codes -> [N, M/2] uint8, element 2i in the low nibble."""
+    low, high = tl.split(tl.reshape(codes, [N, M // 2, 2]))
+    return (low | (high << 4)).to(tl.uint8)
+
+
+# --------------------------------------------------------------------------------------------- tiles
+
+
+@triton.jit
+def quantize_rowwise_tile(
+    x,
+    vec_max,
+    amax,
+    rows_ok,
+    grows,
+    col0,
+    cols,
+    data_ptr,
+    scale_ptr,
+    scale_cols,
+    R: tl.constexpr,
+    BC: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    """1x16 blocks along the columns of ``x`` [R, BC] (block maxima ``vec_max`` [R, BC/16]; first column
+    ``col0``): data at
+    ``data_ptr[row, col / 2]``, E4M3 codes at ``scale_ptr[row, col / 16]``."""
+    NB: tl.constexpr = BC // 16
+    encode = global_encode_scale(amax)
+    decode = tl.math.div_rn(1.0, encode)
+    scale_value, scale_code = e4m3_block_scale(vec_max, encode)
+    factor = block_encode_factor(scale_value, decode)
+    scaled = tl.reshape(x, [R, NB, 16]) * factor[:, :, None]
+    data = pack_pairs(tl.reshape(e2m1_code_rn(scaled), [R, BC]), R, BC)
+    byte_idx = col0 // 2 + tl.arange(0, BC // 2)
+    data_ptrs = data_ptr + grows[:, None].to(tl.int64) * (cols // 2) + byte_idx[None, :]
+    block_idx = col0 // 16 + tl.arange(0, NB)
+    scale_ptrs = scale_ptr + grows[:, None].to(tl.int64) * scale_cols + block_idx[None, :]
+    if EVEN:
+        tl.store(data_ptrs, data)
+        tl.store(scale_ptrs, scale_code)
+    else:
+        tl.store(data_ptrs, data, mask=rows_ok[:, None] & (2 * byte_idx[None, :] < cols))
+        tl.store(scale_ptrs, scale_code, mask=rows_ok[:, None] & (16 * block_idx[None, :] < cols))
+
+
+@triton.jit
+def quantize_columnwise_tile(
+    y,
+    vec_max,
+    amax,
+    local_row0,
+    n_rows,
+    cols_idx,
+    cols,
+    data_ptr,
+    scale_ptr,
+    scale_cols,
+    R: tl.constexpr,
+    BC: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    """16x1 blocks along the rows of ``y`` [R, BC] (block maxima ``vec_max`` [R/16, BC]), stored
+    transposed: data at ``data_ptr[col, row / 2]`` of a (cols, n_rows / 2) matrix, E4M3 codes at
+    ``scale_ptr[col, row / 16]``. ``local_row0``: the tile's first row within that matrix."""
+    RB: tl.constexpr = R // 16
+    encode = global_encode_scale(amax)
+    decode = tl.math.div_rn(1.0, encode)
+    scale_value, scale_code = e4m3_block_scale(vec_max, encode)
+    factor = block_encode_factor(scale_value, decode)
+    codes = e2m1_code_rn(tl.reshape(y, [RB, 16, BC]) * factor[:, None, :])
+    pairs = tl.permute(tl.reshape(codes, [R // 2, 2, BC]), (0, 2, 1))
+    low, high = tl.split(pairs)
+    data = (low | (high << 4)).to(tl.uint8)
+    byte_idx = local_row0 // 2 + tl.arange(0, R // 2)
+    data_ptrs = data_ptr + cols_idx[None, :].to(tl.int64) * (n_rows // 2) + byte_idx[:, None]
+    block_idx = local_row0 // 16 + tl.arange(0, RB)
+    scale_ptrs = scale_ptr + cols_idx[None, :].to(tl.int64) * scale_cols + block_idx[:, None]
+    if EVEN:
+        tl.store(data_ptrs, data)
+        tl.store(scale_ptrs, scale_code)
+    else:
+        col_ok = cols_idx[None, :] < cols
+        tl.store(data_ptrs, data, mask=(2 * byte_idx[:, None] < n_rows) & col_ok)
+        tl.store(scale_ptrs, scale_code, mask=(16 * block_idx[:, None] < n_rows) & col_ok)
+
+
+@triton.jit
+def expert_of_tile(split_ptr, experts, tile, TILE_ROWS: tl.constexpr, EXPERTS_POW2: tl.constexpr):
+    """(expert, its rows, its first row, the tile's first row within it, its first column-wise scale
+    column) of row tile ``tile`` when every expert's rows are cut into TILE_ROWS-row tiles in order.
+    Tiles past the last expert get ``expert >= experts`` and 0 rows."""
+    idx = tl.arange(0, EXPERTS_POW2)
+    sizes = tl.load(split_ptr + idx, mask=idx < experts, other=0).to(tl.int32)
+    tiles = (sizes + TILE_ROWS - 1) // TILE_ROWS
+    tile_ends = tl.cumsum(tiles, 0)
+    expert = tl.sum((tile_ends <= tile).to(tl.int32), 0)
+    mine = idx == expert
+    before = idx < expert
+    n_rows = tl.sum(tl.where(mine, sizes, 0), 0)
+    first_tile = tl.sum(tl.where(mine, tile_ends - tiles, 0), 0)
+    row0 = tl.sum(tl.where(before, sizes, 0), 0)
+    scale_blocks = (sizes + 15) // 16
+    padded_blocks = (scale_blocks + SCALE_COLS_MULTIPLE - 1) // SCALE_COLS_MULTIPLE * SCALE_COLS_MULTIPLE
+    scale_col0 = tl.sum(tl.where(before, padded_blocks, 0), 0)
+    return expert, n_rows, row0, (tile - first_tile) * TILE_ROWS, scale_col0
+
+
+@triton.jit
+def load_tile(x_ptr, stride_row, grows, rows_ok, cols_idx, cols, EVEN: tl.constexpr):
+    """fp32 [rows, cols] tile; lanes out of bounds hold 0 (the reference's zero padding)."""
+    ptrs = x_ptr + grows[:, None].to(tl.int64) * stride_row + cols_idx[None, :]
+    # Upcast right after the load (bf16 math is wrong in the Triton interpreter).
+    if EVEN:
+        x = tl.load(ptrs).to(tl.float32)
+    else:
+        x = tl.load(ptrs, mask=rows_ok[:, None] & (cols_idx[None, :] < cols), other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def tile_coordinates(
+    split_ptr, experts, rows, TILE_ROWS: tl.constexpr, EXPERTS_POW2: tl.constexpr, GROUPED: tl.constexpr
+):
+    tile = tl.program_id(0)
+    if GROUPED:
+        expert, n_rows, row0, local_row0, scale_col0 = expert_of_tile(
+            split_ptr, experts, tile, TILE_ROWS, EXPERTS_POW2
+        )
+    else:
+        zero = tl.full([], 0, tl.int32)
+        expert = zero
+        n_rows = zero + rows
+        row0 = zero
+        local_row0 = tile * TILE_ROWS
+        scale_col0 = zero
+    return expert, n_rows, row0, local_row0, scale_col0
+
+
+# ------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def nvfp4_amax_kernel(
+    x_ptr,
+    stride_row,
+    rows,
+    cols,
+    split_ptr,
+    experts,
+    abs_amax_bits_ptr,
+    rht_amax_bits_ptr,
+    TILE_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    ABS_AMAX: tl.constexpr,
+    RHT_AMAX: tl.constexpr,
+    GROUPED: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    """Per expert: max |x| and/or max |bf16(RHT16 along the rows of x)|, as an integer atomic max of
+    the fp32 bits (|v| >= 0 orders like its bits; a NaN sorts above Inf and wins)."""
+    expert, n_rows, row0, local_row0, _ = tile_coordinates(
+        split_ptr, experts, rows, TILE_ROWS, EXPERTS_POW2, GROUPED
+    )
+    local_rows = local_row0 + tl.arange(0, TILE_ROWS)
+    cols_idx = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    x = load_tile(x_ptr, stride_row, row0 + local_rows, local_rows < n_rows, cols_idx, cols, EVEN)
+    if ABS_AMAX:
+        amax = tl.reduce(tl.reshape(tl.abs(x), [TILE_ROWS * BLOCK_COLS]), 0, _max_keep_nan)
+        tl.atomic_max(
+            abs_amax_bits_ptr + expert, amax.to(tl.int32, bitcast=True), mask=expert < experts, sem="relaxed"
+        )
+    if RHT_AMAX:
+        y = tl.abs(round_to_bf16(hadamard16_rows(x, TILE_ROWS, BLOCK_COLS)))
+        amax = tl.reduce(tl.reshape(y, [TILE_ROWS * BLOCK_COLS]), 0, _max_keep_nan)
+        tl.atomic_max(
+            rht_amax_bits_ptr + expert, amax.to(tl.int32, bitcast=True), mask=expert < experts, sem="relaxed"
+        )
+
+
+@triton.jit
+def nvfp4_quantize_kernel(
+    x_ptr,
+    stride_row,
+    rows,
+    cols,
+    split_ptr,
+    experts,
+    amax_row_ptr,
+    amax_col_ptr,
+    row_data_ptr,
+    row_scale_ptr,
+    row_scale_cols,
+    col_data_ptr,
+    col_scale_ptr,
+    col_scale_cols,
+    TILE_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    ROWWISE: tl.constexpr,
+    COLWISE: tl.constexpr,
+    RHT: tl.constexpr,
+    BLOCK_2D: tl.constexpr,
+    GROUPED: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    """One program: a TILE_ROWS x BLOCK_COLS tile of one expert, read once; both copies from registers.
+    Column-wise data of expert e is its own (cols, n_rows / 2) matrix starting at byte
+    ``cols * row0 / 2``; its scales start at column ``scale_col0`` of the shared scale matrix."""
+    expert, n_rows, row0, local_row0, scale_col0 = tile_coordinates(
+        split_ptr, experts, rows, TILE_ROWS, EXPERTS_POW2, GROUPED
+    )
+    local_rows = local_row0 + tl.arange(0, TILE_ROWS)
+    rows_ok = local_rows < n_rows
+    grows = row0 + local_rows
+    cols_idx = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    x = load_tile(x_ptr, stride_row, grows, rows_ok, cols_idx, cols, EVEN)
+    if BLOCK_2D:
+        tiles = tl.abs(tl.reshape(x, [TILE_ROWS // 16, 16, BLOCK_COLS // 16, 16]))
+        tile_max = tl.reduce(tl.reduce(tiles, 3, _max_keep_nan), 1, _max_keep_nan)
+    if ROWWISE:
+        if BLOCK_2D:
+            row_max = tl.broadcast_to(tile_max[:, None, :], [TILE_ROWS // 16, 16, BLOCK_COLS // 16])
+            row_max = tl.reshape(row_max, [TILE_ROWS, BLOCK_COLS // 16])
+        else:
+            row_max = tl.reduce(tl.abs(tl.reshape(x, [TILE_ROWS, BLOCK_COLS // 16, 16])), 2, _max_keep_nan)
+        amax_row = tl.load(amax_row_ptr + expert, mask=expert < experts, other=0.0)
+        quantize_rowwise_tile(
+            x,
+            row_max,
+            amax_row,
+            rows_ok,
+            grows,
+            tl.program_id(1) * BLOCK_COLS,
+            cols,
+            row_data_ptr,
+            row_scale_ptr,
+            row_scale_cols,
+            TILE_ROWS,
+            BLOCK_COLS,
+            EVEN,
+        )
+    if COLWISE:
+        y = x
+        if RHT:
+            y = round_to_bf16(hadamard16_rows(x, TILE_ROWS, BLOCK_COLS))
+        if BLOCK_2D:
+            col_max = tl.broadcast_to(tile_max[:, :, None], [TILE_ROWS // 16, BLOCK_COLS // 16, 16])
+            col_max = tl.reshape(col_max, [TILE_ROWS // 16, BLOCK_COLS])
+        else:
+            col_max = tl.reduce(tl.abs(tl.reshape(y, [TILE_ROWS // 16, 16, BLOCK_COLS])), 1, _max_keep_nan)
+        amax_col = tl.load(amax_col_ptr + expert, mask=expert < experts, other=0.0)
+        col_data = col_data_ptr + (row0 // 2).to(tl.int64) * cols
+        quantize_columnwise_tile(
+            y,
+            col_max,
+            amax_col,
+            local_row0,
+            n_rows,
+            cols_idx,
+            cols,
+            col_data,
+            col_scale_ptr + scale_col0,
+            col_scale_cols,
+            TILE_ROWS,
+            BLOCK_COLS,
+            EVEN,
+        )
+
+
+# ----------------------------------------------------------------------------------------- launchers
+
+
+def quantize_config(rows: int, cols: int) -> tuple[int, int, int]:
+    """(TILE_ROWS, BLOCK_COLS, num_warps). Each thread holds a column strip of the tile, so the 16-row
+    column blocks and the RHT butterfly stay in registers (one warp spans the columns)."""
+    block_cols = max(16, min(128, triton.next_power_of_2(cols)))
+    return 16, block_cols, 1
+
+
+def _rows_with_unit_stride(x2d: torch.Tensor) -> torch.Tensor:
+    # The kernels read row-major tiles only (see kernels.mxfp8: column-major input crashed the H200).
+    return x2d if x2d.stride(1) == 1 else x2d.contiguous()
+
+
+def _launch(
+    x2d,
+    split_sizes,
+    n_tiles,
+    rowwise,
+    columnwise,
+    rht,
+    block_2d,
+    amax_row,
+    amax_col,
+    given_row,
+    given_col,
+    outputs,
+    grouped,
+    config,
+):
+    """Fill the amaxes (given ones copied, missing ones by the amax kernel), then quantize."""
+    rows, cols = x2d.shape
+    row_data, row_scale, col_data, col_scale = outputs
+    tile_rows, block_cols, num_warps = config
+    experts = amax_row.shape[0]
+    need_abs = given_row is None or (columnwise and not rht and given_col is None)
+    need_rht = columnwise and rht and given_col is None
+    abs_amax = amax_row if given_row is None else torch.empty_like(amax_row)
+    common = {
+        "TILE_ROWS": tile_rows,
+        "BLOCK_COLS": block_cols,
+        "GROUPED": grouped,
+        "EXPERTS_POW2": max(2, triton.next_power_of_2(experts)),
+        "EVEN": not grouped and rows % tile_rows == 0 and cols % block_cols == 0,
+        "num_warps": num_warps,
+        "enable_fp_fusion": False,
+    }
+    grid = (n_tiles, triton.cdiv(cols, block_cols))
+    if need_abs or need_rht:
+        abs_amax.view(torch.int32).zero_()
+        if need_rht:
+            amax_col.view(torch.int32).zero_()
+        if rows and cols:
+            nvfp4_amax_kernel[grid](
+                x2d,
+                x2d.stride(0),
+                rows,
+                cols,
+                split_sizes,
+                experts,
+                abs_amax.view(torch.int32),
+                amax_col.view(torch.int32),
+                ABS_AMAX=need_abs,
+                RHT_AMAX=need_rht,
+                **common,
+            )
+    if given_row is not None:
+        amax_row.copy_(given_row.reshape(experts))
+    if columnwise:
+        if given_col is not None:
+            amax_col.copy_(given_col.reshape(experts))
+        elif not rht:
+            amax_col.copy_(abs_amax)
+    else:
+        amax_col.copy_(amax_row)
+    if rows == 0 or cols == 0:
+        return
+    nvfp4_quantize_kernel[grid](
+        x2d,
+        x2d.stride(0),
+        rows,
+        cols,
+        split_sizes,
+        experts,
+        amax_row,
+        amax_col,
+        row_data,
+        row_scale,
+        row_scale.shape[1] if rowwise else 0,
+        col_data,
+        col_scale,
+        col_scale.shape[1] if columnwise else 0,
+        ROWWISE=rowwise,
+        COLWISE=columnwise,
+        RHT=rht,
+        BLOCK_2D=block_2d,
+        **common,
+    )
+
+
+def launch_nvfp4_quantize(
+    x: torch.Tensor,
+    rowwise: bool,
+    columnwise: bool,
+    rht: bool,
+    amax_rowwise: torch.Tensor | None,
+    amax_columnwise: torch.Tensor | None,
+    block_2d: bool,
+    config: tuple[int, int, int] | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """``lowp::nvfp4_quantize`` on a CUDA (or interpreted CPU) tensor; outputs as
+    ``meta.nvfp4.nvfp4_quantize_outputs``. ``config`` = (TILE_ROWS, BLOCK_COLS, num_warps) overrides
+    the launch configuration (benchmarks, tests)."""
+    outputs = nvfp4_quantize_outputs(x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d)
+    row_data, row_scale, col_data, col_scale, amax_row, amax_col = outputs
+    rows, cols = flat_2d_dims(x.shape)
+    x2d = _rows_with_unit_stride(x.reshape(rows, cols))
+    config = config or quantize_config(rows, cols)
+    _launch(
+        x2d,
+        amax_row,  # unused pointer when not grouped
+        triton.cdiv(rows, config[0]),
+        rowwise,
+        columnwise,
+        rht,
+        block_2d,
+        amax_row,
+        amax_col,
+        amax_rowwise,
+        amax_columnwise,
+        (row_data, row_scale, col_data, col_scale),
+        False,
+        config,
+    )
+    return outputs
+
+
+def launch_nvfp4_group_quantize(
+    x: torch.Tensor,
+    split_sizes: torch.Tensor,
+    rowwise: bool,
+    columnwise: bool,
+    rht: bool,
+    amax_rowwise: torch.Tensor | None,
+    amax_columnwise: torch.Tensor | None,
+    config: tuple[int, int, int] | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """``lowp::nvfp4_group_quantize`` on a CUDA (or interpreted CPU) tensor; outputs as
+    ``meta.nvfp4.nvfp4_group_quantize_outputs``. The split sizes stay on the device: the grid covers
+    the most tiles any split can need, ``(T + E * (TILE_ROWS - 1)) // TILE_ROWS``."""
+    outputs = nvfp4_group_quantize_outputs(
+        x, split_sizes, rowwise, columnwise, rht, amax_rowwise, amax_columnwise
+    )
+    row_data, row_scale, col_data, col_scale, amax_row, amax_col = outputs
+    rows, cols = x.shape
+    experts = split_sizes.shape[0]
+    x2d = _rows_with_unit_stride(x)
+    config = config or quantize_config(rows, cols)
+    tile_rows = config[0]
+    _launch(
+        x2d,
+        split_sizes.contiguous(),
+        (rows + experts * (tile_rows - 1)) // tile_rows,
+        rowwise,
+        columnwise,
+        rht,
+        False,
+        amax_row,
+        amax_col,
+        amax_rowwise,
+        amax_columnwise,
+        (row_data, row_scale, col_data, col_scale),
+        True,
+        config,
+    )
+    return outputs
