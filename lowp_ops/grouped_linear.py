@@ -15,7 +15,8 @@ up to the accumulation order, except where noted.
   in dgrad and for dy, x in wgrad. 32-blocks never straddle experts when the split sizes are multiples
   of 32 (the column-wise ones run along tokens); then the whole-tensor quantization equals TE's
   per-expert one. E4M3 x 2^k dequantizes exactly to bf16.
-- ``nvfp4``: see :mod:`lowp_ops.grouped_nvfp4`.
+- ``nvfp4``: TE's NVFP4 recipe (RHT on the wgrad operands, 16x16 weights, global scales applied to
+  the GEMM outputs), see :mod:`lowp_ops.grouped_nvfp4`.
 
 Split sizes stay on the device; nothing here reads a tensor value on the host.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from .grouped_nvfp4 import nvfp4_backward, nvfp4_fprop
 from .meta.grouped_mlp import grouped_fc1_swiglu_outputs, grouped_linear_output
 
 
@@ -68,8 +70,6 @@ def linear_fprop(
         x_deq = _mxfp8_dequantized(x, "rowwise")
         w_deq = _mxfp8_dequantized(_flat(weight), "rowwise").view(weight.shape)
         return torch.ops.lowp.grouped_mm(x_deq, w_deq.transpose(1, 2), offs)
-    from .grouped_nvfp4 import nvfp4_fprop
-
     return nvfp4_fprop(x, weight, split_sizes)
 
 
@@ -94,8 +94,6 @@ def linear_backward(
         x_col = _mxfp8_dequantized(x, "columnwise")
         dx = torch.ops.lowp.grouped_mm(grad_row, w_col, offs)
         return dx, torch.ops.lowp.grouped_mm(grad_col.t(), x_col, offs)
-    from .grouped_nvfp4 import nvfp4_backward
-
     return nvfp4_backward(grad, x, weight, split_sizes, grad_amax)
 
 

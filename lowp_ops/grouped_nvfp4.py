@@ -1,14 +1,127 @@
-"""NVFP4 recipe of the grouped linear layers (te_grouped_mlp_nvfp4.md §2.7, §3.10): pending the grouped
-NVFP4 quantizer."""
+"""NVFP4 recipe of the grouped linear layers, emulated with bf16 grouped GEMMs (te_grouped_mlp_nvfp4.md
+§2.6-2.7, §3.3-3.10), as TE's NVFP4BlockScaling with stochastic rounding off:
+
+- activations and gradients: 1x16 blocks along the contraction dim with the expert's global amax
+  (row-wise copy; fprop and dgrad); for wgrad the column-wise copy: 16-point RHT along the expert's
+  tokens, blocks along tokens, the expert's post-RHT amax;
+- weights: 16x16 blocks, no RHT, one amax per expert (row- and column-wise copies hold the same values);
+- GEMM: the local values ``e2m1 * s_b`` are exact in bf16 (§3.3), the bf16 grouped GEMM accumulates in
+  fp32 and rounds to bf16, then ``alpha_e = (amax_a / 2688)(amax_b / 2688)`` scales the rows (or the
+  wgrad block) of expert e in fp32 with one more bf16 rounding (TE applies alpha before its only
+  rounding: ours rounds twice, ``torch._grouped_mm`` has no fp32 output on its fast path).
+
+Split sizes must be multiples of 16 (the RHT and column-wise blocks never straddle experts; TE needs
+128): this is not checked on the device. Per-expert amaxes are device reductions (no host sync).
+
+Interim: the quantization runs through the pure-PyTorch NVFP4 reference with per-row / per-block amaxes
+(graph-safe, slower than a kernel); ``lowp::nvfp4_group_quantize`` replaces it once merged.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from .formats import NVFP4_BLOCK_SIZE, NVFP4_GLOBAL_SCALE_NUMERATOR
+from .meta.checks import require
+from .reference import nvfp4 as nvfp4_ref
+from .reference.swiglu import expert_of_rows
+
+_GLOBAL_RCP = 1.0 / NVFP4_GLOBAL_SCALE_NUMERATOR
+
+
+def per_expert_amax(values_abs_max: torch.Tensor, split_sizes: torch.Tensor, axis_len: int) -> torch.Tensor:
+    """(E,) fp32 max of per-token ``values_abs_max`` (T,) over each expert's tokens; 0 when empty."""
+    experts = split_sizes.shape[0]
+    out = values_abs_max.new_zeros(experts + 1, dtype=torch.float32)
+    out.scatter_reduce_(0, expert_of_rows(split_sizes, axis_len), values_abs_max.float(), reduce="amax")
+    return out[:experts]
+
+
+def _token_values(per_expert: torch.Tensor, split_sizes: torch.Tensor, tokens: int) -> torch.Tensor:
+    """(T,) the value of each token's expert (0 past the last expert)."""
+    padded = torch.cat((per_expert, per_expert.new_zeros(1)))
+    return padded[expert_of_rows(split_sizes, tokens)]
+
+
+def local_values(t: torch.Tensor, amax: torch.Tensor, block_2d: bool = False) -> torch.Tensor:
+    """``e2m1(q) * s_b`` (exact in bf16) of ``t`` (R, C) quantized in 1x16 blocks along C (16x16 when
+    ``block_2d``) with the global amax ``amax``, broadcastable to the (R, ceil(C/16)) blocks."""
+    cols = t.shape[1]
+    codes, scales = nvfp4_ref.quantize_blocks(t, amax, block_2d)
+    block_scale = scales.view(torch.float8_e4m3fn).float().repeat_interleave(NVFP4_BLOCK_SIZE, dim=1)
+    return (nvfp4_ref.e2m1_values(codes) * block_scale[:, :cols]).to(torch.bfloat16)
+
+
+def rowwise_operand(t: torch.Tensor, split_sizes: torch.Tensor, amax: torch.Tensor | None = None):
+    """(local values (T, C), per-expert amax (E,)) of the row-wise copy of tokens ``t`` (T, C)."""
+    tokens = t.shape[0]
+    if amax is None:
+        amax = per_expert_amax(t.abs().amax(dim=1), split_sizes, tokens)
+    return local_values(t, _token_values(amax, split_sizes, tokens)[:, None]), amax
+
+
+def columnwise_operand(t: torch.Tensor, split_sizes: torch.Tensor, amax: torch.Tensor | None = None):
+    """(local values of ``RHT(t^T)`` (C, T), per-expert post-RHT amax (E,)): 16-token blocks."""
+    tokens = t.shape[0]
+    require(
+        tokens % NVFP4_BLOCK_SIZE == 0, lambda: f"nvfp4 needs a token count divisible by 16, got {tokens}"
+    )
+    transformed = nvfp4_ref.apply_rht(t.t().contiguous())
+    if amax is None:
+        amax = per_expert_amax(transformed.abs().amax(dim=0), split_sizes, tokens)
+    block_amax = _token_values(amax, split_sizes, tokens)[::NVFP4_BLOCK_SIZE]
+    return local_values(transformed, block_amax[None, :]), amax
+
+
+def weight_operand(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(local values (E, N, K), amax (E,)): each expert's 16x16-block quantization."""
+    amax = weight.abs().amax(dim=(1, 2)).float()
+    local = [local_values(weight[e], amax[e].reshape(1), block_2d=True) for e in range(weight.shape[0])]
+    return torch.stack(local), amax
+
+
+def _scale_rows(out: torch.Tensor, alpha: torch.Tensor, split_sizes: torch.Tensor) -> torch.Tensor:
+    row_alpha = _token_values(alpha, split_sizes, out.shape[0])
+    return (out.float() * row_alpha[:, None]).to(torch.bfloat16)
+
+
+def _alpha(amax_a: torch.Tensor, amax_b: torch.Tensor) -> torch.Tensor:
+    return (amax_a * _GLOBAL_RCP) * (amax_b * _GLOBAL_RCP)
+
 
 def nvfp4_fprop(x: torch.Tensor, weight: torch.Tensor, split_sizes: torch.Tensor) -> torch.Tensor:
-    raise NotImplementedError("recipe='nvfp4' needs nvfp4_group_quantize, which is not merged yet")
+    """y (T, N) bf16 of the NVFP4 recipe."""
+    offs = torch.cumsum(split_sizes, dim=0, dtype=torch.int32)
+    x_local, amax_x = rowwise_operand(x, split_sizes)
+    w_local, amax_w = weight_operand(weight)
+    y = torch.ops.lowp.grouped_mm(x_local, w_local.transpose(1, 2), offs)
+    return _scale_rows(y, _alpha(amax_x, amax_w), split_sizes)
 
 
-def nvfp4_backward(grad, x, weight, split_sizes, grad_amax):
-    raise NotImplementedError("recipe='nvfp4' needs nvfp4_group_quantize, which is not merged yet")
+def grad_amaxes(dglu_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """PR #3755 (§2.6): the FC1 gradient's row-wise amax ``bf16(dGLU amax)`` (== max |dc_bf16| per expert
+    exactly, §3.8) and its column-wise post-RHT bound ``4 x`` that (§3.7)."""
+    rowwise = dglu_amax.to(torch.bfloat16).float()
+    return rowwise, 4.0 * rowwise
+
+
+def nvfp4_backward(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    split_sizes: torch.Tensor,
+    grad_amax: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dweight) bf16; ``grad_amax`` given: no amax pass over ``grad`` (see :func:`grad_amaxes`)."""
+    offs = torch.cumsum(split_sizes, dim=0, dtype=torch.int32)
+    amax_row, amax_col = grad_amaxes(grad_amax) if grad_amax is not None else (None, None)
+    grad_row, amax_row = rowwise_operand(grad, split_sizes, amax_row)
+    w_local, amax_w = weight_operand(weight)
+    dx = _scale_rows(
+        torch.ops.lowp.grouped_mm(grad_row, w_local, offs), _alpha(amax_row, amax_w), split_sizes
+    )
+    grad_col, amax_col = columnwise_operand(grad, split_sizes, amax_col)
+    x_col, amax_x_col = columnwise_operand(x, split_sizes)
+    dweight = torch.ops.lowp.grouped_mm(grad_col, x_col.t(), offs)
+    alpha = _alpha(amax_col, amax_x_col)
+    return dx, (dweight.float() * alpha[:, None, None]).to(torch.bfloat16)
