@@ -19,7 +19,7 @@ from ..meta.cross_entropy import (
     cross_entropy_bwd_output,
     cross_entropy_fwd_outputs,
 )
-from .mxfp8 import TRITON_FP8, quantize_tile, store_tile, tile_cols
+from .mxfp8 import TRITON_FP8, quantize_tile, store_tile, tile_cols, tile_coords
 from .softmax import finish_logsumexp, online_softmax_update, rows_with_unit_stride
 
 FWD_BLOCK = 8192
@@ -84,11 +84,11 @@ def cross_entropy_grad(
 
 
 @triton.jit
-def load_row_stats(target_ptr, lse_ptr, grad_ptr, grad_stride, rows, n_cols, ignore_index):
-    """This program's 32 rows: (rows_idx, lse * log2(e), int32 target column (-1 when out of range),
+def load_row_stats(target_ptr, lse_ptr, grad_ptr, grad_stride, row_block, rows, n_cols, ignore_index):
+    """The 32 rows of ``row_block``: (rows_idx, lse * log2(e), int32 target column (-1 when out of range),
     row_scale, ignored). ``row_scale`` is dloss of the row, NaN where the target is out of range
     (documented: no host sync can check it)."""
-    rows_idx = tl.program_id(0) * 32 + tl.arange(0, 32)
+    rows_idx = row_block * 32 + tl.arange(0, 32)
     row_ok = rows_idx < rows
     lse = tl.load(lse_ptr + rows_idx, mask=row_ok, other=0.0)
     target = tl.load(target_ptr + rows_idx, mask=row_ok, other=ignore_index).to(tl.int64)
@@ -118,6 +118,8 @@ def tile_grad(
     lse_ptr,
     grad_ptr,
     grad_stride,
+    row_block,
+    col_tile,
     rows,
     n_cols,
     ignore_index,
@@ -127,11 +129,11 @@ def tile_grad(
     HAS_SMOOTHING: tl.constexpr,
     EVEN: tl.constexpr,
 ):
-    """This program's tile: (rows_idx, cols, tile_col0, fp32 gradient [32, BLOCK_COLS])."""
+    """Tile (row_block, col_tile): (rows_idx, cols, tile_col0, fp32 gradient [32, BLOCK_COLS])."""
     rows_idx, lse, target, row_scale, ignored = load_row_stats(
-        target_ptr, lse_ptr, grad_ptr, grad_stride, rows, n_cols, ignore_index
+        target_ptr, lse_ptr, grad_ptr, grad_stride, row_block, rows, n_cols, ignore_index
     )
-    tile_col0 = tl.program_id(1) * BLOCK_COLS
+    tile_col0 = col_tile * BLOCK_COLS
     cols = tile_col0 + tl.arange(0, BLOCK_COLS)
     x = load_logits_tile(logits_ptr, stride_row, rows_idx, cols, rows, n_cols, EVEN)
     grad = cross_entropy_grad(
@@ -166,6 +168,7 @@ def cross_entropy_bwd_kernel(
     HAS_SMOOTHING: tl.constexpr,
     EVEN: tl.constexpr,
 ):
+    row_block, col_tile = tile_coords(n_cols, BLOCK_COLS)
     rows_idx, cols, _, grad = tile_grad(
         logits_ptr,
         stride_row,
@@ -173,6 +176,8 @@ def cross_entropy_bwd_kernel(
         lse_ptr,
         grad_ptr,
         grad_stride,
+        row_block,
+        col_tile,
         rows,
         n_cols,
         ignore_index,
@@ -215,6 +220,7 @@ def cross_entropy_bwd_mxfp8_kernel(
     COLWISE: tl.constexpr,
     SWIZZLED: tl.constexpr,
 ):
+    row_block, col_tile = tile_coords(n_cols, BLOCK_COLS)
     rows_idx, cols, tile_col0, grad = tile_grad(
         logits_ptr,
         stride_row,
@@ -222,6 +228,8 @@ def cross_entropy_bwd_mxfp8_kernel(
         lse_ptr,
         grad_ptr,
         grad_stride,
+        row_block,
+        col_tile,
         rows,
         n_cols,
         ignore_index,
@@ -242,7 +250,7 @@ def cross_entropy_bwd_mxfp8_kernel(
         rows,
         n_cols,
         tile_col0,
-        tl.program_id(0),
+        row_block,
         row_data_ptr,
         row_scale_ptr,
         row_scale_cols,
@@ -298,8 +306,9 @@ def launch_cross_entropy_fwd(
     return loss, lse
 
 
-def _bwd_grid(rows: int, n_cols: int, block_cols: int) -> tuple[int, int]:
-    return triton.cdiv(rows, TILE_ROWS), triton.cdiv(n_cols, block_cols)
+def _bwd_grid(rows: int, n_cols: int, block_cols: int) -> tuple[int]:
+    """1-D grid of 32-row x ``block_cols`` tiles, walked along the rows (``tile_coords``)."""
+    return (triton.cdiv(rows, TILE_ROWS) * triton.cdiv(n_cols, block_cols),)
 
 
 def launch_cross_entropy_bwd(
@@ -349,7 +358,7 @@ def launch_cross_entropy_bwd_mxfp8(
     columnwise: bool,
     scale_layout: str,
     block_cols: int | None = None,
-    num_warps: int = 1,
+    num_warps: int | None = None,
 ):
     outputs = cross_entropy_bwd_mxfp8_outputs(
         logits,
@@ -370,8 +379,10 @@ def launch_cross_entropy_bwd_mxfp8(
     logits = rows_with_unit_stride(logits)
     eps, target_weight = _bwd_scalars(label_smoothing, n_cols)
     data_dtype = FP8_DTYPES[fp8_dtype]
-    # 64 columns on one warp: 73% of copy at 4096 x 129280 on the H200 (128 columns: 54%, register-bound).
-    block_cols = block_cols or tile_cols(n_cols, widest=64)
+    # H200, 4096 x 129280, grid along rows: 128 columns on 2 warps 80% of copy; 64 on 1 or 2 warps 70-73%,
+    # 256 on 2-4 warps 62-64%, 128 on 4 warps 61%.
+    block_cols = block_cols or tile_cols(n_cols, widest=128)
+    num_warps = num_warps or (2 if block_cols == 128 else 1)
     cross_entropy_bwd_mxfp8_kernel[_bwd_grid(rows, n_cols, block_cols)](
         logits,
         logits.stride(0),

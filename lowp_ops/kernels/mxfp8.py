@@ -99,6 +99,17 @@ def swizzled_scale_offset(i, j, n_tiles_x):
 
 
 @triton.jit
+def tile_coords(cols, BLOCK_COLS: tl.constexpr):
+    """(32-row block, column tile) of this program on a 1-D grid that walks along the rows first:
+    programs resident together then cover long row segments, which DRAM serves near copy speed
+    (H200, a bf16 tile read and written as two fp8 arrays: 95-97% of copy, against 79-92% when
+    adjacent programs walk down a column strip)."""
+    n_col_tiles = tl.cdiv(cols, BLOCK_COLS)
+    pid = tl.program_id(0)
+    return pid // n_col_tiles, pid % n_col_tiles
+
+
+@triton.jit
 def store_tile(ptr, rows_idx, cols_idx, rows, cols, values, EVEN: tl.constexpr):
     """Store a [32, BLOCK_COLS] tile row-major into a (rows, cols) buffer; EVEN: the tile is in bounds."""
     ptrs = ptr + rows_idx[:, None].to(tl.int64) * cols + cols_idx[None, :]
@@ -265,8 +276,8 @@ def mxfp8_quantize_kernel(
 ):
     """One program: a 32 x BLOCK_COLS tile read once; both copies come from registers. EVEN: every tile
     is in bounds (rows % 32 == 0, cols % BLOCK_COLS == 0), so no masks are evaluated."""
-    row_block = tl.program_id(0)
-    tile_col0 = tl.program_id(1) * BLOCK_COLS
+    row_block, col_tile = tile_coords(cols, BLOCK_COLS)
+    tile_col0 = col_tile * BLOCK_COLS
     rows_idx = row_block * 32 + tl.arange(0, 32)
     cols_idx = tile_col0 + tl.arange(0, BLOCK_COLS)
     ptrs = x_ptr + rows_idx[:, None].to(tl.int64) * stride_row + cols_idx[None, :]
@@ -345,9 +356,10 @@ def tile_cols(cols: int, widest: int = 128) -> int:
 
 
 def quantize_config(cols: int) -> tuple[int, int]:
-    """(BLOCK_COLS, num_warps) of the quantize kernel. Measured on the H200 at 16384 x 16384 bf16 row+col:
-    256 columns on 2 warps 80% of copy, 128 on 1 warp 78%, 64 on 1 warp 70%."""
-    return (256, 2) if cols >= 256 else (tile_cols(cols), 1)
+    """(BLOCK_COLS, num_warps) of the quantize kernel. Measured on the H200 at 16384 x 16384 bf16 row+col
+    (grid along rows): 128 columns on 2 warps 86% of copy, 128 on 1 warp 83%, 64 on 1 warp 82%,
+    256 on 2 warps 73%."""
+    return (128, 2) if cols >= 128 else (tile_cols(cols), 1)
 
 
 def launch_mxfp8_quantize(
@@ -374,7 +386,7 @@ def launch_mxfp8_quantize(
         x2d = x2d.contiguous()
     default_cols, default_warps = quantize_config(cols)
     block_cols, num_warps = block_cols or default_cols, num_warps or default_warps
-    grid = (triton.cdiv(rows, TILE_ROWS), triton.cdiv(cols, block_cols))
+    grid = (triton.cdiv(rows, TILE_ROWS) * triton.cdiv(cols, block_cols),)
     mxfp8_quantize_kernel[grid](
         x2d,
         x2d.stride(0),
