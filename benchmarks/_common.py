@@ -15,6 +15,24 @@ def median_ms(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
     return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
+def graph_ms(fn, calls: int = 10) -> float:
+    """GPU time per call of ``fn`` without host (launch) overhead: median replay of a CUDA graph holding
+    ``calls`` calls, divided by ``calls``. Raises if ``fn`` cannot be captured (e.g. it syncs)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    ms = median_ms(graph.replay) / calls
+    del graph
+    return ms
+
+
 def copy_bandwidth_tbs(device: str = "cuda", gib: float = 2.0) -> tuple[float, float]:
     """(ms, TB/s) of a device-to-device copy of ``gib`` GiB, counting bytes read plus written."""
     n = int(gib * 2**30) // 2

@@ -4,6 +4,8 @@ mxfp8_quantize), with a device-to-device copy measured in the same run as the ce
 
 Effective bandwidth = byte floor x N x V / time: forward 2 B/elem (read logits), backward to bf16
 4 B/elem (read + write), backward to MXFP8 row+col 4.0625 B/elem, forward+backward 6 / 6.0625 B/elem.
+Each case is timed twice: eager calls (host launch overhead included: do_bench) and replays of a CUDA
+graph of the same calls (GPU time only: what a CUDA-graph-captured training step pays).
 Run: ``PYTHONPATH=. python3 benchmarks/bench_cross_entropy.py`` (Liger from a wheel on PYTHONPATH).
 """
 
@@ -15,7 +17,7 @@ import traceback
 
 import torch
 import torch.nn.functional as F
-from _common import copy_bandwidth_tbs, environment, median_ms, write_json
+from _common import copy_bandwidth_tbs, environment, graph_ms, median_ms, write_json
 
 import lowp_ops
 
@@ -53,20 +55,32 @@ def run_shape(n_rows: int, vocab: int, copy_tbs: float, liger) -> list[dict]:
             print(f"{impl} {phase} failed: {type(error).__name__}: {str(error)[:300]}")
             traceback.print_exc(limit=2)
             return
+        try:
+            gpu_ms = graph_ms(fn)
+        except Exception as error:  # not capturable (a host sync): eager time only
+            print(f"{impl} {phase}: no CUDA-graph timing ({type(error).__name__}: {str(error)[:120]})")
+            gpu_ms = float("nan")
+            torch.cuda.synchronize()
         tbs = floor_bytes * elems / ms / 1e9
+        gpu_pct = 100 * floor_bytes * elems / gpu_ms / 1e9 / copy_tbs
         rows.append(
             {
                 "shape": f"{n_rows}x{vocab}",
                 "impl": impl,
                 "phase": phase,
                 "ms": round(ms, 4),
+                "graph_ms": round(gpu_ms, 4),
                 "floor_B_per_elem": floor_bytes,
                 "TBps": round(tbs, 3),
                 "pct_copy": round(100 * tbs / copy_tbs, 1),
+                "graph_pct_copy": round(gpu_pct, 1),
             }
         )
         pct = 100 * tbs / copy_tbs
-        print(f"{n_rows}x{vocab} {impl:28s} {phase:22s} {ms:8.3f} ms {tbs:6.2f} TB/s {pct:5.1f}%")
+        print(
+            f"{n_rows}x{vocab} {impl:14s} {phase:20s} eager {ms:7.3f} ms {tbs:5.2f} TB/s {pct:5.1f}%"
+            f" | graph {gpu_ms:7.3f} ms {gpu_pct:5.1f}%"
+        )
 
     # ours, op level (no autograd overhead)
     _, lse = torch.ops.lowp.cross_entropy_fwd(logits, target, 0.0, -100)
@@ -154,11 +168,14 @@ def main() -> None:
     for n_rows, vocab in shapes:
         rows += run_shape(n_rows, vocab, copy_tbs, liger)
         torch.cuda.empty_cache()
-    print("\n| shape | impl | phase | ms | TB/s (floor B/elem) | % copy |\n|---|---|---|---|---|---|")
+    print(
+        "\n| shape | impl | phase | eager ms | eager % copy | CUDA-graph ms | graph % copy (floor B/elem) |"
+        "\n|---|---|---|---:|---:|---:|---:|"
+    )
     for r in rows:
         print(
-            f"| {r['shape']} | {r['impl']} | {r['phase']} | {r['ms']:.3f} | {r['TBps']:.2f} "
-            f"({r['floor_B_per_elem']}) | {r['pct_copy']:.1f} |"
+            f"| {r['shape']} | {r['impl']} | {r['phase']} | {r['ms']:.3f} | {r['pct_copy']:.1f} "
+            f"| {r['graph_ms']:.3f} | {r['graph_pct_copy']:.1f} ({r['floor_B_per_elem']}) |"
         )
     write_json(
         "bench_cross_entropy.json",
