@@ -4,7 +4,7 @@ from . import (
     library,  # noqa: F401  (registers torch.ops.lowp.*)
     nn,
 )
-from .formats import MXFP8Tensor, NVFP4Tensor
+from .formats import MXFP8Tensor, NVFP4GroupedTensor, NVFP4Tensor
 from .functional import (
     cross_entropy,
     cross_entropy_with_mxfp8_grad,
@@ -17,10 +17,11 @@ from .functional import (
 from .lm_head import linear_cross_entropy
 from .moe import grouped_swiglu_mlp
 from .mxfp8 import mxfp8_dequantize, mxfp8_quantize
-from .nvfp4 import nvfp4_dequantize, nvfp4_quantize
+from .nvfp4 import nvfp4_dequantize, nvfp4_group_quantize, nvfp4_quantize
 
 __all__ = [
     "MXFP8Tensor",
+    "NVFP4GroupedTensor",
     "NVFP4Tensor",
     "cross_entropy",
     "cross_entropy_with_mxfp8_grad",
@@ -33,6 +34,7 @@ __all__ = [
     "mxfp8_quantize",
     "nn",
     "nvfp4_dequantize",
+    "nvfp4_group_quantize",
     "nvfp4_quantize",
     "softmax",
     "swiglu",

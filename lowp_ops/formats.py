@@ -114,6 +114,33 @@ class NVFP4Tensor:
     shape: torch.Size
 
 
+@dataclass
+class NVFP4GroupedTensor:
+    """NVFP4 copies of tokens ``x`` (T, K) grouped by expert (``split_sizes``: E device ints, m_e rows
+    each, in order); every expert is quantized as its own tensor, with its own amaxes.
+
+    - ``row_data`` (T, K/2), ``row_scale`` [roundup(T, 128), roundup(ceil(K/16), 4)]: all rows in token
+      order (the row-wise copy does not depend on the grouping except through the amaxes).
+    - ``col_data`` (K * T / 2,): expert e's (K, m_e/2) transposed copy, contiguous, at byte
+      ``K * row0_e / 2`` with ``row0_e = sum_{i<e} m_i`` (TE's grouped layout).
+    - ``col_scale`` [roundup(K, 128), T // 16 + 4E]: expert e's [roundup(K, 128), roundup(ceil(m_e/16), 4)]
+      block starts at column ``sum_{i<e} roundup(ceil(m_i/16), 4)``
+      (``reference.nvfp4.group_col_scale_starts``); all other bytes are 0.
+    - ``amax_rowwise``, ``amax_columnwise``: fp32 (E,), 0 for an empty expert.
+    - A copy that was not asked for is ``None``.
+    """
+
+    row_data: torch.Tensor | None
+    row_scale: torch.Tensor | None
+    col_data: torch.Tensor | None
+    col_scale: torch.Tensor | None
+    amax_rowwise: torch.Tensor
+    amax_columnwise: torch.Tensor
+    split_sizes: torch.Tensor
+    rht: bool
+    shape: torch.Size
+
+
 def _flatten_mxfp8(t: MXFP8Tensor):
     children = [t.row_data, t.row_scale, t.col_data, t.col_scale]
     return children, (t.fp8_dtype, t.scale_layout, tuple(t.shape))
@@ -150,3 +177,21 @@ def ceil_div(a: int, b: int) -> int:
 
 def round_up(a: int, b: int) -> int:
     return ceil_div(a, b) * b
+
+
+def _flatten_nvfp4_grouped(t: NVFP4GroupedTensor):
+    children = [t.row_data, t.row_scale, t.col_data, t.col_scale, t.amax_rowwise, t.amax_columnwise]
+    return [*children, t.split_sizes], (t.rht, tuple(t.shape))
+
+
+def _unflatten_nvfp4_grouped(children, context) -> NVFP4GroupedTensor:
+    rht, shape = context
+    return NVFP4GroupedTensor(*children, rht=rht, shape=torch.Size(shape))
+
+
+pytree.register_pytree_node(
+    NVFP4GroupedTensor,
+    _flatten_nvfp4_grouped,
+    _unflatten_nvfp4_grouped,
+    serialized_type_name="lowp_ops.formats.NVFP4GroupedTensor",
+)

@@ -5,9 +5,20 @@ from __future__ import annotations
 import torch
 
 from . import library  # noqa: F401  (registers the ops)
-from .formats import NVFP4Tensor
+from .formats import NVFP4GroupedTensor, NVFP4Tensor
 from .meta.checks import require
-from .meta.nvfp4 import check_quantize_args
+from .meta.nvfp4 import check_group_quantize_args, check_quantize_args
+
+
+def _sr_seed(stochastic_rounding: bool, sr_seed: torch.Tensor | None, device) -> torch.Tensor | None:
+    """The int64 [seed, offset] of stochastic rounding: the caller's, or drawn on the device from torch's
+    generator (graph-safe: no host sync, captured like any random op)."""
+    if not stochastic_rounding:
+        require(sr_seed is None, lambda: "sr_seed is only used with stochastic_rounding=True")
+        return None
+    if sr_seed is None:
+        sr_seed = torch.randint(0, 2**31 - 1, (2,), device=device, dtype=torch.int64)
+    return sr_seed
 
 
 def nvfp4_quantize(
@@ -20,6 +31,7 @@ def nvfp4_quantize(
     amax_columnwise: torch.Tensor | None = None,
     block_2d: bool = False,
     stochastic_rounding: bool = False,
+    sr_seed: torch.Tensor | None = None,
 ) -> NVFP4Tensor:
     """Quantize ``x`` (viewed as ``(M, K)``) to NVFP4 with round-to-nearest, as TransformerEngine's reference.
 
@@ -29,17 +41,19 @@ def nvfp4_quantize(
             ``M % 16 == 0``); the row-wise copy is never transformed.
         amax_rowwise / amax_columnwise: fp32 global amaxes to use as is (no amax pass runs for them).
         block_2d: one scale per 16x16 tile (weights); not with ``rht``.
-        stochastic_rounding: not implemented yet (raises).
+        stochastic_rounding: round the E2M1 data of both copies stochastically (unbiased: up with
+            probability proportional to the distance from the lower grid value), from a counter-based
+            hash of ``sr_seed`` = int64 ``[seed, offset]`` on the device (drawn from torch's generator
+            when None). The scales and amaxes do not change.
 
     Numerics (see ``lowp_ops.reference.nvfp4``): global scale ``2688 / amax``, E4M3 block scales, E2M1
-    data with ties to even; ``x_hat = e2m1(q) * fp32(s_b) * amax / 2688``. Currently the pure-PyTorch
-    reference on every device (graph-safe, no host sync); the Triton kernels are the next step.
+    data with ties to even; ``x_hat = e2m1(q) * fp32(s_b) * amax / 2688``. Triton kernels on CUDA (bit
+    for bit the reference, stochastic rounding included), the pure-PyTorch reference on CPU; no host sync.
     """
-    if stochastic_rounding:
-        raise NotImplementedError("stochastic_rounding: NVFP4 stochastic rounding is not implemented yet")
-    check_quantize_args(x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d)
+    sr_seed = _sr_seed(stochastic_rounding, sr_seed, x.device)
+    check_quantize_args(x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d, sr_seed)
     row_data, row_scale, col_data, col_scale, amax_row, amax_col = torch.ops.lowp.nvfp4_quantize(
-        x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d
+        x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d, sr_seed
     )
     return NVFP4Tensor(
         row_data=row_data if rowwise else None,
@@ -50,6 +64,46 @@ def nvfp4_quantize(
         amax_columnwise=amax_col,
         rht=rht,
         block_2d=block_2d,
+        shape=x.shape,
+    )
+
+
+def nvfp4_group_quantize(
+    x: torch.Tensor,
+    split_sizes: torch.Tensor,
+    *,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    rht: bool = False,
+    amax_rowwise: torch.Tensor | None = None,
+    amax_columnwise: torch.Tensor | None = None,
+    stochastic_rounding: bool = False,
+    sr_seed: torch.Tensor | None = None,
+) -> NVFP4GroupedTensor:
+    """Quantize tokens ``x`` (T, K) grouped by expert: rows ``[row0_e, row0_e + m_e)`` (``split_sizes``,
+    E int32/int64 on the device, may hold zeros) are quantized as ``nvfp4_quantize`` would quantize them
+    alone, with the expert's amaxes (``amax_*``: fp32 (E,) used as is; computed per expert otherwise).
+
+    The split sizes never leave the device, so output shapes depend on T, K, E only (layout:
+    :class:`~lowp_ops.formats.NVFP4GroupedTensor`). Not checked on the device: ``sum(m_e) == T``, every
+    m_e even with ``columnwise`` and a multiple of 16 with ``rht`` (TE needs 128). 1x16 blocks only.
+    """
+    sr_seed = _sr_seed(stochastic_rounding, sr_seed, x.device)
+    check_group_quantize_args(
+        x, split_sizes, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, sr_seed
+    )
+    row_data, row_scale, col_data, col_scale, amax_row, amax_col = torch.ops.lowp.nvfp4_group_quantize(
+        x, split_sizes, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, sr_seed
+    )
+    return NVFP4GroupedTensor(
+        row_data=row_data if rowwise else None,
+        row_scale=row_scale if rowwise else None,
+        col_data=col_data if columnwise else None,
+        col_scale=col_scale if columnwise else None,
+        amax_rowwise=amax_row,
+        amax_columnwise=amax_col,
+        split_sizes=split_sizes,
+        rht=rht,
         shape=x.shape,
     )
 

@@ -228,11 +228,6 @@ def test_bad_arguments_raise_naming_them(kwargs, match):
         lowp_ops.nvfp4_quantize(x, **kwargs)
 
 
-def test_stochastic_rounding_is_refused_until_implemented():
-    with pytest.raises(NotImplementedError, match="stochastic_rounding"):
-        lowp_ops.nvfp4_quantize(torch.ones(16, 16), stochastic_rounding=True)
-
-
 @pytest.mark.parametrize("permuted", [False, True])
 def test_opcheck(permuted):
     x = random_matrix(32, 64, seed=10)

@@ -130,6 +130,49 @@ def e2m1_code_rn(v):
 
 
 @triton.jit
+def hash32(v):
+    """The reference's 32-bit mix (``reference.nvfp4.hash32``) on uint32 lanes."""
+    v = v ^ (v >> 16)
+    v = v * 0x7FEB352D
+    v = v ^ (v >> 15)
+    v = v * 0x846CA68B
+    return v ^ (v >> 16)
+
+
+@triton.jit
+def sr_random_bits(sr_ptr, STREAM: tl.constexpr, index):
+    """uint32 random bits of the elements with int64 linear ``index``, as ``reference.nvfp4.sr_random_bits``
+    (``sr_ptr`` holds int64 [seed, offset])."""
+    seed = tl.load(sr_ptr).to(tl.uint32)
+    offset = tl.load(sr_ptr + 1).to(tl.uint32)
+    key = hash32(seed + (STREAM * 0x9E3779B9))
+    return hash32((index.to(tl.uint32) + offset) ^ key)
+
+
+@triton.jit
+def e2m1_code_sr(v, random_bits):
+    """E2M1 code with stochastic rounding, as ``reference.nvfp4.e2m1_codes_stochastic``: up to the next
+    grid value with probability (|v| - lower) / step, from 23 of the random bits."""
+    magnitude = tl.minimum(tl.abs(v), 6.0)
+    step = tl.where(magnitude < 2.0, 0.5, tl.where(magnitude < 4.0, 1.0, 2.0))
+    shifted = magnitude + (random_bits >> 9).to(tl.float32) * 1.1920928955078125e-07 * step
+    low = (shifted * 2.0).to(tl.int32)
+    high = (shifted.to(tl.int32, bitcast=True) >> 22) - 252
+    code = tl.minimum(tl.where(shifted < 2.0, low, high), 7)
+    code = tl.where(v < 0, code + 8, code)
+    return tl.where(v == v, code, 0)
+
+
+@triton.jit
+def e2m1_code(v, sr_ptr, index, STREAM: tl.constexpr, STOCHASTIC: tl.constexpr):
+    if STOCHASTIC:  # noqa: SIM108 (a constexpr branch: the other one is never compiled)
+        code = e2m1_code_sr(v, sr_random_bits(sr_ptr, STREAM, index))
+    else:
+        code = e2m1_code_rn(v)
+    return code
+
+
+@triton.jit
 def pack_pairs(codes, N: tl.constexpr, M: tl.constexpr):
     """[N, M] int32 codes -> [N, M/2] uint8, element 2i in the low nibble."""
     low, high = tl.split(tl.reshape(codes, [N, M // 2, 2]))
@@ -151,8 +194,10 @@ def quantize_rowwise_tile(
     data_ptr,
     scale_ptr,
     scale_cols,
+    sr_ptr,
     R: tl.constexpr,
     BC: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
     EVEN: tl.constexpr,
 ):
     """1x16 blocks along the columns of ``x`` [R, BC] (block maxima ``vec_max`` [R, BC/16]; first column
@@ -163,8 +208,9 @@ def quantize_rowwise_tile(
     decode = tl.math.div_rn(1.0, encode)
     scale_value, scale_code = e4m3_block_scale(vec_max, encode)
     factor = block_encode_factor(scale_value, decode)
-    scaled = tl.reshape(x, [R, NB, 16]) * factor[:, :, None]
-    data = pack_pairs(tl.reshape(e2m1_code_rn(scaled), [R, BC]), R, BC)
+    scaled = tl.reshape(tl.reshape(x, [R, NB, 16]) * factor[:, :, None], [R, BC])
+    index = grows[:, None].to(tl.int64) * cols + (col0 + tl.arange(0, BC))[None, :]
+    data = pack_pairs(e2m1_code(scaled, sr_ptr, index, 0, STOCHASTIC), R, BC)
     byte_idx = col0 // 2 + tl.arange(0, BC // 2)
     data_ptrs = data_ptr + grows[:, None].to(tl.int64) * (cols // 2) + byte_idx[None, :]
     block_idx = col0 // 16 + tl.arange(0, NB)
@@ -189,19 +235,26 @@ def quantize_columnwise_tile(
     data_ptr,
     scale_ptr,
     scale_cols,
+    grows,
+    total_rows,
+    sr_ptr,
     R: tl.constexpr,
     BC: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
     EVEN: tl.constexpr,
 ):
     """16x1 blocks along the rows of ``y`` [R, BC] (block maxima ``vec_max`` [R/16, BC]), stored
     transposed: data at ``data_ptr[col, row / 2]`` of a (cols, n_rows / 2) matrix, E4M3 codes at
-    ``scale_ptr[col, row / 16]``. ``local_row0``: the tile's first row within that matrix."""
+    ``scale_ptr[col, row / 16]``. ``local_row0``: the tile's first row within that matrix; ``grows``:
+    the rows in x of ``total_rows`` (stochastic rounding indices ``col * total_rows + row``)."""
     RB: tl.constexpr = R // 16
     encode = global_encode_scale(amax)
     decode = tl.math.div_rn(1.0, encode)
     scale_value, scale_code = e4m3_block_scale(vec_max, encode)
     factor = block_encode_factor(scale_value, decode)
-    codes = e2m1_code_rn(tl.reshape(y, [RB, 16, BC]) * factor[:, None, :])
+    scaled = tl.reshape(tl.reshape(y, [RB, 16, BC]) * factor[:, None, :], [R, BC])
+    index = cols_idx[None, :].to(tl.int64) * total_rows + grows[:, None]
+    codes = e2m1_code(scaled, sr_ptr, index, 1, STOCHASTIC)
     pairs = tl.permute(tl.reshape(codes, [R // 2, 2, BC]), (0, 2, 1))
     low, high = tl.split(pairs)
     data = (low | (high << 4)).to(tl.uint8)
@@ -328,12 +381,14 @@ def nvfp4_quantize_kernel(
     col_data_ptr,
     col_scale_ptr,
     col_scale_cols,
+    sr_ptr,
     TILE_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     ROWWISE: tl.constexpr,
     COLWISE: tl.constexpr,
     RHT: tl.constexpr,
     BLOCK_2D: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
     GROUPED: tl.constexpr,
     EXPERTS_POW2: tl.constexpr,
     EVEN: tl.constexpr,
@@ -370,8 +425,10 @@ def nvfp4_quantize_kernel(
             row_data_ptr,
             row_scale_ptr,
             row_scale_cols,
+            sr_ptr,
             TILE_ROWS,
             BLOCK_COLS,
+            STOCHASTIC,
             EVEN,
         )
     if COLWISE:
@@ -396,8 +453,12 @@ def nvfp4_quantize_kernel(
             col_data,
             col_scale_ptr + scale_col0,
             col_scale_cols,
+            grows,
+            rows,
+            sr_ptr,
             TILE_ROWS,
             BLOCK_COLS,
+            STOCHASTIC,
             EVEN,
         )
 
@@ -432,6 +493,7 @@ def _launch(
     outputs,
     grouped,
     config,
+    sr_seed,
 ):
     """Fill the amaxes (given ones copied, missing ones by the amax kernel), then quantize."""
     rows, cols = x2d.shape
@@ -495,10 +557,12 @@ def _launch(
         col_data,
         col_scale,
         col_scale.shape[1] if columnwise else 0,
+        amax_row if sr_seed is None else sr_seed.reshape(2).contiguous(),  # unused without SR
         ROWWISE=rowwise,
         COLWISE=columnwise,
         RHT=rht,
         BLOCK_2D=block_2d,
+        STOCHASTIC=sr_seed is not None,
         **common,
     )
 
@@ -511,12 +575,15 @@ def launch_nvfp4_quantize(
     amax_rowwise: torch.Tensor | None,
     amax_columnwise: torch.Tensor | None,
     block_2d: bool,
+    sr_seed: torch.Tensor | None = None,
     config: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """``lowp::nvfp4_quantize`` on a CUDA (or interpreted CPU) tensor; outputs as
     ``meta.nvfp4.nvfp4_quantize_outputs``. ``config`` = (TILE_ROWS, BLOCK_COLS, num_warps) overrides
     the launch configuration (benchmarks, tests)."""
-    outputs = nvfp4_quantize_outputs(x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d)
+    outputs = nvfp4_quantize_outputs(
+        x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d, sr_seed
+    )
     row_data, row_scale, col_data, col_scale, amax_row, amax_col = outputs
     rows, cols = flat_2d_dims(x.shape)
     x2d = _rows_with_unit_stride(x.reshape(rows, cols))
@@ -536,6 +603,7 @@ def launch_nvfp4_quantize(
         (row_data, row_scale, col_data, col_scale),
         False,
         config,
+        sr_seed,
     )
     return outputs
 
@@ -548,13 +616,14 @@ def launch_nvfp4_group_quantize(
     rht: bool,
     amax_rowwise: torch.Tensor | None,
     amax_columnwise: torch.Tensor | None,
+    sr_seed: torch.Tensor | None = None,
     config: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """``lowp::nvfp4_group_quantize`` on a CUDA (or interpreted CPU) tensor; outputs as
     ``meta.nvfp4.nvfp4_group_quantize_outputs``. The split sizes stay on the device: the grid covers
     the most tiles any split can need, ``(T + E * (TILE_ROWS - 1)) // TILE_ROWS``."""
     outputs = nvfp4_group_quantize_outputs(
-        x, split_sizes, rowwise, columnwise, rht, amax_rowwise, amax_columnwise
+        x, split_sizes, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, sr_seed
     )
     row_data, row_scale, col_data, col_scale, amax_row, amax_col = outputs
     rows, cols = x.shape
@@ -577,5 +646,6 @@ def launch_nvfp4_group_quantize(
         (row_data, row_scale, col_data, col_scale),
         True,
         config,
+        sr_seed,
     )
     return outputs

@@ -13,7 +13,7 @@ weights), with ``amax`` its fp32 global amax (computed, or given and used as is)
 
 The column-wise copy is the row-wise quantization of ``x^T`` (or of ``RHT(x^T)``: 16-point Hadamard
 with TE's sign vector, a bf16 matmul with fp32 accumulation rounded to bf16), stored transposed.
-NaN input gives a NaN amax and NaN scales; its data encode as +0.
+NaN input gives a NaN amax and NaN scales (byte 0x7F); its data encode as +0.
 """
 
 from __future__ import annotations
@@ -192,7 +192,9 @@ def quantize_blocks(
     else:
         scaled = scaled.view(x.shape)[:rows, :cols]
         codes = e2m1_codes_stochastic(scaled, random_bits)
-    return codes, block_scale.view(torch.uint8)[:rows]
+    # NaN scales as 0x7F (the hardware cvt's NaN; a NaN's sign is not reproducible across devices).
+    scale_bits = torch.where(block_scale.float().isnan(), 0x7F, block_scale.view(torch.uint8))
+    return codes, scale_bits.to(torch.uint8)[:rows]
 
 
 def _amax(t: torch.Tensor, given: torch.Tensor | None) -> torch.Tensor:
