@@ -1,0 +1,492 @@
+"""``lowp_ops.linear_cross_entropy``: loss and gradients against float64, against ``cross_entropy`` of
+``F.linear`` logits, the MXFP8 dlogits the GEMMs consume byte for byte ``cross_entropy_with_mxfp8_grad``'s,
+what the forward keeps, ``opcheck``, compile without recompiles, CUDA graphs, and a tiny LM that learns.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import counters
+
+import lowp_ops
+from lowp_ops.kernels import linear_cross_entropy as lce_kernels
+from lowp_ops.reference import linear_cross_entropy as lce_ref
+
+IGNORE = -100
+REDUCTIONS = ("mean", "sum", "none")
+GRAD_FORMATS = (None, "mxfp8_e4m3", "mxfp8_e5m2")
+# Relative (Frobenius) error of the gradients vs float64: bf16 logits and gradients; MXFP8 dY adds the
+# FP8 rounding (3 mantissa bits for E4M3, 2 for E5M2) and the MXFP8 other operand the E4M3 one.
+GRAD_RTOL = {None: 0.01, "mxfp8_e4m3": 0.05, "mxfp8_e5m2": 0.1}
+PAYLOAD_FIELDS = ("row_data", "row_scale", "col_data", "col_scale")
+
+
+def make_inputs(n_rows=70, hidden=48, vocab=96, dtype=torch.bfloat16, seed=0, device="cpu", lead=()):
+    """Inputs with every 7th token ignored; logits of spread ~3 so the softmax is not flat."""
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(*lead, n_rows, hidden, generator=gen)
+    w = torch.randn(vocab, hidden, generator=gen) * (3 / hidden**0.5)
+    target = torch.randint(0, vocab, (*lead, n_rows), generator=gen)
+    target.view(-1)[::7] = IGNORE
+    return h.to(dtype).to(device), w.to(dtype).to(device), target.to(device)
+
+
+def float64_loss_and_grads(h, w, target, grad_loss, reduction, label_smoothing):
+    h64 = h.double().requires_grad_()
+    w64 = w.double().requires_grad_()
+    logits = F.linear(h64, w64)
+    loss = F.cross_entropy(
+        logits.reshape(-1, w.shape[0]),
+        target.reshape(-1),
+        ignore_index=IGNORE,
+        reduction=reduction,
+        label_smoothing=label_smoothing,
+    )
+    loss = loss.view(target.shape) if reduction == "none" else loss
+    loss.backward(grad_loss.double())
+    return loss.detach(), h64.grad, w64.grad
+
+
+def ours(h, w, target, grad_loss, **kwargs):
+    h = h.clone().requires_grad_()
+    w = w.clone().requires_grad_()
+    loss = lowp_ops.linear_cross_entropy(h, w, target, **kwargs)
+    loss.backward(grad_loss)
+    return loss.detach(), h.grad, w.grad
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("grad_format", GRAD_FORMATS)
+@pytest.mark.parametrize("other_operand", ["bf16", "mxfp8"])
+def test_loss_and_grads_match_float64(reduction, grad_format, other_operand):
+    if grad_format is None and other_operand == "mxfp8":
+        pytest.skip("other_operand only applies to the MXFP8 GEMMs")
+    h, w, target = make_inputs(lead=(2,))
+    grad_loss = torch.rand(target.shape if reduction == "none" else ()) + 0.5
+    want_loss, want_dh, want_dw = float64_loss_and_grads(h, w, target, grad_loss, reduction, 0.1)
+    kwargs = dict(grad_format=grad_format, reduction=reduction, other_operand=other_operand, chunk_size=64)
+    loss, dh, dw = ours(h, w, target, grad_loss, label_smoothing=0.1, **kwargs)
+    assert loss.dtype == torch.float32 and dh.dtype == h.dtype and dw.dtype == w.dtype
+    # bf16 logits: each row's lse and target logit are rounded (~2^-9 relative to |logit| ~ 3).
+    torch.testing.assert_close(loss.double(), want_loss, rtol=2e-3, atol=2e-2)
+    rtol = GRAD_RTOL[grad_format] * (1.5 if other_operand == "mxfp8" else 1.0)
+    assert relative_error(dh, want_dh) < rtol
+    assert relative_error(dw, want_dw) < rtol
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_bf16_gradient_equals_cross_entropy_of_linear(reduction, dtype):
+    h, w, target = make_inputs(dtype=dtype)
+    grad_loss = torch.rand(target.shape if reduction == "none" else ()) + 0.5
+    loss, dh, dw = ours(h, w, target, grad_loss, reduction=reduction, label_smoothing=0.1, chunk_size=32)
+
+    h2, w2 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    want = lowp_ops.cross_entropy(F.linear(h2, w2), target, reduction=reduction, label_smoothing=0.1)
+    want.backward(grad_loss)
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-4, atol=1e-4)
+    # bf16: the gradients are rounded at different points (g folded into dlogits or applied after).
+    for got, expected in ((dh, h2.grad), (dw, w2.grad)):
+        if dtype == torch.bfloat16:
+            tolerance = {"rtol": 1.6e-2, "atol": 4e-3 * expected.abs().max().item()}
+        else:
+            tolerance = {"rtol": 1e-4, "atol": 1e-5}
+        torch.testing.assert_close(got, expected, **tolerance)
+
+
+def recorded_payloads(steps, h, w, target, row_weight, fp8_dtype, chunk_size, recompute):
+    """Run the op's schedule with ``steps`` and return each chunk's MXFP8 dlogits payload."""
+    seen = []
+
+    def record(start, end, payload):
+        seen.append((start, end, payload))
+
+    args = (h, w, target)
+    rest = (0.1, IGNORE, f"mxfp8_{fp8_dtype}", "bf16", chunk_size, True, True)
+    if recompute:
+        _, lse = steps.ce_fwd(steps.logits(h, w), target, 0.1, IGNORE)
+        lce_ref.backward_chunks(*args, lse, row_weight, *rest, steps=steps, on_dlogits=record)
+    else:
+        lce_ref.fwd_bwd_chunks(*args, row_weight, *rest, steps=steps, on_dlogits=record)
+    return seen
+
+
+def check_payload_bytes(steps, device, n_rows=96, vocab=200, chunk_size=32):
+    """The payload each chunk hands to the GEMMs equals ``cross_entropy_with_mxfp8_grad`` of the full
+    logits (same steps' logits), sliced at the chunk (chunks are multiples of 32 rows)."""
+    h, w, target = make_inputs(n_rows=n_rows, vocab=vocab, device=device)
+    logits = steps.logits(h, w)
+    for fp8_dtype in ("e4m3", "e5m2"):
+        _, full = lowp_ops.cross_entropy_with_mxfp8_grad(
+            logits, target, label_smoothing=0.1, ignore_index=IGNORE, fp8_dtype=fp8_dtype
+        )
+        row_weight = torch.reciprocal((target != IGNORE).sum().float()).expand(n_rows)
+        for recompute in (False, True):
+            seen = recorded_payloads(steps, h, w, target, row_weight, fp8_dtype, chunk_size, recompute)
+            assert len(seen) == n_rows // chunk_size
+            for start, end, (row_data, row_scale, col_data, col_scale) in seen:
+                want_row = full.row_data[start:end].view(torch.uint8)
+                want_col = full.col_data[start:end].view(torch.uint8)
+                assert torch.equal(row_data.view(torch.uint8), want_row)
+                assert torch.equal(col_data.view(torch.uint8), want_col)
+                assert torch.equal(row_scale[: end - start], full.row_scale[start:end])
+                assert torch.equal(col_scale[: (end - start) // 32], full.col_scale[start // 32 : end // 32])
+
+
+def test_mxfp8_dlogits_are_bytes_of_cross_entropy_with_mxfp8_grad():
+    check_payload_bytes(lce_ref.REFERENCE_STEPS, "cpu")
+
+
+@pytest.mark.interp
+def test_kernel_mxfp8_dlogits_are_bytes_of_cross_entropy_with_mxfp8_grad_interp():
+    check_payload_bytes(lce_kernels.KERNEL_STEPS, "cpu", n_rows=64, vocab=70)
+
+
+@pytest.mark.gpu
+def test_kernel_mxfp8_dlogits_are_bytes_of_cross_entropy_with_mxfp8_grad_gpu():
+    check_payload_bytes(lce_kernels.KERNEL_STEPS, "cuda", n_rows=1024, vocab=5000, chunk_size=256)
+
+
+@pytest.mark.parametrize("grad_format", GRAD_FORMATS)
+def test_chunking_changes_dhidden_not_at_all_and_dweight_by_per_chunk_rounding(grad_format):
+    h, w, target = make_inputs(n_rows=128)
+    one = torch.tensor(1.0)
+    _, dh_small, dw_small = ours(h, w, target, one, grad_format=grad_format, chunk_size=32)
+    _, dh_whole, dw_whole = ours(h, w, target, one, grad_format=grad_format)
+    assert torch.equal(dh_small, dh_whole)
+    torch.testing.assert_close(dw_small, dw_whole, rtol=1.6e-2, atol=4e-3 * dw_whole.abs().max().item())
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_forward_keeps_no_logits_sized_tensor(reduction):
+    n_rows, vocab = 64, 512
+    h, w, target = make_inputs(n_rows=n_rows, hidden=16, vocab=vocab)
+    h.requires_grad_()
+    w.requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = lowp_ops.linear_cross_entropy(h, w, target, reduction=reduction, chunk_size=32)
+    assert all(t.numel() < n_rows * vocab for t in saved), [tuple(t.shape) for t in saved]
+    if reduction == "none":  # hidden, weight, target and the per-row lse
+        assert sorted(t.numel() for t in saved) == sorted([h.numel(), w.numel(), n_rows, n_rows])
+    loss.sum().backward()
+
+
+def test_frozen_weight_gets_no_gradient_and_hidden_still_does():
+    h, w, target = make_inputs()
+    h.requires_grad_()
+    for reduction in REDUCTIONS:
+        h.grad = None
+        lowp_ops.linear_cross_entropy(h, w, target, reduction=reduction).sum().backward()
+        assert w.grad is None and h.grad is not None and h.grad.abs().sum() > 0
+
+
+def test_no_grad_forward_matches_grad_forward():
+    h, w, target = make_inputs()
+    with torch.no_grad():
+        plain = lowp_ops.linear_cross_entropy(h, w, target)
+    fused = lowp_ops.linear_cross_entropy(h.clone().requires_grad_(), w, target)
+    torch.testing.assert_close(plain, fused.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_all_rows_ignored_mean_is_nan_with_zero_grads():
+    h, w, target = make_inputs(n_rows=40)
+    target.fill_(IGNORE)
+    loss, dh, dw = ours(h, w, target, torch.tensor(1.0))
+    assert loss.isnan()
+    assert (dh == 0).all() and (dw == 0).all()
+
+
+def test_empty_input_gives_zero_loss_sum_and_zero_weight_grad():
+    h, w, target = make_inputs(n_rows=0)
+    loss, dh, dw = ours(h, w, target, torch.tensor(1.0), reduction="sum")
+    assert loss == 0 and dh.shape == h.shape and (dw == 0).all()
+
+
+BAD_CALLS = {
+    "process_group": (dict(process_group=object()), NotImplementedError, "process_group"),
+    "grad_format": (dict(grad_format="mxfp4"), ValueError, "grad_format must be one of"),
+    "other_operand": (dict(other_operand="fp8"), ValueError, "other_operand must be one of"),
+    "chunk_size": (dict(chunk_size=0), ValueError, "chunk_size must be positive"),
+    "reduction": (dict(reduction="avg"), ValueError, "reduction must be one of"),
+    "label_smoothing": (dict(label_smoothing=1.5), ValueError, "label_smoothing must be in"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_CALLS)
+def test_bad_arguments_raise_naming_the_argument(name):
+    h, w, target = make_inputs(n_rows=8)
+    kwargs, error, message = BAD_CALLS[name]
+    with pytest.raises(error, match=message):
+        lowp_ops.linear_cross_entropy(h, w, target, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("h_shape", "w_shape", "t_shape", "message"),
+    [
+        ((8, 16), (32, 15), (8,), "weight must have shape"),
+        ((8, 16), (32, 16), (7,), "target must have shape"),
+    ],
+)
+def test_bad_shapes_raise_naming_the_argument(h_shape, w_shape, t_shape, message):
+    with pytest.raises(ValueError, match=message):
+        lowp_ops.linear_cross_entropy(
+            torch.randn(h_shape), torch.randn(w_shape), torch.zeros(t_shape, dtype=torch.int64)
+        )
+
+
+def test_weight_of_another_dtype_is_rejected():
+    with pytest.raises(ValueError, match="weight must have hidden's dtype"):
+        lowp_ops.linear_cross_entropy(
+            torch.randn(8, 16), torch.randn(32, 16).bfloat16(), torch.zeros(8).long()
+        )
+
+
+# ------------------------------------------------------------------------------------------ opcheck
+
+
+def opcheck_inputs():
+    h, w, target = make_inputs(n_rows=37, hidden=24, vocab=75)
+    return h, w, target
+
+
+@pytest.mark.parametrize("grad_format", ["none", "mxfp8_e4m3"])
+def test_opcheck_fwd_and_bwd(grad_format):
+    h, w, target = opcheck_inputs()
+    fwd_args = (h, w, target, 0.1, IGNORE, grad_format, "bf16", 16)
+    torch.library.opcheck(torch.ops.lowp.linear_cross_entropy_fwd.default, fwd_args)
+    torch.library.opcheck(
+        torch.ops.lowp.linear_cross_entropy_fwd.default,
+        (h.requires_grad_(), w.requires_grad_(), *fwd_args[2:]),
+    )
+    _, lse = torch.ops.lowp.linear_cross_entropy_fwd(*fwd_args)
+    grad_rows = torch.rand(37)
+    for computed in [(True, True), (False, True)]:
+        torch.library.opcheck(
+            torch.ops.lowp.linear_cross_entropy_bwd.default,
+            (
+                h.detach(),
+                w.detach(),
+                target,
+                lse,
+                grad_rows,
+                0.1,
+                IGNORE,
+                grad_format,
+                "mxfp8",
+                16,
+                *computed,
+            ),
+        )
+
+
+@pytest.mark.parametrize("grad_format", ["none", "mxfp8_e5m2"])
+def test_opcheck_fwd_bwd_and_scale_by(grad_format):
+    h, w, target = opcheck_inputs()
+    row_weight = torch.tensor(0.25).expand(37)
+    for computed in [(True, True), (True, False)]:
+        torch.library.opcheck(
+            torch.ops.lowp.linear_cross_entropy_fwd_bwd.default,
+            (h, w, target, row_weight, 0.0, IGNORE, grad_format, "bf16", 32, *computed),
+        )
+    torch.library.opcheck(torch.ops.lowp.scale_by.default, (w, torch.tensor(0.3)))
+
+
+# ----------------------------------------------------------------------------------- torch.compile
+
+COMPILE_SIZES = [(2, 5), (3, 7), (4, 9)]  # (batch, sequence): three token counts, one graph
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("grad_format", [None, "mxfp8_e4m3"])
+def test_compiled_forward_backward_is_one_graph_without_recompiles(reduction, grad_format):
+    # label_smoothing given: a float left at its default is traced as a dynamic input on the first
+    # attempt and Dynamo restarts the frame (one graph, but two backend calls).
+    def loss_fn(h, w, target):
+        return lowp_ops.linear_cross_entropy(
+            h, w, target, grad_format=grad_format, reduction=reduction, label_smoothing=0.1
+        )
+
+    counters.clear()
+    backend = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(loss_fn, backend=backend, fullgraph=True, dynamic=True)
+    for step, (batch, seq) in enumerate(COMPILE_SIZES):
+        gen = torch.Generator().manual_seed(step)
+        h = torch.randn(batch, seq, 16, generator=gen).bfloat16()
+        w = torch.randn(40, 16, generator=gen).bfloat16()
+        target = torch.randint(0, 40, (batch, seq), generator=gen)
+        with torch.compiler.set_stance("fail_on_recompile" if step else "default"):
+            hc, wc = h.clone().requires_grad_(), w.clone().requires_grad_()
+            loss = compiled(hc, wc, target)
+            loss.sum().backward()
+        want_loss, want_dh, want_dw = ours(
+            h,
+            w,
+            target,
+            torch.ones_like(loss),
+            grad_format=grad_format,
+            reduction=reduction,
+            label_smoothing=0.1,
+        )
+        assert torch.equal(loss.detach(), want_loss)
+        assert torch.equal(hc.grad, want_dh) and torch.equal(wc.grad, want_dw)
+    assert backend.frame_count == 1
+    assert not counters["graph_break"]
+
+
+# ------------------------------------------------------------------------------------ interpreter
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize(
+    ("grad_format", "other_operand"), [(None, "bf16"), ("mxfp8_e4m3", "bf16"), ("mxfp8_e5m2", "mxfp8")]
+)
+def test_kernels_match_reference_interp(reduction, grad_format, other_operand):
+    """The CPU ops run the Triton kernels here (LOWP_OPS_CPU_KERNELS=triton); compare with the reference
+    ops on the same path: losses agree to fp32; gradients differ by roundings of differently ordered
+    fp32 math (a bf16 gradient element one step off moves its MXFP8 byte by one FP8 step)."""
+    h, w, target = make_inputs(n_rows=40, hidden=32, vocab=70)
+    grad_loss = torch.rand(target.shape if reduction == "none" else ()) + 0.5
+    kwargs = dict(grad_format=grad_format, other_operand=other_operand, chunk_size=32)
+    loss, dh, dw = ours(h, w, target, grad_loss, reduction=reduction, label_smoothing=0.1, **kwargs)
+    config = (0.1, IGNORE, grad_format or "none", other_operand, 32)
+    if reduction == "mean":
+        row_weight = torch.reciprocal((target != IGNORE).sum().float()).expand(40)
+        want_loss, want_dh, want_dw = lce_ref.linear_cross_entropy_fwd_bwd(
+            h, w, target, row_weight, *config, True, True
+        )
+        want_dh, want_dw = lce_ref.scale_by(want_dh, grad_loss), lce_ref.scale_by(want_dw, grad_loss)
+    else:
+        want_loss, lse = lce_ref.linear_cross_entropy_fwd(h, w, target, *config)
+        want_dh, want_dw = lce_ref.linear_cross_entropy_bwd(h, w, target, lse, grad_loss, *config, True, True)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-5)
+    # The CE backward kernel and the reference differ by ~0.4% (relative norm) in bf16 already; a wiring
+    # error (operand, copy or scale layout) would be O(1).
+    for got, want in ((dh, want_dh), (dw, want_dw)):
+        assert relative_error(got, want.double()) < GRAD_RTOL[grad_format]
+
+
+# -------------------------------------------------------------------------------------- tiny LM
+
+
+def test_tiny_lm_learns_with_mxfp8_gradient():
+    """Embedding + LM head trained on a repeating sequence; MXFP8 E4M3 logits gradient (CPU reference)."""
+    torch.manual_seed(0)
+    vocab, hidden, seq = 64, 32, 128
+    tokens = torch.arange(seq + 1) * 7 % vocab
+    embedding = torch.nn.Embedding(vocab, hidden)
+    head = torch.nn.Parameter(torch.randn(vocab, hidden) * 0.02)
+    optimizer = torch.optim.Adam([*embedding.parameters(), head], lr=3e-2)
+    losses = []
+    for _ in range(60):
+        hidden_states = torch.tanh(embedding(tokens[:-1]))
+        loss = lowp_ops.linear_cross_entropy(
+            hidden_states.bfloat16(), head.bfloat16(), tokens[1:], grad_format="mxfp8_e4m3", chunk_size=64
+        )
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.25 * losses[0], losses[::10]
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grad_format", GRAD_FORMATS)
+@pytest.mark.parametrize("other_operand", ["bf16", "mxfp8"])
+def test_gpu_loss_and_grads_match_float64(grad_format, other_operand):
+    h, w, target = make_inputs(n_rows=1000, hidden=256, vocab=5000, device="cuda")
+    grad_loss = torch.tensor(1.0, device="cuda")
+    want = float64_loss_and_grads(h.cpu(), w.cpu(), target.cpu(), grad_loss.cpu(), "mean", 0.1)
+    loss, dh, dw = ours(
+        h,
+        w,
+        target,
+        grad_loss,
+        grad_format=grad_format,
+        label_smoothing=0.1,
+        other_operand=other_operand,
+        chunk_size=256,
+    )
+    torch.testing.assert_close(loss.cpu().double(), want[0], rtol=2e-3, atol=2e-3)
+    rtol = GRAD_RTOL[grad_format] * (1.5 if other_operand == "mxfp8" else 1.0)
+    assert relative_error(dh.cpu(), want[1]) < rtol
+    assert relative_error(dw.cpu(), want[2]) < rtol
+
+
+def cuda_inputs(seed):
+    h, w, target = make_inputs(n_rows=512, hidden=128, vocab=3000, seed=seed, device="cuda")
+    return h, w, target
+
+
+@pytest.mark.cudagraph
+@pytest.mark.parametrize("grad_format", [None, "mxfp8_e4m3"])
+def test_manual_capture_of_forward_backward_replays_like_eager(grad_format):
+    def step(h, w, target):
+        h.grad = w.grad = None
+        loss = lowp_ops.linear_cross_entropy(h, w, target, grad_format=grad_format, chunk_size=256)
+        loss.backward()
+        return loss
+
+    static_h, static_w, static_target = cuda_inputs(0)
+    static_h.requires_grad_()
+    static_w.requires_grad_()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step(static_h, static_w, static_target)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    static_h.grad = static_w.grad = None
+    with torch.cuda.graph(graph):
+        static_loss = step(static_h, static_w, static_target)
+    for seed in (1, 2):
+        h, w, target = cuda_inputs(seed)
+        with torch.no_grad():
+            static_h.copy_(h)
+            static_w.copy_(w)
+            static_target.copy_(target)
+        graph.replay()
+        eager_h, eager_w = h.clone().requires_grad_(), w.clone().requires_grad_()
+        eager_loss = step(eager_h, eager_w, target)
+        torch.cuda.synchronize()
+        assert torch.equal(static_loss.detach(), eager_loss.detach())
+        assert torch.equal(static_h.grad, eager_h.grad) and torch.equal(static_w.grad, eager_w.grad)
+
+
+@pytest.mark.cudagraph
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_reduce_overhead_never_skips_cudagraphs(reduction):
+    def loss_fn(h, w, target):
+        return lowp_ops.linear_cross_entropy(
+            h, w, target, grad_format="mxfp8_e4m3", reduction=reduction
+        ).sum()
+
+    def run(fn, h, w, target):
+        h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = fn(h, w, target)
+        loss.backward()
+        return loss.detach().clone(), h.grad.clone(), w.grad.clone()  # cudagraph outputs are reused
+
+    counters.clear()
+    with torch._inductor.config.patch({"triton.cudagraph_or_error": True}):
+        compiled = torch.compile(loss_fn, mode="reduce-overhead", fullgraph=True)
+        for seed in range(3):
+            inputs = cuda_inputs(seed)
+            torch.compiler.cudagraph_mark_step_begin()
+            got = run(compiled, *inputs)
+            want = run(loss_fn, *inputs)
+            for got_tensor, want_tensor in zip(got, want, strict=True):
+                torch.testing.assert_close(got_tensor, want_tensor)
+    assert counters["inductor"]["cudagraph_skips"] == 0
