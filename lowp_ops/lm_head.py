@@ -5,13 +5,27 @@ from __future__ import annotations
 import torch
 
 from . import library  # noqa: F401  (registers the ops)
-from .functional import _check_process_group, _reduce
 from .meta.checks import require
 from .meta.cross_entropy import check_label_smoothing, check_reduction
 from .meta.linear_cross_entropy import check_chunk_size, check_hidden_weight_target
 from .meta.mxfp8_gemm import check_other_operand
 
 PUBLIC_GRAD_FORMATS = (None, "mxfp8_e4m3", "mxfp8_e5m2")
+
+
+def _check_process_group(process_group) -> None:
+    if process_group is not None:
+        raise NotImplementedError(
+            "process_group: vocabulary-parallel linear_cross_entropy is not implemented yet; "
+            "pass process_group=None"
+        )
+
+
+def _reduce(loss_rows: torch.Tensor, target_rows: torch.Tensor, reduction: str, ignore_index: int):
+    """As ``F.cross_entropy``: mean over non-ignored rows (NaN when all are ignored), on the device."""
+    if reduction == "sum":
+        return loss_rows.sum()
+    return loss_rows.sum() / (target_rows != ignore_index).sum()
 
 
 def _row_weight(target_rows: torch.Tensor, reduction: str, ignore_index: int) -> torch.Tensor:
@@ -105,4 +119,6 @@ def linear_cross_entropy(
         other_operand,
         chunk,
     )
-    return _reduce(loss_rows, target_rows, target.shape, reduction, ignore_index)
+    if reduction == "none":
+        return loss_rows.view(target.shape)
+    return _reduce(loss_rows, target_rows, reduction, ignore_index)
