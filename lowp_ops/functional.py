@@ -13,13 +13,6 @@ from .meta.mxfp8 import check_fp8_dtype, check_scale_layout
 from .meta.softmax import check_masked_rows
 
 
-def _check_process_group(process_group) -> None:
-    if process_group is not None:
-        raise NotImplementedError(
-            "process_group: vocabulary-parallel cross entropy is not implemented yet; pass process_group=None"
-        )
-
-
 def _rows(
     logits: torch.Tensor, target: torch.Tensor, label_smoothing: float, reduction: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,12 +57,23 @@ def cross_entropy(
     (also whole leading blocks) are exact; an all ``-inf`` row gives NaN like PyTorch. Ignored rows give
     loss 0 and gradient 0 (also all ``-inf`` ones). A target outside ``[0, V)`` other than
     ``ignore_index`` gives a NaN loss and NaN gradient row (checked on device, no host sync).
+
+    ``process_group``: vocabulary-parallel loss (:mod:`lowp_ops.distributed`). Each rank passes the logits
+    of its equal-width vocabulary shard (rank order) and the same global targets; every rank returns the
+    same loss (one all-gather of per-row statistics in the forward, none in the backward), and its
+    gradient is its shard of the single-rank gradient.
     """
-    _check_process_group(process_group)
     logits_rows, target_rows = _rows(logits, target, label_smoothing, reduction)
-    loss_rows, _ = torch.ops.lowp.cross_entropy_fwd(
-        logits_rows, target_rows, float(label_smoothing), int(ignore_index)
-    )
+    if process_group is None:
+        loss_rows, _ = torch.ops.lowp.cross_entropy_fwd(
+            logits_rows, target_rows, float(label_smoothing), int(ignore_index)
+        )
+    else:
+        from .distributed import vocab_parallel_cross_entropy_rows
+
+        loss_rows = vocab_parallel_cross_entropy_rows(
+            logits_rows, target_rows, float(label_smoothing), int(ignore_index), process_group
+        )
     return _reduce(loss_rows, target_rows, target.shape, reduction, ignore_index)
 
 
@@ -107,6 +111,7 @@ def cross_entropy_with_mxfp8_grad(
     rowwise: bool = True,
     columnwise: bool = True,
     scale_layout: str = "compact",
+    process_group=None,
 ) -> tuple[torch.Tensor, MXFP8Tensor]:
     """The loss and the gradient of ``grad_loss · loss`` w.r.t. the logits, written directly as MXFP8.
 
@@ -115,15 +120,28 @@ def cross_entropy_with_mxfp8_grad(
     byte on one device: the payload equals ``mxfp8_quantize(g)`` where ``g`` is the logits' gradient
     :func:`cross_entropy` 's backward returns for the same inputs (both copies and both scale tensors).
     Any N and V.
+
+    ``process_group``: vocabulary-parallel (see :func:`cross_entropy`); the payload is this rank's shard,
+    byte-identical to the shard's columns of the single-rank payload given the same lse when the shard
+    width is a multiple of 32 (compact scales: compare the valid regions; each shard pads its own).
     """
     logits_rows, target_rows = _rows(logits, target, label_smoothing, reduction)
     check_fp8_dtype(fp8_dtype)
     check_scale_layout(scale_layout)
     require(rowwise or columnwise, lambda: "at least one of rowwise and columnwise must be True")
+    shard = (0, 0)
     with torch.no_grad():
-        loss_rows, lse = torch.ops.lowp.cross_entropy_fwd(
-            logits_rows, target_rows, float(label_smoothing), int(ignore_index)
-        )
+        if process_group is None:
+            loss_rows, lse = torch.ops.lowp.cross_entropy_fwd(
+                logits_rows, target_rows, float(label_smoothing), int(ignore_index)
+            )
+        else:
+            from .distributed import vocab_parallel_cross_entropy_stats, vocab_shard
+
+            loss_rows, lse = vocab_parallel_cross_entropy_stats(
+                logits_rows, target_rows, float(label_smoothing), int(ignore_index), process_group
+            )
+            shard = vocab_shard(logits_rows.shape[1], process_group)
         loss = _reduce(loss_rows, target_rows, target.shape, reduction, ignore_index)
         grad_rows = _grad_rows(grad_loss, loss, target_rows, reduction, ignore_index)
         row_data, row_scale, col_data, col_scale = torch.ops.lowp.cross_entropy_bwd_mxfp8(
@@ -137,6 +155,7 @@ def cross_entropy_with_mxfp8_grad(
             rowwise,
             columnwise,
             scale_layout,
+            *shard,
         )
     data_dtype = FP8_DTYPES[fp8_dtype]
     return loss, MXFP8Tensor(

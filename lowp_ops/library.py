@@ -24,6 +24,7 @@ from .meta import mxfp8_gemm as mxfp8_gemm_meta
 from .meta import nvfp4 as nvfp4_meta
 from .meta import softmax as softmax_meta
 from .meta import swiglu as swiglu_meta
+from .meta import vocab_parallel as vocab_parallel_meta
 from .reference import cross_entropy as ce_ref
 from .reference import grouped_mm as grouped_mm_ref
 from .reference import linear_cross_entropy as linear_ce_ref
@@ -32,6 +33,7 @@ from .reference import mxfp8_gemm as mxfp8_gemm_ref
 from .reference import nvfp4 as nvfp4_ref
 from .reference import softmax as softmax_ref
 from .reference import swiglu as swiglu_ref
+from .reference import vocab_parallel as vocab_parallel_ref
 
 
 def cpu_runs_triton() -> bool:
@@ -209,8 +211,8 @@ cross_entropy_fwd = _define(
 
 cross_entropy_bwd = _define(
     "cross_entropy_bwd",
-    "(Tensor logits, Tensor target, Tensor lse, Tensor grad_rows, float label_smoothing, SymInt ignore_index)"
-    " -> Tensor",
+    "(Tensor logits, Tensor target, Tensor lse, Tensor grad_rows, float label_smoothing, SymInt ignore_index,"
+    " SymInt vocab_start=0, SymInt vocab_total=0) -> Tensor",
     ce_ref.cross_entropy_bwd,
     "cross_entropy.launch_cross_entropy_bwd",
     ce_meta.cross_entropy_bwd_output,
@@ -219,9 +221,10 @@ cross_entropy_bwd = _define(
 cross_entropy_bwd_mxfp8 = _define(
     "cross_entropy_bwd_mxfp8",
     "(Tensor logits, Tensor target, Tensor lse, Tensor grad_rows, float label_smoothing, SymInt ignore_index,"
-    " str fp8_dtype, bool rowwise, bool columnwise, str scale_layout) -> (Tensor, Tensor, Tensor, Tensor)",
+    " str fp8_dtype, bool rowwise, bool columnwise, str scale_layout, SymInt vocab_start=0,"
+    " SymInt vocab_total=0) -> (Tensor, Tensor, Tensor, Tensor)",
     ce_ref.cross_entropy_bwd_mxfp8,
-    "cross_entropy.launch_cross_entropy_bwd_mxfp8",
+    "cross_entropy.launch_cross_entropy_bwd_mxfp8_op",
     ce_meta.cross_entropy_bwd_mxfp8_outputs,
 )
 
@@ -395,4 +398,23 @@ linear_cross_entropy_fwd.register_autograd(
 )
 linear_cross_entropy_fwd_bwd.register_autograd(
     _linear_cross_entropy_fwd_bwd_backward, setup_context=_linear_cross_entropy_fwd_bwd_setup
+)
+
+# -------------------------------------------------- vocabulary-parallel cross entropy (lowp_ops.distributed)
+
+vocab_parallel_ce_stats = _define(
+    "vocab_parallel_ce_stats",
+    "(Tensor logits, Tensor target, SymInt vocab_start, bool logit_sum) -> Tensor",
+    vocab_parallel_ref.vocab_parallel_ce_stats,
+    "vocab_parallel.launch_vocab_parallel_ce_stats",
+    vocab_parallel_meta.vocab_parallel_ce_stats_output,
+)
+
+vocab_parallel_ce_merge = _define(
+    "vocab_parallel_ce_merge",
+    "(Tensor gathered, Tensor target, SymInt shard_width, float label_smoothing, SymInt ignore_index)"
+    " -> (Tensor, Tensor)",
+    vocab_parallel_ref.vocab_parallel_ce_merge,
+    "vocab_parallel.launch_vocab_parallel_ce_merge",
+    vocab_parallel_meta.vocab_parallel_ce_merge_outputs,
 )

@@ -84,18 +84,33 @@ def cross_entropy_grad(
 
 
 @triton.jit
-def load_row_stats(target_ptr, lse_ptr, grad_ptr, grad_stride, row_block, rows, n_cols, ignore_index):
-    """The 32 rows of ``row_block``: (rows_idx, lse * log2(e), int32 target column (-1 when out of range),
-    row_scale, ignored). ``row_scale`` is dloss of the row, NaN where the target is out of range
+def load_row_stats(
+    target_ptr,
+    lse_ptr,
+    grad_ptr,
+    grad_stride,
+    row_block,
+    rows,
+    n_cols,
+    ignore_index,
+    vocab_start,
+    vocab_total,
+):
+    """The 32 rows of ``row_block``: (rows_idx, lse * log2(e), int32 target column in this shard (-1 when
+    the target is out of range or in another rank's shard), row_scale, ignored). The logits hold the
+    vocabulary ids ``[vocab_start, vocab_start + n_cols)`` of ``vocab_total`` (single rank: 0 and
+    n_cols). ``row_scale`` is dloss of the row, NaN where the target is outside ``[0, vocab_total)``
     (documented: no host sync can check it)."""
     rows_idx = row_block * 32 + tl.arange(0, 32)
     row_ok = rows_idx < rows
     lse = tl.load(lse_ptr + rows_idx, mask=row_ok, other=0.0)
     target = tl.load(target_ptr + rows_idx, mask=row_ok, other=ignore_index).to(tl.int64)
     grad_rows = tl.load(grad_ptr + rows_idx.to(tl.int64) * grad_stride, mask=row_ok, other=0.0)
-    in_range = (target >= 0) & (target < n_cols)
+    in_range = (target >= 0) & (target < vocab_total)
     row_scale = tl.where(in_range, grad_rows, float("nan"))
-    target_col = tl.where(in_range, target, -1).to(tl.int32)
+    local_target = target - vocab_start
+    in_shard = in_range & (local_target >= 0) & (local_target < n_cols)
+    target_col = tl.where(in_shard, local_target, -1).to(tl.int32)
     return rows_idx, lse * 1.4426950408889634, target_col, row_scale, target == ignore_index
 
 
@@ -123,6 +138,8 @@ def tile_grad(
     rows,
     n_cols,
     ignore_index,
+    vocab_start,
+    vocab_total,
     smoothing_eps,
     target_weight,
     BLOCK_COLS: tl.constexpr,
@@ -131,7 +148,16 @@ def tile_grad(
 ):
     """Tile (row_block, col_tile): (rows_idx, cols, tile_col0, fp32 gradient [32, BLOCK_COLS])."""
     rows_idx, lse, target, row_scale, ignored = load_row_stats(
-        target_ptr, lse_ptr, grad_ptr, grad_stride, row_block, rows, n_cols, ignore_index
+        target_ptr,
+        lse_ptr,
+        grad_ptr,
+        grad_stride,
+        row_block,
+        rows,
+        n_cols,
+        ignore_index,
+        vocab_start,
+        vocab_total,
     )
     tile_col0 = col_tile * BLOCK_COLS
     cols = tile_col0 + tl.arange(0, BLOCK_COLS)
@@ -162,6 +188,8 @@ def cross_entropy_bwd_kernel(
     rows,
     n_cols,
     ignore_index,
+    vocab_start,
+    vocab_total,
     smoothing_eps,
     target_weight,
     BLOCK_COLS: tl.constexpr,
@@ -181,6 +209,8 @@ def cross_entropy_bwd_kernel(
         rows,
         n_cols,
         ignore_index,
+        vocab_start,
+        vocab_total,
         smoothing_eps,
         target_weight,
         BLOCK_COLS,
@@ -201,6 +231,8 @@ def cross_entropy_bwd_mxfp8_kernel(
     rows,
     n_cols,
     ignore_index,
+    vocab_start,
+    vocab_total,
     smoothing_eps,
     target_weight,
     row_data_ptr,
@@ -233,6 +265,8 @@ def cross_entropy_bwd_mxfp8_kernel(
         rows,
         n_cols,
         ignore_index,
+        vocab_start,
+        vocab_total,
         smoothing_eps,
         target_weight,
         BLOCK_COLS,
@@ -269,9 +303,9 @@ def cross_entropy_bwd_mxfp8_kernel(
     )
 
 
-def _bwd_scalars(label_smoothing: float, n_cols: int) -> tuple[float, float]:
+def _bwd_scalars(label_smoothing: float, vocab_total: int) -> tuple[float, float]:
     """(eps, 1 - ls) as the fp32 values the reference uses."""
-    return round_to_fp32(label_smoothing / n_cols), 1.0 - label_smoothing
+    return round_to_fp32(label_smoothing / vocab_total), 1.0 - label_smoothing
 
 
 def launch_cross_entropy_fwd(
@@ -318,13 +352,18 @@ def launch_cross_entropy_bwd(
     grad_rows: torch.Tensor,
     label_smoothing: float,
     ignore_index: int,
+    vocab_start: int = 0,
+    vocab_total: int = 0,
 ) -> torch.Tensor:
-    dlogits = cross_entropy_bwd_output(logits, target, lse, grad_rows, label_smoothing, ignore_index)
+    dlogits = cross_entropy_bwd_output(
+        logits, target, lse, grad_rows, label_smoothing, ignore_index, vocab_start, vocab_total
+    )
     rows, n_cols = logits.shape
     if rows == 0 or n_cols == 0:
         return dlogits
     logits = rows_with_unit_stride(logits)
-    eps, target_weight = _bwd_scalars(label_smoothing, n_cols)
+    vocab_total = vocab_total or n_cols
+    eps, target_weight = _bwd_scalars(label_smoothing, vocab_total)
     cross_entropy_bwd_kernel[_bwd_grid(rows, n_cols, BWD_BLOCK_COLS)](
         logits,
         logits.stride(0),
@@ -336,6 +375,8 @@ def launch_cross_entropy_bwd(
         rows,
         n_cols,
         ignore_index,
+        vocab_start,
+        vocab_total,
         eps,
         target_weight,
         BLOCK_COLS=BWD_BLOCK_COLS,
@@ -359,6 +400,8 @@ def launch_cross_entropy_bwd_mxfp8(
     scale_layout: str,
     block_cols: int | None = None,
     num_warps: int | None = None,
+    vocab_start: int = 0,
+    vocab_total: int = 0,
 ):
     outputs = cross_entropy_bwd_mxfp8_outputs(
         logits,
@@ -371,13 +414,16 @@ def launch_cross_entropy_bwd_mxfp8(
         rowwise,
         columnwise,
         scale_layout,
+        vocab_start,
+        vocab_total,
     )
     row_data, row_scale, col_data, col_scale = outputs
     rows, n_cols = logits.shape
     if rows == 0 or n_cols == 0:
         return outputs
     logits = rows_with_unit_stride(logits)
-    eps, target_weight = _bwd_scalars(label_smoothing, n_cols)
+    vocab_total = vocab_total or n_cols
+    eps, target_weight = _bwd_scalars(label_smoothing, vocab_total)
     data_dtype = FP8_DTYPES[fp8_dtype]
     # H200, 4096 x 129280, grid along rows: 128 columns on 2 warps 80% of copy; 64 on 1 or 2 warps 70-73%,
     # 256 on 2-4 warps 62-64%, 128 on 4 warps 61%.
@@ -393,6 +439,8 @@ def launch_cross_entropy_bwd_mxfp8(
         rows,
         n_cols,
         ignore_index,
+        vocab_start,
+        vocab_total,
         eps,
         target_weight,
         row_data.view(data_dtype),
@@ -414,3 +462,23 @@ def launch_cross_entropy_bwd_mxfp8(
         num_warps=num_warps,
     )
     return outputs
+
+
+def launch_cross_entropy_bwd_mxfp8_op(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    grad_rows: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    fp8_dtype: str,
+    rowwise: bool,
+    columnwise: bool,
+    scale_layout: str,
+    vocab_start: int = 0,
+    vocab_total: int = 0,
+):
+    """``lowp::cross_entropy_bwd_mxfp8``, whose arguments end with (vocab_start, vocab_total) where the
+    launcher has its tuning arguments (left at their defaults, positionally like every launcher call)."""
+    args = (logits, target, lse, grad_rows, label_smoothing, ignore_index, fp8_dtype, rowwise, columnwise)
+    return launch_cross_entropy_bwd_mxfp8(*args, scale_layout, None, None, vocab_start, vocab_total)

@@ -55,8 +55,23 @@ def cross_entropy_fwd_outputs(
     return logits.new_empty((rows,), dtype=torch.float32), logits.new_empty((rows,), dtype=torch.float32)
 
 
-def _check_bwd_inputs(logits, target, lse, grad_rows) -> None:
+def check_vocab_shard(n_cols: int, vocab_start: int, vocab_total: int) -> None:
+    """The logits hold vocabulary ids ``[vocab_start, vocab_start + n_cols)`` of ``vocab_total``
+    (0 = single rank: the logits' width)."""
+    require(vocab_start >= 0, lambda: f"vocab_start must be >= 0, got {vocab_start}")
+    require(
+        vocab_total == 0 or vocab_start + n_cols <= vocab_total,
+        lambda: (
+            f"vocab_start + V ({vocab_start} + {n_cols}) must not exceed vocab_total ({vocab_total}) "
+            "(0 = single rank)"
+        ),
+    )
+    require(vocab_total != 0 or vocab_start == 0, lambda: "vocab_start must be 0 when vocab_total is 0")
+
+
+def _check_bwd_inputs(logits, target, lse, grad_rows, vocab_start=0, vocab_total=0) -> None:
     _check_rows(logits, target)
+    check_vocab_shard(logits.shape[1], vocab_start, vocab_total)
     rows = logits.shape[0]
     require(lse.dtype == torch.float32 and lse.shape == (rows,), lambda: "lse must be float32 of shape (N,)")
     require(
@@ -74,9 +89,11 @@ def cross_entropy_bwd_output(
     grad_rows: torch.Tensor,
     label_smoothing: float,
     ignore_index: int,
+    vocab_start: int = 0,
+    vocab_total: int = 0,
 ) -> torch.Tensor:
     """dlogits: ``(N, V)`` contiguous, logits' dtype."""
-    _check_bwd_inputs(logits, target, lse, grad_rows)
+    _check_bwd_inputs(logits, target, lse, grad_rows, vocab_start, vocab_total)
     return logits.new_empty(logits.shape)
 
 
@@ -91,7 +108,9 @@ def cross_entropy_bwd_mxfp8_outputs(
     rowwise: bool,
     columnwise: bool,
     scale_layout: str,
+    vocab_start: int = 0,
+    vocab_total: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The MXFP8 payload of dlogits, as :func:`lowp_ops.meta.mxfp8.mxfp8_quantize_outputs` of logits."""
-    _check_bwd_inputs(logits, target, lse, grad_rows)
+    _check_bwd_inputs(logits, target, lse, grad_rows, vocab_start, vocab_total)
     return mxfp8_quantize_outputs(logits, fp8_dtype, rowwise, columnwise, scale_layout)

@@ -8,6 +8,11 @@ Per non-ignored row, with ``lse = log Σ exp(x)`` (masked-safe), ``ls`` the labe
 - gradient ``g = (exp(x - lse) - eps - (1 - ls) [i == y]) * grad_row`` rounded to the logits' dtype;
   ignored rows: exactly 0 (also when the row is all -inf, where PyTorch gives NaN).
 
+The backward also serves one rank of a vocabulary-parallel loss (:mod:`lowp_ops.distributed`): its logits
+are the ids ``[vocab_start, vocab_start + V)`` of ``vocab_total``, ``lse`` is the global one, ``eps =
+fp32(ls / vocab_total)``, a target in another rank's shard gets no one-hot and a target outside
+``[0, vocab_total)`` gives NaN. With the defaults (0, 0 = V) it is the single-rank backward.
+
 An all -inf row gives NaN loss and gradient like PyTorch; ``-inf`` at the target gives loss +inf.
 """
 
@@ -54,16 +59,20 @@ def cross_entropy_grad_fp32(
     grad_rows: torch.Tensor,
     label_smoothing: float,
     ignore_index: int,
+    vocab_start: int = 0,
+    vocab_total: int = 0,
 ) -> torch.Tensor:
     """The fp32 gradient before rounding to the logits' dtype."""
     x = logits.float()
     n_cols = x.shape[1]
-    eps = round_to_fp32(label_smoothing / n_cols)
+    vocab_total = vocab_total or n_cols
+    eps = round_to_fp32(label_smoothing / vocab_total)
     grad = torch.exp(x - lse.unsqueeze(1)) - eps
-    is_target = torch.arange(n_cols, device=x.device).unsqueeze(0) == target.unsqueeze(1)
+    # A target in another rank's shard matches no column of this one.
+    is_target = torch.arange(n_cols, device=x.device).unsqueeze(0) == (target - vocab_start).unsqueeze(1)
     grad = torch.where(is_target, grad - (1.0 - label_smoothing), grad)
     grad = grad * grad_rows.unsqueeze(1)
-    in_range = ((target >= 0) & (target < n_cols)).unsqueeze(1)
+    in_range = ((target >= 0) & (target < vocab_total)).unsqueeze(1)
     grad = torch.where(in_range, grad, float("nan"))
     return torch.where((target != ignore_index).unsqueeze(1), grad, 0.0)
 
@@ -75,10 +84,15 @@ def cross_entropy_bwd(
     grad_rows: torch.Tensor,
     label_smoothing: float,
     ignore_index: int,
+    vocab_start: int = 0,
+    vocab_total: int = 0,
 ) -> torch.Tensor:
     """-> dlogits (N, V) in the logits' dtype; ``grad_rows`` (N,) fp32 is dloss per row."""
-    dlogits = cross_entropy_bwd_output(logits, target, lse, grad_rows, label_smoothing, ignore_index)
-    dlogits.copy_(cross_entropy_grad_fp32(logits, target, lse, grad_rows, label_smoothing, ignore_index))
+    shard = (vocab_start, vocab_total)
+    dlogits = cross_entropy_bwd_output(logits, target, lse, grad_rows, label_smoothing, ignore_index, *shard)
+    dlogits.copy_(
+        cross_entropy_grad_fp32(logits, target, lse, grad_rows, label_smoothing, ignore_index, *shard)
+    )
     return dlogits
 
 
@@ -93,9 +107,13 @@ def cross_entropy_bwd_mxfp8(
     rowwise: bool,
     columnwise: bool,
     scale_layout: str,
+    vocab_start: int = 0,
+    vocab_total: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> the MXFP8 payload of :func:`cross_entropy_bwd` (by definition: quantize its output)."""
     # Reject bad MXFP8 arguments before computing the gradient (the bf16 backward checks the rest).
     check_quantize_args(logits, fp8_dtype, rowwise, columnwise, scale_layout)
-    dlogits = cross_entropy_bwd(logits, target, lse, grad_rows, label_smoothing, ignore_index)
+    dlogits = cross_entropy_bwd(
+        logits, target, lse, grad_rows, label_smoothing, ignore_index, vocab_start, vocab_total
+    )
     return mxfp8_quantize(dlogits, fp8_dtype, rowwise, columnwise, scale_layout)

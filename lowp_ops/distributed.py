@@ -1,0 +1,98 @@
+"""Vocabulary-parallel cross entropy over ``torch.distributed`` (te_cross_entropy_mxfp8.md A.9, D.5).
+
+Layout: rank ``r`` of the process group's ``W`` ranks holds the logits of the vocabulary ids
+``[r * V, (r + 1) * V)``: contiguous shards of EQUAL width ``V``, in group-rank order (pad the vocabulary
+to a multiple of ``W``, as Megatron does). Targets are global ids, replicated on every rank. Equal widths
+keep ``vocab_start`` and ``vocab_total`` host integers taken from shapes (no host sync, static under
+``torch.compile`` and CUDA graphs); the merge checks on device that every rank sent the same width and
+otherwise returns NaN loss and lse on every rank (hence NaN gradients).
+
+Forward: one pass over the shard packs per-row statistics (``lowp::vocab_parallel_ce_stats``: shard lse,
+the target logit where this shard holds it, the shard's logit sum for label smoothing — the term TE
+forgets, A.9 — and the width), ONE all-gather through ``torch.distributed._functional_collectives`` (so
+``torch.compile(fullgraph=True)`` keeps one graph, and NCCL captures into CUDA graphs), then every rank
+merges the packets in rank order with the same ops (``lowp::vocab_parallel_ce_merge``): the loss is
+bit-identical on every rank. It matches the single-rank loss to fp32 rounding (the log-sum-exp is summed
+in a different order), not bit for bit.
+
+Backward: no collective. Each rank's gradient is ``lowp::cross_entropy_bwd`` (or ``_bwd_mxfp8``) on its
+shard with the merged lse, ``vocab_start = r V``, ``vocab_total = W V``; so it equals, byte for byte, the
+columns ``[r V, (r + 1) V)`` of the single-rank backward given the same lse — for MXFP8 when ``V`` is a
+multiple of 32 (row-wise blocks do not straddle shards; column-wise blocks run along rows), compared on
+the valid scale region (each shard pads its own compact scales).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from . import library  # noqa: F401  (registers the ops)
+
+# torch 2.13 deprecates all_gather_tensor for all_gather_single, which torch 2.11 lacks.
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
+def check_process_group(process_group) -> None:
+    """Only a ``torch.distributed.ProcessGroup`` is supported (not a DeviceMesh or a list of ranks)."""
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise NotImplementedError(
+            "process_group must be a torch.distributed.ProcessGroup (other group kinds are not supported), "
+            f"got {type(process_group).__name__}"
+        )
+
+
+def vocab_shard(shard_width: int, process_group: dist.ProcessGroup) -> tuple[int, int]:
+    """``(vocab_start, vocab_total)`` of this rank's shard of width ``shard_width``."""
+    return dist.get_rank(process_group) * shard_width, dist.get_world_size(process_group) * shard_width
+
+
+def vocab_parallel_cross_entropy_stats(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    process_group: dist.ProcessGroup,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (per-row loss (N,) fp32, global lse (N,) fp32), identical on every rank; not differentiable.
+
+    ``logits`` (N, V) is this rank's shard, ``target`` (N,) global ids. One all-gather of a
+    ``(4, N)`` fp32 packet per rank (:mod:`lowp_ops.meta.vocab_parallel`)."""
+    check_process_group(process_group)
+    shard_width = logits.shape[1]
+    vocab_start, _ = vocab_shard(shard_width, process_group)
+    stats = torch.ops.lowp.vocab_parallel_ce_stats(logits, target, vocab_start, label_smoothing > 0)
+    gathered = funcol.wait_tensor(_all_gather(stats, 0, process_group))
+    merge = torch.ops.lowp.vocab_parallel_ce_merge
+    return merge(gathered, target, shard_width, label_smoothing, ignore_index)
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-row loss of vocabulary-sharded logits; the backward is local (no collective)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, label_smoothing, ignore_index, process_group):
+        loss, lse = vocab_parallel_cross_entropy_stats(
+            logits, target, label_smoothing, ignore_index, process_group
+        )
+        ctx.config = (label_smoothing, ignore_index, *vocab_shard(logits.shape[1], process_group))
+        ctx.save_for_backward(logits, target, lse)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, target, lse = ctx.saved_tensors
+        dlogits = torch.ops.lowp.cross_entropy_bwd(logits, target, lse, grad_loss.float(), *ctx.config)
+        return dlogits, None, None, None, None
+
+
+def vocab_parallel_cross_entropy_rows(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    process_group: dist.ProcessGroup,
+) -> torch.Tensor:
+    """Differentiable per-row loss (N,) fp32 of this rank's ``(N, V)`` shard (see the module docstring)."""
+    return VocabParallelCrossEntropy.apply(logits, target, label_smoothing, ignore_index, process_group)

@@ -1,0 +1,181 @@
+"""Vocabulary-parallel cross entropy (Triton): one pass over this rank's shard for its per-row packet,
+and the merge of the gathered packets in rank order (semantics: :mod:`lowp_ops.reference.vocab_parallel`).
+
+The backward needs no kernel of its own: it is ``lowp::cross_entropy_bwd`` (or ``_bwd_mxfp8``) on the shard
+with the merged lse, ``vocab_start`` and ``vocab_total``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..meta.vocab_parallel import (
+    LOGIT_SUM,
+    LSE,
+    SHARD_STATS,
+    TARGET_LOGIT,
+    WIDTH,
+    vocab_parallel_ce_merge_outputs,
+    vocab_parallel_ce_stats_output,
+)
+from .cross_entropy import FWD_BLOCK
+from .softmax import finish_logsumexp, online_softmax_update, rows_with_unit_stride
+
+MERGE_BLOCK_ROWS = 1024
+
+
+@triton.jit
+def vocab_parallel_ce_stats_kernel(
+    logits_ptr,
+    stride_row,
+    target_ptr,
+    stats_ptr,
+    rows,
+    n_cols,
+    vocab_start,
+    width_value,
+    BLOCK: tl.constexpr,
+    LOGIT_SUM_ON: tl.constexpr,
+    LSE_ROW: tl.constexpr,
+    TARGET_ROW: tl.constexpr,
+    SUM_ROW: tl.constexpr,
+    WIDTH_ROW: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_row
+    m = float("-inf")
+    d = 0.0
+    logit_sum = 0.0
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        block = tl.load(row_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+        m, d = online_softmax_update(m, d, block)
+        if LOGIT_SUM_ON:
+            logit_sum += tl.sum(tl.where(cols < n_cols, block, 0.0), 0)
+    # An all -inf shard gives lse = -inf (d = 0), which the merge's exp turns into a 0 contribution.
+    lse = finish_logsumexp(m, d)
+
+    local_target = tl.load(target_ptr + row).to(tl.int64) - vocab_start
+    in_shard = (local_target >= 0) & (local_target < n_cols)
+    target_logit = tl.load(row_ptr + local_target, mask=in_shard, other=0.0).to(tl.float32)
+    tl.store(stats_ptr + LSE_ROW * rows + row, lse)
+    tl.store(stats_ptr + TARGET_ROW * rows + row, target_logit)
+    tl.store(stats_ptr + SUM_ROW * rows + row, logit_sum)
+    tl.store(stats_ptr + WIDTH_ROW * rows + row, width_value)
+
+
+@triton.jit
+def vocab_parallel_ce_merge_kernel(
+    gathered_ptr,
+    target_ptr,
+    loss_ptr,
+    lse_ptr,
+    rows,
+    n_ranks,
+    shard_width_value,
+    vocab_total,
+    vocab_total_value,
+    ignore_index,
+    label_smoothing,
+    BLOCK_ROWS: tl.constexpr,
+    N_STATS: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    LSE_ROW: tl.constexpr,
+    TARGET_ROW: tl.constexpr,
+    SUM_ROW: tl.constexpr,
+    WIDTH_ROW: tl.constexpr,
+):
+    rows_idx = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_ok = rows_idx < rows
+    row_max = tl.full((BLOCK_ROWS,), float("-inf"), tl.float32)
+    for rank in range(n_ranks):
+        lse_ptr_of_rank = gathered_ptr + (rank * N_STATS + LSE_ROW) * rows + rows_idx
+        row_max = tl.maximum(row_max, tl.load(lse_ptr_of_rank, mask=row_ok, other=0.0))
+    shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+    sum_exp = tl.zeros((BLOCK_ROWS,), tl.float32)
+    target_logit = tl.zeros((BLOCK_ROWS,), tl.float32)
+    logit_sum = tl.zeros((BLOCK_ROWS,), tl.float32)
+    bad_widths = tl.zeros((BLOCK_ROWS,), tl.int32)
+    for rank in range(n_ranks):  # rank order: every rank adds in the same order
+        packet_ptr = gathered_ptr + rank * N_STATS * rows + rows_idx
+        sum_exp += tl.exp(tl.load(packet_ptr + LSE_ROW * rows, mask=row_ok, other=0.0) - shift)
+        target_logit += tl.load(packet_ptr + TARGET_ROW * rows, mask=row_ok, other=0.0)
+        logit_sum += tl.load(packet_ptr + SUM_ROW * rows, mask=row_ok, other=0.0)
+        width = tl.load(packet_ptr + WIDTH_ROW * rows, mask=row_ok, other=0.0)
+        bad_widths += (width != shard_width_value).to(tl.int32)
+    lse = shift + tl.log(sum_exp)
+
+    target = tl.load(target_ptr + rows_idx, mask=row_ok, other=ignore_index).to(tl.int64)
+    in_range = (target >= 0) & (target < vocab_total)
+    loss = lse - tl.where(in_range, target_logit, float("nan"))
+    if HAS_SMOOTHING:
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - logit_sum / vocab_total_value)
+    loss = tl.where(target != ignore_index, loss, 0.0)
+    tl.store(loss_ptr + rows_idx, tl.where(bad_widths == 0, loss, float("nan")), mask=row_ok)
+    tl.store(lse_ptr + rows_idx, tl.where(bad_widths == 0, lse, float("nan")), mask=row_ok)
+
+
+def launch_vocab_parallel_ce_stats(
+    logits: torch.Tensor, target: torch.Tensor, vocab_start: int, logit_sum: bool
+) -> torch.Tensor:
+    stats = vocab_parallel_ce_stats_output(logits, target, vocab_start, logit_sum)
+    rows, n_cols = logits.shape
+    if rows == 0:
+        return stats
+    logits = rows_with_unit_stride(logits)
+    # The single-rank forward's launch rule (one warp per 2048 elements of a row block).
+    block = min(FWD_BLOCK, triton.next_power_of_2(n_cols))
+    vocab_parallel_ce_stats_kernel[(rows,)](
+        logits,
+        logits.stride(0),
+        target.contiguous(),
+        stats,
+        rows,
+        n_cols,
+        vocab_start,
+        float(n_cols),
+        BLOCK=block,
+        LOGIT_SUM_ON=logit_sum,
+        LSE_ROW=LSE,
+        TARGET_ROW=TARGET_LOGIT,
+        SUM_ROW=LOGIT_SUM,
+        WIDTH_ROW=WIDTH,
+        num_warps=max(1, block // 2048),
+    )
+    return stats
+
+
+def launch_vocab_parallel_ce_merge(
+    gathered: torch.Tensor, target: torch.Tensor, shard_width: int, label_smoothing: float, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    loss, lse = vocab_parallel_ce_merge_outputs(gathered, target, shard_width, label_smoothing, ignore_index)
+    rows = gathered.shape[1]
+    if rows == 0:
+        return loss, lse
+    n_ranks = gathered.shape[0] // len(SHARD_STATS)
+    vocab_total = n_ranks * shard_width
+    # Widths and vocab_total go in as fp32 scalars too (an int argument equal to 1 becomes a constexpr).
+    vocab_parallel_ce_merge_kernel[(triton.cdiv(rows, MERGE_BLOCK_ROWS),)](
+        gathered.contiguous(),
+        target.contiguous(),
+        loss,
+        lse,
+        rows,
+        n_ranks,
+        float(shard_width),
+        vocab_total,
+        float(vocab_total),
+        ignore_index,
+        label_smoothing,
+        BLOCK_ROWS=MERGE_BLOCK_ROWS,
+        N_STATS=len(SHARD_STATS),
+        HAS_SMOOTHING=label_smoothing > 0,
+        LSE_ROW=LSE,
+        TARGET_ROW=TARGET_LOGIT,
+        SUM_ROW=LOGIT_SUM,
+        WIDTH_ROW=WIDTH,
+        num_warps=4,
+    )
+    return loss, lse

@@ -1,0 +1,58 @@
+"""Argument checks and output allocation for the vocabulary-parallel cross-entropy ops.
+
+Each rank's per-row statistics travel as one packed fp32 tensor ``(SHARD_STATS, N)``, rows in the order
+of :data:`SHARD_STATS`; the all-gather stacks the ranks' packets along dim 0 into ``(W * SHARD_STATS, N)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checks import require
+from .cross_entropy import TARGET_DTYPES, check_label_smoothing, check_logits_target
+
+SHARD_STATS = ("lse", "target_logit", "logit_sum", "width")
+"""Packet rows: the shard's masked-safe log-sum-exp; the target's logit where this shard holds the
+target, else 0; the sum of the shard's logits (label smoothing), else 0; the shard width (the merge
+checks that all ranks hold equally wide shards)."""
+LSE, TARGET_LOGIT, LOGIT_SUM, WIDTH = range(len(SHARD_STATS))
+MAX_EXACT_WIDTH = 1 << 24
+"""Widths travel as fp32, exact up to 2**24."""
+
+
+def vocab_parallel_ce_stats_output(
+    logits: torch.Tensor, target: torch.Tensor, vocab_start: int, logit_sum: bool
+) -> torch.Tensor:
+    """The packet ``(SHARD_STATS, N)`` fp32 of ``(N, V)`` logits holding ids ``[vocab_start, +V)``."""
+    require(logits.dim() == 2, lambda: f"logits must be 2-D (N, V) here, got {logits.dim()}-D")
+    check_logits_target(logits, target)
+    require(vocab_start >= 0, lambda: f"vocab_start must be >= 0, got {vocab_start}")
+    require(
+        logits.shape[1] <= MAX_EXACT_WIDTH,
+        lambda: f"a vocabulary shard must be at most {MAX_EXACT_WIDTH} wide, got {logits.shape[1]}",
+    )
+    return logits.new_empty((len(SHARD_STATS), logits.shape[0]), dtype=torch.float32)
+
+
+def vocab_parallel_ce_merge_outputs(
+    gathered: torch.Tensor, target: torch.Tensor, shard_width: int, label_smoothing: float, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss (N,) fp32, lse (N,) fp32)`` from the gathered packets ``(W * SHARD_STATS, N)`` fp32."""
+    n_stats = len(SHARD_STATS)
+    require(
+        gathered.dtype == torch.float32 and gathered.dim() == 2 and gathered.shape[0] % n_stats == 0,
+        lambda: (
+            f"gathered must be float32 of shape (W * {n_stats}, N), got {gathered.dtype} "
+            f"{tuple(gathered.shape)}"
+        ),
+    )
+    require(gathered.shape[0] > 0, lambda: "gathered must hold at least one rank's statistics")
+    require(target.dtype in TARGET_DTYPES, lambda: f"target must be int64 or int32, got {target.dtype}")
+    require(
+        target.dim() == 1 and target.shape[0] == gathered.shape[1],
+        lambda: f"target must have shape ({gathered.shape[1]},), got {tuple(target.shape)}",
+    )
+    require(shard_width >= 1, lambda: f"shard_width must be >= 1, got {shard_width}")
+    check_label_smoothing(label_smoothing)
+    rows = gathered.shape[1]
+    return gathered.new_empty((rows,)), gathered.new_empty((rows,))
