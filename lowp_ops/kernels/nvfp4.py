@@ -118,15 +118,15 @@ def block_encode_factor(scale_value, decode):
 @triton.jit
 def e2m1_code_rn(v):
     """E2M1 code (int32, 0..15) of fp32 ``v``: ties to even, saturating at 6; negative values keep the
-    sign bit even when they round to 0; -0.0 and NaN give 0 (as the reference's comparisons do)."""
-    magnitude = tl.minimum(tl.abs(v), 6.0)
-    # |v| < 2: multiples of 0.5 are the codes 0..4; |v| >= 1: one mantissa bit, ties to even.
-    low = (magnitude + HALF_STEP_SHIFTER).to(tl.int32, bitcast=True) - HALF_STEP_SHIFTER_BITS
+    sign bit even when they round to 0, -0.0 gives 0 (the reference's ``v < 0``), NaN gives 0."""
+    # maximum/minimum without NaN propagation return the other operand: NaN -> 0 (GPU and interpreter).
+    magnitude = tl.minimum(tl.maximum(tl.abs(v), 0.0), 6.0)
+    # |v| < 2: the multiples of 0.5 are the codes 0..4; |v| >= 1: one mantissa bit, ties to even.
+    low = (magnitude + HALF_STEP_SHIFTER).to(tl.int32, bitcast=True) - (HALF_STEP_SHIFTER_BITS - 252)
     bits = magnitude.to(tl.int32, bitcast=True)
-    high = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252
+    high = (bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22
     code = tl.where(magnitude < 2.0, low, high)
-    code = tl.where(v < 0, code + 8, code)
-    return tl.where(v == v, code, 0)
+    return code + tl.where(v < 0, 8 - 252, -252)
 
 
 @triton.jit
@@ -152,15 +152,14 @@ def sr_random_bits(sr_ptr, STREAM: tl.constexpr, index):
 @triton.jit
 def e2m1_code_sr(v, random_bits):
     """E2M1 code with stochastic rounding, as ``reference.nvfp4.e2m1_codes_stochastic``: up to the next
-    grid value with probability (|v| - lower) / step, from 23 of the random bits."""
-    magnitude = tl.minimum(tl.abs(v), 6.0)
+    grid value with probability (|v| - lower) / step, from 23 of the random bits (NaN: as above)."""
+    magnitude = tl.minimum(tl.maximum(tl.abs(v), 0.0), 6.0)
     step = tl.where(magnitude < 2.0, 0.5, tl.where(magnitude < 4.0, 1.0, 2.0))
     shifted = magnitude + (random_bits >> 9).to(tl.float32) * 1.1920928955078125e-07 * step
     low = (shifted * 2.0).to(tl.int32)
     high = (shifted.to(tl.int32, bitcast=True) >> 22) - 252
     code = tl.minimum(tl.where(shifted < 2.0, low, high), 7)
-    code = tl.where(v < 0, code + 8, code)
-    return tl.where(v == v, code, 0)
+    return tl.where(v < 0, code + 8, code)
 
 
 @triton.jit
@@ -211,8 +210,13 @@ def quantize_rowwise_tile(
     scaled = tl.reshape(tl.reshape(x, [R, NB, 16]) * factor[:, :, None], [R, BC])
     index = grows[:, None].to(tl.int64) * cols + (col0 + tl.arange(0, BC))[None, :]
     data = pack_pairs(e2m1_code(scaled, sr_ptr, index, 0, STOCHASTIC), R, BC)
+    # A NaN block (NaN input or amax) encodes as +0, as the reference's comparisons do.
     byte_idx = col0 // 2 + tl.arange(0, BC // 2)
-    data_ptrs = data_ptr + grows[:, None].to(tl.int64) * (cols // 2) + byte_idx[None, :]
+    row_bytes = cols // 2
+    if EVEN:
+        # cols is a multiple of BC: rows start 8-byte aligned (lets the stores be vectorized).
+        row_bytes = tl.multiple_of(row_bytes, 8)
+    data_ptrs = data_ptr + grows[:, None].to(tl.int64) * row_bytes + byte_idx[None, :]
     block_idx = col0 // 16 + tl.arange(0, NB)
     scale_ptrs = scale_ptr + grows[:, None].to(tl.int64) * scale_cols + block_idx[None, :]
     if EVEN:
@@ -259,7 +263,11 @@ def quantize_columnwise_tile(
     low, high = tl.split(pairs)
     data = (low | (high << 4)).to(tl.uint8)
     byte_idx = local_row0 // 2 + tl.arange(0, R // 2)
-    data_ptrs = data_ptr + cols_idx[None, :].to(tl.int64) * (n_rows // 2) + byte_idx[:, None]
+    row_bytes = n_rows // 2
+    if EVEN:
+        # n_rows is a multiple of R: each column's R/2 bytes start 8-byte aligned.
+        row_bytes = tl.multiple_of(row_bytes, 8)
+    data_ptrs = data_ptr + cols_idx[None, :].to(tl.int64) * row_bytes + byte_idx[:, None]
     block_idx = local_row0 // 16 + tl.arange(0, RB)
     scale_ptrs = scale_ptr + cols_idx[None, :].to(tl.int64) * scale_cols + block_idx[:, None]
     if EVEN:
