@@ -33,6 +33,8 @@ SHARD = 64  # shard width: a multiple of 32 (MXFP8 row blocks never straddle sha
 ROWS = 67  # not a multiple of 32: partial tiles and partial column-wise scale blocks
 IGNORE = -100
 CHECKS: dict[str, Callable] = {}
+# NVLink multicast stays off on the shared GPU hosts (device notes), also in spawned ranks.
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def check(fn: Callable) -> Callable:
@@ -342,6 +344,7 @@ CPU_CHECKS = [name for name in CHECKS if name != "cuda_graph_replay_matches_eage
 
 def _worker(rank: int, world: int, backend: str, device: str, out_dir: str, names: list[str]) -> None:
     if device == "cuda":
+        os.environ.update(NCCL_ENV)
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
     init = f"file://{os.path.join(out_dir, 'store')}"
