@@ -25,7 +25,17 @@ from lowp_ops.kernels.nvfp4 import launch_nvfp4_group_quantize, launch_nvfp4_qua
 
 SINGLE_PASS_FLOOR = {"row+col": 2 + 2 * (0.5 + 1 / 16), "row": 2 + 0.5 + 1 / 16, "col": 2 + 0.5 + 1 / 16}
 AMAX_PASS_BYTES = 2.0
-SWEEP = [(16, 64, 1), (16, 128, 1), (16, 128, 2), (16, 256, 2), (32, 64, 1), (32, 128, 2), (16, 256, 1)]
+# (TILE_ROWS, BLOCK_COLS, num_warps, 1-D grid along rows); False = 2-D grid walking down column strips.
+SWEEP = [
+    (16, 128, 1, True),
+    (16, 128, 1, False),
+    (16, 64, 1, True),
+    (16, 128, 2, True),
+    (16, 256, 2, True),
+    (32, 64, 1, True),
+    (32, 128, 2, True),
+    (16, 256, 1, True),
+]
 
 
 def time_ms(fn, device: str, reps: int) -> float:

@@ -154,7 +154,7 @@ def test_quantize_kernel_matches_reference_on_fixed_shapes(
 
 
 @pytest.mark.parametrize("suite", SUITES)
-@pytest.mark.parametrize("config", [(32, 64, 1), (16, 32, 2)], ids=str)
+@pytest.mark.parametrize("config", [(32, 64, 1, True), (16, 32, 2, False)], ids=str)
 def test_quantize_kernel_matches_reference_under_other_launch_configs(suite, kernel_device, config):
     x = make_input(64, 96, seed=3, spread="element")
     check_quantize(x, kernel_device, True, True, True, False, "computed", config=config)
@@ -190,6 +190,44 @@ def test_quantize_kernel_handles_empty_input(suite, kernel_device, shape):
 def test_quantize_kernel_matches_reference_at_large_shapes(kernel_device, shape, rht, block_2d, dtype):
     x = make_input(*shape, seed=1, dtype=dtype, spread="element", n_inf=2)
     check_quantize(x, kernel_device, True, True, rht, block_2d, "computed")
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_kernel_e2m1_rounding_matches_the_reference_rule(suite, kernel_device):
+    """The kernel's shifter form of RNE onto the E2M1 grid against the reference's comparisons: every grid
+    point and tie with its fp32 neighbours, random values and random fp32 bit patterns below 8, Inf, NaN,
+    subnormals and signed zeros."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def e2m1_kernel(v_ptr, code_ptr, n, BLOCK: tl.constexpr):
+        index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(v_ptr + index, mask=index < n, other=0.0)
+        tl.store(code_ptr + index, kernels.e2m1_code_rn(v), mask=index < n)
+
+    gen = torch.Generator().manual_seed(0)
+    points = torch.tensor([0.0, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6])
+    up, down = torch.tensor(10.0), torch.tensor(-10.0)
+    count = 20_000 if suite == "interp" else 2_000_000
+    values = torch.cat(
+        [
+            points,
+            points.nextafter(up),
+            points.nextafter(down),
+            torch.rand(count, generator=gen) * 7,
+            torch.randint(0, 0x41000000, (count,), generator=gen, dtype=torch.int32).view(torch.float32),
+            torch.tensor([float("inf"), float("nan"), 1e-45, 6.0001, 7.0, 1e30]),
+        ]
+    )
+    values = torch.cat([values, -values])
+    codes = torch.empty(values.shape, dtype=torch.int32, device=kernel_device)
+    block = 4096
+    e2m1_kernel[(triton.cdiv(values.numel(), block),)](
+        values.to(kernel_device), codes, values.numel(), BLOCK=block
+    )
+    expected = reference.e2m1_codes(torch.clamp(values, -6, 6)).int()
+    assert_same("codes", codes, expected)
 
 
 # ------------------------------------------------------------------------------------------- grouped

@@ -30,9 +30,8 @@ FLT_MAX = tl.constexpr(3.4028234663852886e38)
 ONE_SIXTH = tl.constexpr(round_to_fp32(1.0 / 6.0))
 SIGN_MASK = tl.constexpr(RHT_SIGN_MASK)
 SCALE_COLS_MULTIPLE = tl.constexpr(SCALE_TILE_COLS)
-# fp32 bits of 2^22: adding it rounds a magnitude < 2 to a multiple of 0.5 (the E2M1 code in its bits).
-HALF_STEP_SHIFTER = tl.constexpr(4194304.0)
-HALF_STEP_SHIFTER_BITS = tl.constexpr(0x4A800000)
+# e2m1_code_rn: steps_bits - (e + 127 + 22) << 23 + 2 e = steps_bits - (e + 127) (2^23 - 2) - this.
+SHIFTER_OFFSET = tl.constexpr(22 * 8388608 + 254)
 
 
 # ------------------------------------------------------------------------------------------ numerics
@@ -121,12 +120,13 @@ def e2m1_code_rn(v):
     sign bit even when they round to 0, -0.0 gives 0 (the reference's ``v < 0``), NaN gives 0."""
     # maximum/minimum without NaN propagation return the other operand: NaN -> 0 (GPU and interpreter).
     magnitude = tl.minimum(tl.maximum(tl.abs(v), 0.0), 6.0)
-    # |v| < 2: the multiples of 0.5 are the codes 0..4; |v| >= 1: one mantissa bit, ties to even.
-    low = (magnitude + HALF_STEP_SHIFTER).to(tl.int32, bitcast=True) - (HALF_STEP_SHIFTER_BITS - 252)
-    bits = magnitude.to(tl.int32, bitcast=True)
-    high = (bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22
-    code = tl.where(magnitude < 2.0, low, high)
-    return code + tl.where(v < 0, 8 - 252, -252)
+    # Add 2^(e + 22) for the binade 2^e of |v| (e >= 0; e = 0 below 1): the sum rounds |v| to its E2M1
+    # step (0.5, 1 or 2) with ties to even, and its low bits count the steps; code = steps + 2e.
+    exponent = tl.maximum(magnitude.to(tl.int32, bitcast=True) >> 23, 127)
+    shifter_bits = (exponent + 22) << 23
+    steps_bits = (magnitude + shifter_bits.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
+    code = steps_bits - exponent * (8388608 - 2)
+    return code + tl.where(v < 0, 8 - SHIFTER_OFFSET, -SHIFTER_OFFSET)
 
 
 @triton.jit
@@ -313,10 +313,25 @@ def load_tile(x_ptr, stride_row, grows, rows_ok, cols_idx, cols, EVEN: tl.conste
 
 
 @triton.jit
+def program_tile(cols, BLOCK_COLS: tl.constexpr, GRID_ALONG_ROWS: tl.constexpr):
+    """(row tile, column tile) of this program. GRID_ALONG_ROWS (1-D grid): consecutive programs walk
+    along the columns of a row tile, so programs resident together read long row segments (what made
+    the MXFP8 quantizer faster on the H200); otherwise a 2-D grid whose first axis walks down a column
+    strip (the transposed column-wise writes of neighbours then sit side by side)."""
+    if GRID_ALONG_ROWS:
+        n_col_tiles = tl.cdiv(cols, BLOCK_COLS)
+        tile = tl.program_id(0) // n_col_tiles
+        col_tile = tl.program_id(0) % n_col_tiles
+    else:
+        tile = tl.program_id(0)
+        col_tile = tl.program_id(1)
+    return tile, col_tile
+
+
+@triton.jit
 def tile_coordinates(
-    split_ptr, experts, rows, TILE_ROWS: tl.constexpr, EXPERTS_POW2: tl.constexpr, GROUPED: tl.constexpr
+    split_ptr, experts, rows, tile, TILE_ROWS: tl.constexpr, EXPERTS_POW2: tl.constexpr, GROUPED: tl.constexpr
 ):
-    tile = tl.program_id(0)
     if GROUPED:
         expert, n_rows, row0, local_row0, scale_col0 = expert_of_tile(
             split_ptr, experts, tile, TILE_ROWS, EXPERTS_POW2
@@ -350,15 +365,18 @@ def nvfp4_amax_kernel(
     RHT_AMAX: tl.constexpr,
     GROUPED: tl.constexpr,
     EXPERTS_POW2: tl.constexpr,
+    GRID_ALONG_ROWS: tl.constexpr,
+    EVEN_COLS: tl.constexpr,
     EVEN: tl.constexpr,
 ):
     """Per expert: max |x| and/or max |bf16(RHT16 along the rows of x)|, as an integer atomic max of
     the fp32 bits (|v| >= 0 orders like its bits; a NaN sorts above Inf and wins)."""
+    tile, col_tile = program_tile(cols, BLOCK_COLS, GRID_ALONG_ROWS)
     expert, n_rows, row0, local_row0, _ = tile_coordinates(
-        split_ptr, experts, rows, TILE_ROWS, EXPERTS_POW2, GROUPED
+        split_ptr, experts, rows, tile, TILE_ROWS, EXPERTS_POW2, GROUPED
     )
     local_rows = local_row0 + tl.arange(0, TILE_ROWS)
-    cols_idx = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    cols_idx = col_tile * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     x = load_tile(x_ptr, stride_row, row0 + local_rows, local_rows < n_rows, cols_idx, cols, EVEN)
     if ABS_AMAX:
         amax = tl.reduce(tl.reshape(tl.abs(x), [TILE_ROWS * BLOCK_COLS]), 0, _max_keep_nan)
@@ -370,6 +388,103 @@ def nvfp4_amax_kernel(
         amax = tl.reduce(tl.reshape(y, [TILE_ROWS * BLOCK_COLS]), 0, _max_keep_nan)
         tl.atomic_max(
             rht_amax_bits_ptr + expert, amax.to(tl.int32, bitcast=True), mask=expert < experts, sem="relaxed"
+        )
+
+
+@triton.jit
+def quantize_tile(
+    x_ptr,
+    stride_row,
+    rows,
+    cols,
+    expert,
+    experts,
+    n_rows,
+    row0,
+    local_row0,
+    scale_col0,
+    col_tile,
+    amax_row_ptr,
+    amax_col_ptr,
+    row_data_ptr,
+    row_scale_ptr,
+    row_scale_cols,
+    col_data_ptr,
+    col_scale_ptr,
+    col_scale_cols,
+    sr_ptr,
+    TILE_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    ROWWISE: tl.constexpr,
+    COLWISE: tl.constexpr,
+    RHT: tl.constexpr,
+    BLOCK_2D: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    """Quantize rows ``[local_row0, local_row0 + TILE_ROWS)`` of one expert (``n_rows`` rows from row
+    ``row0`` of x) in the columns of ``col_tile``; EVEN: the tile is wholly in bounds (no masks)."""
+    local_rows = local_row0 + tl.arange(0, TILE_ROWS)
+    rows_ok = local_rows < n_rows
+    grows = row0 + local_rows
+    col0 = col_tile * BLOCK_COLS
+    cols_idx = col0 + tl.arange(0, BLOCK_COLS)
+    x = load_tile(x_ptr, stride_row, grows, rows_ok, cols_idx, cols, EVEN)
+    if BLOCK_2D:
+        tiles = tl.abs(tl.reshape(x, [TILE_ROWS // 16, 16, BLOCK_COLS // 16, 16]))
+        tile_max = tl.reduce(tl.reduce(tiles, 3, _max_keep_nan), 1, _max_keep_nan)
+    if ROWWISE:
+        if BLOCK_2D:
+            row_max = tl.broadcast_to(tile_max[:, None, :], [TILE_ROWS // 16, 16, BLOCK_COLS // 16])
+            row_max = tl.reshape(row_max, [TILE_ROWS, BLOCK_COLS // 16])
+        else:
+            row_max = tl.reduce(tl.abs(tl.reshape(x, [TILE_ROWS, BLOCK_COLS // 16, 16])), 2, _max_keep_nan)
+        amax_row = tl.load(amax_row_ptr + expert, mask=expert < experts, other=0.0)
+        quantize_rowwise_tile(
+            x,
+            row_max,
+            amax_row,
+            rows_ok,
+            grows,
+            col0,
+            cols,
+            row_data_ptr,
+            row_scale_ptr,
+            row_scale_cols,
+            sr_ptr,
+            TILE_ROWS,
+            BLOCK_COLS,
+            STOCHASTIC,
+            EVEN,
+        )
+    if COLWISE:
+        y = x
+        if RHT:
+            y = round_to_bf16(hadamard16_rows(x, TILE_ROWS, BLOCK_COLS))
+        if BLOCK_2D:
+            col_max = tl.broadcast_to(tile_max[:, :, None], [TILE_ROWS // 16, BLOCK_COLS // 16, 16])
+            col_max = tl.reshape(col_max, [TILE_ROWS // 16, BLOCK_COLS])
+        else:
+            col_max = tl.reduce(tl.abs(tl.reshape(y, [TILE_ROWS // 16, 16, BLOCK_COLS])), 1, _max_keep_nan)
+        amax_col = tl.load(amax_col_ptr + expert, mask=expert < experts, other=0.0)
+        quantize_columnwise_tile(
+            y,
+            col_max,
+            amax_col,
+            local_row0,
+            n_rows,
+            cols_idx,
+            cols,
+            col_data_ptr + (row0 // 2).to(tl.int64) * cols,
+            col_scale_ptr + scale_col0,
+            col_scale_cols,
+            grows,
+            rows,
+            sr_ptr,
+            TILE_ROWS,
+            BLOCK_COLS,
+            STOCHASTIC,
+            EVEN,
         )
 
 
@@ -399,73 +514,110 @@ def nvfp4_quantize_kernel(
     STOCHASTIC: tl.constexpr,
     GROUPED: tl.constexpr,
     EXPERTS_POW2: tl.constexpr,
+    GRID_ALONG_ROWS: tl.constexpr,
+    EVEN_COLS: tl.constexpr,
     EVEN: tl.constexpr,
 ):
     """One program: a TILE_ROWS x BLOCK_COLS tile of one expert, read once; both copies from registers.
     Column-wise data of expert e is its own (cols, n_rows / 2) matrix starting at byte
-    ``cols * row0 / 2``; its scales start at column ``scale_col0`` of the shared scale matrix."""
+    ``cols * row0 / 2``; its scales start at column ``scale_col0`` of the shared scale matrix.
+    EVEN: every tile is in bounds. Grouped: a tile wholly inside its expert (and EVEN_COLS: cols a
+    multiple of BLOCK_COLS) takes the maskless path, chosen at run time."""
+    tile, col_tile = program_tile(cols, BLOCK_COLS, GRID_ALONG_ROWS)
     expert, n_rows, row0, local_row0, scale_col0 = tile_coordinates(
-        split_ptr, experts, rows, TILE_ROWS, EXPERTS_POW2, GROUPED
+        split_ptr, experts, rows, tile, TILE_ROWS, EXPERTS_POW2, GROUPED
     )
-    local_rows = local_row0 + tl.arange(0, TILE_ROWS)
-    rows_ok = local_rows < n_rows
-    grows = row0 + local_rows
-    cols_idx = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    x = load_tile(x_ptr, stride_row, grows, rows_ok, cols_idx, cols, EVEN)
-    if BLOCK_2D:
-        tiles = tl.abs(tl.reshape(x, [TILE_ROWS // 16, 16, BLOCK_COLS // 16, 16]))
-        tile_max = tl.reduce(tl.reduce(tiles, 3, _max_keep_nan), 1, _max_keep_nan)
-    if ROWWISE:
-        if BLOCK_2D:
-            row_max = tl.broadcast_to(tile_max[:, None, :], [TILE_ROWS // 16, 16, BLOCK_COLS // 16])
-            row_max = tl.reshape(row_max, [TILE_ROWS, BLOCK_COLS // 16])
+    if GROUPED and EVEN_COLS:
+        if local_row0 + TILE_ROWS <= n_rows:
+            quantize_tile(
+                x_ptr,
+                stride_row,
+                rows,
+                cols,
+                expert,
+                experts,
+                n_rows,
+                row0,
+                local_row0,
+                scale_col0,
+                col_tile,
+                amax_row_ptr,
+                amax_col_ptr,
+                row_data_ptr,
+                row_scale_ptr,
+                row_scale_cols,
+                col_data_ptr,
+                col_scale_ptr,
+                col_scale_cols,
+                sr_ptr,
+                TILE_ROWS,
+                BLOCK_COLS,
+                ROWWISE,
+                COLWISE,
+                RHT,
+                BLOCK_2D,
+                STOCHASTIC,
+                True,
+            )
         else:
-            row_max = tl.reduce(tl.abs(tl.reshape(x, [TILE_ROWS, BLOCK_COLS // 16, 16])), 2, _max_keep_nan)
-        amax_row = tl.load(amax_row_ptr + expert, mask=expert < experts, other=0.0)
-        quantize_rowwise_tile(
-            x,
-            row_max,
-            amax_row,
-            rows_ok,
-            grows,
-            tl.program_id(1) * BLOCK_COLS,
+            quantize_tile(
+                x_ptr,
+                stride_row,
+                rows,
+                cols,
+                expert,
+                experts,
+                n_rows,
+                row0,
+                local_row0,
+                scale_col0,
+                col_tile,
+                amax_row_ptr,
+                amax_col_ptr,
+                row_data_ptr,
+                row_scale_ptr,
+                row_scale_cols,
+                col_data_ptr,
+                col_scale_ptr,
+                col_scale_cols,
+                sr_ptr,
+                TILE_ROWS,
+                BLOCK_COLS,
+                ROWWISE,
+                COLWISE,
+                RHT,
+                BLOCK_2D,
+                STOCHASTIC,
+                False,
+            )
+    else:
+        quantize_tile(
+            x_ptr,
+            stride_row,
+            rows,
             cols,
+            expert,
+            experts,
+            n_rows,
+            row0,
+            local_row0,
+            scale_col0,
+            col_tile,
+            amax_row_ptr,
+            amax_col_ptr,
             row_data_ptr,
             row_scale_ptr,
             row_scale_cols,
-            sr_ptr,
-            TILE_ROWS,
-            BLOCK_COLS,
-            STOCHASTIC,
-            EVEN,
-        )
-    if COLWISE:
-        y = x
-        if RHT:
-            y = round_to_bf16(hadamard16_rows(x, TILE_ROWS, BLOCK_COLS))
-        if BLOCK_2D:
-            col_max = tl.broadcast_to(tile_max[:, :, None], [TILE_ROWS // 16, BLOCK_COLS // 16, 16])
-            col_max = tl.reshape(col_max, [TILE_ROWS // 16, BLOCK_COLS])
-        else:
-            col_max = tl.reduce(tl.abs(tl.reshape(y, [TILE_ROWS // 16, 16, BLOCK_COLS])), 1, _max_keep_nan)
-        amax_col = tl.load(amax_col_ptr + expert, mask=expert < experts, other=0.0)
-        col_data = col_data_ptr + (row0 // 2).to(tl.int64) * cols
-        quantize_columnwise_tile(
-            y,
-            col_max,
-            amax_col,
-            local_row0,
-            n_rows,
-            cols_idx,
-            cols,
-            col_data,
-            col_scale_ptr + scale_col0,
+            col_data_ptr,
+            col_scale_ptr,
             col_scale_cols,
-            grows,
-            rows,
             sr_ptr,
             TILE_ROWS,
             BLOCK_COLS,
+            ROWWISE,
+            COLWISE,
+            RHT,
+            BLOCK_2D,
             STOCHASTIC,
             EVEN,
         )
@@ -474,11 +626,13 @@ def nvfp4_quantize_kernel(
 # ----------------------------------------------------------------------------------------- launchers
 
 
-def quantize_config(rows: int, cols: int) -> tuple[int, int, int]:
-    """(TILE_ROWS, BLOCK_COLS, num_warps). Each thread holds a column strip of the tile, so the 16-row
-    column blocks and the RHT butterfly stay in registers (one warp spans the columns)."""
+def quantize_config(rows: int, cols: int) -> tuple[int, int, int, bool]:
+    """(TILE_ROWS, BLOCK_COLS, num_warps, grid along rows). One warp per 16 x 128 tile: the fewest
+    instructions per element among the small-register configurations (sm_90 SASS of the row + column +
+    RHT kernel: 16x128/1 warp 48.8 per element and 127 registers; 16x64/1 53.0, 16x128/2 53.8;
+    16x256/1 46.9 but 255 registers)."""
     block_cols = max(16, min(128, triton.next_power_of_2(cols)))
-    return 16, block_cols, 1
+    return 16, block_cols, 1, True
 
 
 def _rows_with_unit_stride(x2d: torch.Tensor) -> torch.Tensor:
@@ -506,7 +660,7 @@ def _launch(
     """Fill the amaxes (given ones copied, missing ones by the amax kernel), then quantize."""
     rows, cols = x2d.shape
     row_data, row_scale, col_data, col_scale = outputs
-    tile_rows, block_cols, num_warps = config
+    tile_rows, block_cols, num_warps, along_rows = (*config, True)[:4]
     experts = amax_row.shape[0]
     need_abs = given_row is None or (columnwise and not rht and given_col is None)
     need_rht = columnwise and rht and given_col is None
@@ -516,11 +670,14 @@ def _launch(
         "BLOCK_COLS": block_cols,
         "GROUPED": grouped,
         "EXPERTS_POW2": max(2, triton.next_power_of_2(experts)),
+        "GRID_ALONG_ROWS": along_rows,
+        "EVEN_COLS": cols % block_cols == 0,
         "EVEN": not grouped and rows % tile_rows == 0 and cols % block_cols == 0,
         "num_warps": num_warps,
         "enable_fp_fusion": False,
     }
-    grid = (n_tiles, triton.cdiv(cols, block_cols))
+    n_col_tiles = triton.cdiv(cols, block_cols)
+    grid = (n_tiles * n_col_tiles,) if along_rows else (n_tiles, n_col_tiles)
     if need_abs or need_rht:
         abs_amax.view(torch.int32).zero_()
         if need_rht:
@@ -584,11 +741,11 @@ def launch_nvfp4_quantize(
     amax_columnwise: torch.Tensor | None,
     block_2d: bool,
     sr_seed: torch.Tensor | None = None,
-    config: tuple[int, int, int] | None = None,
+    config: tuple | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """``lowp::nvfp4_quantize`` on a CUDA (or interpreted CPU) tensor; outputs as
-    ``meta.nvfp4.nvfp4_quantize_outputs``. ``config`` = (TILE_ROWS, BLOCK_COLS, num_warps) overrides
-    the launch configuration (benchmarks, tests)."""
+    ``meta.nvfp4.nvfp4_quantize_outputs``. ``config`` = (TILE_ROWS, BLOCK_COLS, num_warps[, grid
+    along rows]) overrides the launch configuration (benchmarks, tests)."""
     outputs = nvfp4_quantize_outputs(
         x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d, sr_seed
     )
@@ -625,7 +782,7 @@ def launch_nvfp4_group_quantize(
     amax_rowwise: torch.Tensor | None,
     amax_columnwise: torch.Tensor | None,
     sr_seed: torch.Tensor | None = None,
-    config: tuple[int, int, int] | None = None,
+    config: tuple | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """``lowp::nvfp4_group_quantize`` on a CUDA (or interpreted CPU) tensor; outputs as
     ``meta.nvfp4.nvfp4_group_quantize_outputs``. The split sizes stay on the device: the grid covers
