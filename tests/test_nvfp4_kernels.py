@@ -526,6 +526,40 @@ def test_compiled_ops_run_kernels_without_recompiles(suite, kernel_device, op_ru
     assert op_runs_kernel["quantize"] >= 3 and op_runs_kernel["group"] >= 3
 
 
+@pytest.mark.cudagraph
+def test_cuda_graph_capture_replays_like_eager_with_new_inputs_splits_and_seed():
+    """Captured: computed amaxes, the RHT, grouped quantization from device split sizes and stochastic
+    rounding from a device seed; replayed with new values in all four static inputs."""
+
+    def step(x, split_sizes, sr_seed):
+        q = lowp_ops.nvfp4_quantize(x, columnwise=True, rht=True, stochastic_rounding=True, sr_seed=sr_seed)
+        g = lowp_ops.nvfp4_group_quantize(x, split_sizes, columnwise=True, rht=True)
+        return (q.row_data, q.col_data, q.col_scale, q.amax_columnwise, g.row_data, g.col_data, g.col_scale)
+
+    def inputs(seed: int):
+        x = make_input(512, 384, seed=seed, spread="element").cuda()
+        sizes = torch.tensor([[128, 0, 256, 128], [0, 256, 256, 0], [512, 0, 0, 0]][seed % 3], device="cuda")
+        return x, sizes, torch.tensor([seed, 1000 * seed], device="cuda")
+
+    static = inputs(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step(*static)
+    for seed in (1, 2, 3):
+        fresh = inputs(seed)
+        for target, value in zip(static, fresh, strict=True):
+            target.copy_(value)
+        graph.replay()
+        for got, expected in zip(static_out, step(*fresh), strict=True):
+            assert_same("replay", got, expected.cpu())
+
+
 # ---------------------------------------------------------------------------------------- argument checks
 
 
