@@ -210,7 +210,6 @@ def quantize_rowwise_tile(
     scaled = tl.reshape(tl.reshape(x, [R, NB, 16]) * factor[:, :, None], [R, BC])
     index = grows[:, None].to(tl.int64) * cols + (col0 + tl.arange(0, BC))[None, :]
     data = pack_pairs(e2m1_code(scaled, sr_ptr, index, 0, STOCHASTIC), R, BC)
-    # A NaN block (NaN input or amax) encodes as +0, as the reference's comparisons do.
     byte_idx = col0 // 2 + tl.arange(0, BC // 2)
     row_bytes = cols // 2
     if EVEN:
@@ -301,14 +300,42 @@ def expert_of_tile(split_ptr, experts, tile, TILE_ROWS: tl.constexpr, EXPERTS_PO
 
 
 @triton.jit
-def load_tile(x_ptr, stride_row, grows, rows_ok, cols_idx, cols, EVEN: tl.constexpr):
-    """fp32 [rows, cols] tile; lanes out of bounds hold 0 (the reference's zero padding)."""
-    ptrs = x_ptr + grows[:, None].to(tl.int64) * stride_row + cols_idx[None, :]
-    # Upcast right after the load (bf16 math is wrong in the Triton interpreter).
-    if EVEN:
-        x = tl.load(ptrs).to(tl.float32)
+def load_tile(
+    x_ptr,
+    stride_row,
+    grows,
+    rows_ok,
+    col0,
+    cols,
+    R: tl.constexpr,
+    BC: tl.constexpr,
+    SPLIT_BLOCKS: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    """fp32 [R, BC] tile from column ``col0``; lanes out of bounds hold 0 (the reference's zero padding).
+    SPLIT_BLOCKS: load the first and the second 8 columns of every 16-column block as two tensors of one
+    layout, so that a thread holds whole row blocks (no shuffles or replicated scale math per block)."""
+    if SPLIT_BLOCKS:
+        NB: tl.constexpr = BC // 16
+        first_half = col0 + tl.arange(0, NB)[:, None] * 16 + tl.arange(0, 8)[None, :]
+        ptrs = x_ptr + grows[:, None, None].to(tl.int64) * stride_row + first_half[None, :, :]
+        # Upcast right after the load (bf16 math is wrong in the Triton interpreter).
+        if EVEN:
+            low = tl.load(ptrs).to(tl.float32)
+            high = tl.load(ptrs + 8).to(tl.float32)
+        else:
+            row_ok = rows_ok[:, None, None]
+            low = tl.load(ptrs, mask=row_ok & (first_half < cols)[None, :, :], other=0.0).to(tl.float32)
+            high = tl.load(ptrs + 8, mask=row_ok & (first_half + 8 < cols)[None, :, :], other=0.0)
+            high = high.to(tl.float32)
+        x = tl.reshape(tl.permute(tl.join(low, high), (0, 1, 3, 2)), [R, BC])
     else:
-        x = tl.load(ptrs, mask=rows_ok[:, None] & (cols_idx[None, :] < cols), other=0.0).to(tl.float32)
+        cols_idx = col0 + tl.arange(0, BC)
+        ptrs = x_ptr + grows[:, None].to(tl.int64) * stride_row + cols_idx[None, :]
+        if EVEN:
+            x = tl.load(ptrs).to(tl.float32)
+        else:
+            x = tl.load(ptrs, mask=rows_ok[:, None] & (cols_idx[None, :] < cols), other=0.0).to(tl.float32)
     return x
 
 
@@ -376,8 +403,18 @@ def nvfp4_amax_kernel(
         split_ptr, experts, rows, tile, TILE_ROWS, EXPERTS_POW2, GROUPED
     )
     local_rows = local_row0 + tl.arange(0, TILE_ROWS)
-    cols_idx = col_tile * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    x = load_tile(x_ptr, stride_row, row0 + local_rows, local_rows < n_rows, cols_idx, cols, EVEN)
+    x = load_tile(
+        x_ptr,
+        stride_row,
+        row0 + local_rows,
+        local_rows < n_rows,
+        col_tile * BLOCK_COLS,
+        cols,
+        TILE_ROWS,
+        BLOCK_COLS,
+        False,
+        EVEN,
+    )
     if ABS_AMAX:
         amax = tl.reduce(tl.reshape(tl.abs(x), [TILE_ROWS * BLOCK_COLS]), 0, _max_keep_nan)
         tl.atomic_max(
@@ -429,7 +466,9 @@ def quantize_tile(
     grows = row0 + local_rows
     col0 = col_tile * BLOCK_COLS
     cols_idx = col0 + tl.arange(0, BLOCK_COLS)
-    x = load_tile(x_ptr, stride_row, grows, rows_ok, cols_idx, cols, EVEN)
+    # Split loads pay off for the row-wise copy, unless the column-wise one reads the load's layout.
+    split_blocks: tl.constexpr = ROWWISE and (RHT or not COLWISE)
+    x = load_tile(x_ptr, stride_row, grows, rows_ok, col0, cols, TILE_ROWS, BLOCK_COLS, split_blocks, EVEN)
     if BLOCK_2D:
         tiles = tl.abs(tl.reshape(x, [TILE_ROWS // 16, 16, BLOCK_COLS // 16, 16]))
         tile_max = tl.reduce(tl.reduce(tiles, 3, _max_keep_nan), 1, _max_keep_nan)
@@ -628,9 +667,8 @@ def nvfp4_quantize_kernel(
 
 def quantize_config(rows: int, cols: int) -> tuple[int, int, int, bool]:
     """(TILE_ROWS, BLOCK_COLS, num_warps, grid along rows). One warp per 16 x 128 tile: the fewest
-    instructions per element among the small-register configurations (sm_90 SASS of the row + column +
-    RHT kernel: 16x128/1 warp 48.8 per element and 127 registers; 16x64/1 53.0, 16x128/2 53.8;
-    16x256/1 46.9 but 255 registers)."""
+    instructions per element (sm_90 SASS of the row + column + RHT kernel, per thread and element:
+    16x128/1 warp 47.0 with 105 registers; 16x256/2 47.3, 32x128/2 47.6, 16x64/1 51.6, 16x128/2 52.4)."""
     block_cols = max(16, min(128, triton.next_power_of_2(cols)))
     return 16, block_cols, 1, True
 
