@@ -366,6 +366,17 @@ def _worker(rank: int, world: int, backend: str, device: str, out_dir: str, name
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
         dist.destroy_process_group()
+    # Skip interpreter teardown: under load, gloo's background threads have aborted it ("terminate
+    # called without an active exception") after every check had passed and been written out.
+    os._exit(0)
+
+
+def _finished(out_dir: str, rank: int, names: list[str]) -> bool:
+    path = os.path.join(out_dir, f"rank{rank}.json")
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        return all(name in json.load(f) for name in names)
 
 
 def run_group(
@@ -380,6 +391,10 @@ def run_group(
         while not context.join(timeout=max(0.1, deadline - time.monotonic())):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"vocab-parallel group of {world} did not finish in {timeout_s} s")
+    except mp.ProcessExitedException:
+        # A rank that died after writing every result died in teardown, not in a check.
+        if not all(_finished(out_dir, rank, names) for rank in range(world)):
+            raise
     finally:
         for process in context.processes:
             if process.is_alive():
