@@ -9,8 +9,12 @@ no block straddles two experts and each expert uses its own amaxes.
 
 Bit-exact with the reference: fp32 steps in the reference's order, IEEE divisions (``div_rn``), no FMA
 contraction, the RHT as the same butterfly (not ``tl.dot``: the order of its fp32 additions is the
-hardware's), E2M1 rounding by integer/compare steps (sm_90 has no ``cvt.*.e2m1``). The interpreter's
+hardware's), E2M1 rounding by integer/float-add steps (sm_90 has no ``cvt.*.e2m1``). The interpreter's
 own fp32 -> bf16 / fp8 casts truncate, so there those roundings are done on the bits first.
+
+Cost (sm_90 SASS per thread and element, 16 x 128 tile on one warp): row-wise 20, column-wise 24,
+column-wise with RHT 28, both with RHT 44 (E2M1 rounding of one copy ~11 of it), the amax pass 12 with
+the RHT. The kernel is issue-bound at these counts on the H200, not memory-bound.
 """
 
 from __future__ import annotations
@@ -669,7 +673,8 @@ def nvfp4_quantize_kernel(
 def quantize_config(rows: int, cols: int) -> tuple[int, int, int, bool]:
     """(TILE_ROWS, BLOCK_COLS, num_warps, grid along rows). One warp per 16 x 128 tile: the fewest
     instructions per element (sm_90 SASS of the row + column + RHT kernel, per thread and element:
-    16x128/1 warp 47.0 with 105 registers; 16x256/2 47.3, 32x128/2 47.6, 16x64/1 51.6, 16x128/2 52.4)."""
+    16x128/1 warp 44.0 with 114 registers; 16x256/2 44.3, 32x128/2 44.6, 16x64/1 48.6; 16x256/1 43.3
+    but 255 registers and a spill)."""
     block_cols = max(16, min(128, triton.next_power_of_2(cols)))
     return 16, block_cols, 1, True
 
