@@ -145,22 +145,22 @@ def hash32(v):
 
 
 @triton.jit
-def sr_random_bits(sr_ptr, STREAM: tl.constexpr, index):
-    """uint32 random bits of the elements with int64 linear ``index``, as ``reference.nvfp4.sr_random_bits``
-    (``sr_ptr`` holds int64 [seed, offset])."""
+def sr_pair_bits(sr_ptr, STREAM: tl.constexpr, pair_index):
+    """32 random bits per element pair (int64 ``pair_index`` = linear index >> 1), as
+    ``reference.nvfp4.sr_random_bits``; ``sr_ptr`` holds int64 [seed, offset]."""
     seed = tl.load(sr_ptr).to(tl.uint32)
     offset = tl.load(sr_ptr + 1).to(tl.uint32)
     key = hash32(seed + (STREAM * 0x9E3779B9))
-    return hash32((index.to(tl.uint32) + offset) ^ key)
+    return hash32((pair_index.to(tl.uint32) + offset) ^ key)
 
 
 @triton.jit
 def e2m1_code_sr(v, random_bits):
     """E2M1 code with stochastic rounding, as ``reference.nvfp4.e2m1_codes_stochastic``: up to the next
-    grid value with probability (|v| - lower) / step, from 23 of the random bits (NaN: as above)."""
+    grid value with probability (|v| - lower) / step, from 16 random bits (NaN: as above)."""
     magnitude = tl.minimum(tl.maximum(tl.abs(v), 0.0), 6.0)
-    step = tl.where(magnitude < 2.0, 0.5, tl.where(magnitude < 4.0, 1.0, 2.0))
-    shifted = magnitude + (random_bits >> 9).to(tl.float32) * 1.1920928955078125e-07 * step
+    step_unit = tl.where(magnitude < 2.0, 2.0**-17, tl.where(magnitude < 4.0, 2.0**-16, 2.0**-15))
+    shifted = magnitude + random_bits.to(tl.float32) * step_unit
     low = (shifted * 2.0).to(tl.int32)
     high = (shifted.to(tl.int32, bitcast=True) >> 22) - 252
     code = tl.minimum(tl.where(shifted < 2.0, low, high), 7)
@@ -168,9 +168,9 @@ def e2m1_code_sr(v, random_bits):
 
 
 @triton.jit
-def e2m1_code(v, sr_ptr, index, STREAM: tl.constexpr, STOCHASTIC: tl.constexpr):
+def e2m1_code(v, random_bits, STOCHASTIC: tl.constexpr):
     if STOCHASTIC:  # noqa: SIM108 (a constexpr branch: the other one is never compiled)
-        code = e2m1_code_sr(v, sr_random_bits(sr_ptr, STREAM, index))
+        code = e2m1_code_sr(v, random_bits)
     else:
         code = e2m1_code_rn(v)
     return code
@@ -213,8 +213,13 @@ def quantize_rowwise_tile(
     scale_value, scale_code = e4m3_block_scale(vec_max, encode)
     factor = block_encode_factor(scale_value, decode)
     scaled = tl.reshape(tl.reshape(x, [R, NB, 16]) * factor[:, :, None], [R, BC])
-    index = grows[:, None].to(tl.int64) * cols + (col0 + tl.arange(0, BC))[None, :]
-    data = pack_pairs(e2m1_code(scaled, sr_ptr, index, 0, STOCHASTIC), R, BC)
+    random_bits = 0
+    if STOCHASTIC:
+        # One hash per output byte: elements 2i and 2i + 1 of a row take its low and high 16 bits.
+        pairs = grows[:, None].to(tl.int64) * (cols // 2) + (col0 // 2 + tl.arange(0, BC // 2))[None, :]
+        bits = sr_pair_bits(sr_ptr, 0, pairs)
+        random_bits = tl.reshape(tl.join(bits & 0xFFFF, bits >> 16), [R, BC])
+    data = pack_pairs(e2m1_code(scaled, random_bits, STOCHASTIC), R, BC)
     byte_idx = col0 // 2 + tl.arange(0, BC // 2)
     row_bytes = cols // 2
     if EVEN:
@@ -243,7 +248,7 @@ def quantize_columnwise_tile(
     data_ptr,
     scale_ptr,
     scale_cols,
-    grows,
+    tile_row0,
     total_rows,
     sr_ptr,
     R: tl.constexpr,
@@ -253,16 +258,22 @@ def quantize_columnwise_tile(
 ):
     """16x1 blocks along the rows of ``y`` [R, BC] (block maxima ``vec_max`` [R/16, BC]), stored
     transposed: data at ``data_ptr[col, row / 2]`` of a (cols, n_rows / 2) matrix, E4M3 codes at
-    ``scale_ptr[col, row / 16]``. ``local_row0``: the tile's first row within that matrix; ``grows``:
-    the rows in x of ``total_rows`` (stochastic rounding indices ``col * total_rows + row``)."""
+    ``scale_ptr[col, row / 16]``. ``local_row0``: the tile's first row within that matrix; ``tile_row0``:
+    its first row in x of ``total_rows`` (stochastic rounding indices ``col * total_rows + row``)."""
     RB: tl.constexpr = R // 16
     encode = global_encode_scale(amax)
     decode = tl.math.div_rn(1.0, encode)
     scale_value, scale_code = e4m3_block_scale(vec_max, encode)
     factor = block_encode_factor(scale_value, decode)
     scaled = tl.reshape(tl.reshape(y, [RB, 16, BC]) * factor[:, None, :], [R, BC])
-    index = cols_idx[None, :].to(tl.int64) * total_rows + grows[:, None]
-    codes = e2m1_code(scaled, sr_ptr, index, 1, STOCHASTIC)
+    random_bits = 0
+    if STOCHASTIC:
+        # One hash per output byte: rows 2i and 2i + 1 of a column take its low and high 16 bits.
+        row_pairs = tile_row0 // 2 + tl.arange(0, R // 2)
+        pairs = cols_idx[None, :].to(tl.int64) * (total_rows // 2) + row_pairs[:, None]
+        bits = sr_pair_bits(sr_ptr, 1, pairs)
+        random_bits = tl.reshape(tl.permute(tl.join(bits & 0xFFFF, bits >> 16), (0, 2, 1)), [R, BC])
+    codes = e2m1_code(scaled, random_bits, STOCHASTIC)
     pairs = tl.permute(tl.reshape(codes, [R // 2, 2, BC]), (0, 2, 1))
     low, high = tl.split(pairs)
     data = (low | (high << 4)).to(tl.uint8)
@@ -522,7 +533,7 @@ def quantize_tile(
             col_data_ptr + (row0 // 2).to(tl.int64) * cols,
             col_scale_ptr + scale_col0,
             col_scale_cols,
-            grows,
+            row0 + local_row0,
             rows,
             sr_ptr,
             TILE_ROWS,

@@ -81,21 +81,24 @@ SR_STREAM_COLUMNWISE = 1
 
 
 def sr_random_bits(sr_seed: torch.Tensor, stream: int, index: torch.Tensor) -> torch.Tensor:
-    """uint32 random bits (int64) for elements with linear ``index``: ``hash32((index + offset) ^ key)``,
-    ``key = hash32(seed + stream * 0x9E3779B9)`` (all mod 2^32); ``sr_seed = [seed, offset]``."""
+    """16 random bits (int64) for the elements with linear ``index``: one 32-bit hash per element pair
+    (one output byte), ``hash32(((index >> 1) + offset) ^ key)`` with ``key = hash32(seed + stream *
+    0x9E3779B9)`` (mod 2^32, ``sr_seed = [seed, offset]``); the even element takes its low half, the odd
+    one its high half. (TE's ``cvt.rs`` hardware spends 8 random bits per value.)"""
     seed, offset = sr_seed[0] & _U32, sr_seed[1] & _U32
     key = hash32(seed + stream * 0x9E3779B9)
-    return hash32(((index + offset) & _U32) ^ key)
+    pair_bits = hash32((((index >> 1) + offset) & _U32) ^ key)
+    return (pair_bits >> (16 * (index & 1))) & 0xFFFF
 
 
 def e2m1_codes_stochastic(values: torch.Tensor, random_bits: torch.Tensor) -> torch.Tensor:
     """uint8 E2M1 codes of fp32 values in [-6, 6] rounded stochastically: |v| goes up to the next grid
-    value with probability (|v| - lower) / step, from 23 random bits ``r``: ``s = |v| + r * 2^-23 * step``
-    (one fp32 rounding), then ``s`` truncated onto the grid. Signs as in :func:`e2m1_codes`."""
+    value with probability (|v| - lower) / step (to 2^-16), from 16 random bits ``r``:
+    ``s = |v| + r * (step * 2^-16)`` (an exact product, one fp32 rounding), then ``s`` truncated onto the
+    grid. Signs as in :func:`e2m1_codes`."""
     magnitude = values.abs()
-    step = torch.where(magnitude < 2, 0.5, torch.where(magnitude < 4, 1.0, 2.0))
-    uniform = (random_bits >> 9).float() * 2.0**-23
-    shifted = magnitude + uniform * step
+    step_unit = torch.where(magnitude < 2, 2.0**-17, torch.where(magnitude < 4, 2.0**-16, 2.0**-15))
+    shifted = magnitude + random_bits.float() * step_unit
     low = (shifted * 2).to(torch.int32)
     high = (shifted.view(torch.int32) >> 22) - 252
     code = torch.clamp(torch.where(shifted < 2, low, high), max=7)
