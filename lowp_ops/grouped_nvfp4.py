@@ -13,8 +13,9 @@
 Split sizes must be multiples of 16 (the RHT and column-wise blocks never straddle experts; TE needs
 128): this is not checked on the device. Per-expert amaxes are device reductions (no host sync).
 
-Interim: the quantization runs through the pure-PyTorch NVFP4 reference with per-row / per-block amaxes
-(graph-safe, slower than a kernel); ``lowp::nvfp4_group_quantize`` replaces it once merged.
+The activations and gradients go through ``lowp::nvfp4_group_quantize`` (one read per operand, Triton on
+CUDA) and the weights through ``lowp::nvfp4_quantize`` (16x16 blocks, one call per expert); the local
+values are decoded from their codes and E4M3 scales with a few element-wise ops.
 """
 
 from __future__ import annotations
@@ -45,38 +46,76 @@ def _token_values(per_expert: torch.Tensor, split_sizes: torch.Tensor, tokens: i
 
 def local_values(t: torch.Tensor, amax: torch.Tensor, block_2d: bool = False) -> torch.Tensor:
     """``e2m1(q) * s_b`` (exact in bf16) of ``t`` (R, C) quantized in 1x16 blocks along C (16x16 when
-    ``block_2d``) with the global amax ``amax``, broadcastable to the (R, ceil(C/16)) blocks."""
+    ``block_2d``) with the global amax ``amax``, broadcastable to the (R, ceil(C/16)) blocks (pure
+    PyTorch: the oracle of the op-based operands below)."""
     cols = t.shape[1]
     codes, scales = nvfp4_ref.quantize_blocks(t, amax, block_2d)
     block_scale = scales.view(torch.float8_e4m3fn).float().repeat_interleave(NVFP4_BLOCK_SIZE, dim=1)
     return (nvfp4_ref.e2m1_values(codes) * block_scale[:, :cols]).to(torch.bfloat16)
 
 
+def _decode_rows(row_data: torch.Tensor, row_scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """bf16 local values (rows, cols) of a row-wise NVFP4 copy: packed codes (rows, cols/2) and the
+    padded E4M3 scale matrix (one scale per 16 columns)."""
+    codes = nvfp4_ref.unpack_fp4(row_data[:rows])
+    scale = row_scale[:rows, : cols // NVFP4_BLOCK_SIZE].view(torch.float8_e4m3fn).float()
+    return (nvfp4_ref.e2m1_values(codes) * scale.repeat_interleave(NVFP4_BLOCK_SIZE, dim=1)).to(
+        torch.bfloat16
+    )
+
+
+def _decode_grouped_columns(
+    col_data: torch.Tensor, col_scale: torch.Tensor, split_sizes: torch.Tensor, hidden: int, tokens: int
+) -> torch.Tensor:
+    """bf16 local values (hidden, tokens) of a grouped column-wise copy: expert e's (hidden, m_e/2) bytes
+    start at byte ``hidden * start_e / 2`` of the flat data, its scales at column
+    ``group_col_scale_starts[e]`` of the scale matrix (``meta.nvfp4.nvfp4_group_quantize_outputs``)."""
+    experts = split_sizes.shape[0]
+    expert = expert_of_rows(split_sizes, tokens).clamp(max=experts - 1)
+    sizes = split_sizes.long()
+    start = (torch.cumsum(sizes, 0) - sizes)[expert]
+    local = torch.arange(tokens, device=col_data.device) - start
+    channel = torch.arange(hidden, device=col_data.device)[:, None]
+    byte = hidden * start // 2 + channel * (sizes[expert] // 2) + local // 2
+    packed = col_data.view(-1)[byte.clamp(0, col_data.numel() - 1)]
+    codes = torch.where(local % 2 == 1, packed >> 4, packed & 0xF)
+    scale_col = nvfp4_ref.group_col_scale_starts(split_sizes)[expert] + local // NVFP4_BLOCK_SIZE
+    scale = col_scale[:hidden].gather(1, scale_col.expand(hidden, tokens)).view(torch.float8_e4m3fn).float()
+    return (nvfp4_ref.e2m1_values(codes) * scale).to(torch.bfloat16)
+
+
 def rowwise_operand(t: torch.Tensor, split_sizes: torch.Tensor, amax: torch.Tensor | None = None):
     """(local values (T, C), per-expert amax (E,)) of the row-wise copy of tokens ``t`` (T, C)."""
-    tokens = t.shape[0]
+    tokens, cols = t.shape
     if amax is None:
         amax = per_expert_amax(t.abs().amax(dim=1), split_sizes, tokens)
-    return local_values(t, _token_values(amax, split_sizes, tokens)[:, None]), amax
+    row_data, row_scale, *_ = torch.ops.lowp.nvfp4_group_quantize(
+        t, split_sizes, True, False, False, amax, None
+    )
+    return _decode_rows(row_data, row_scale, tokens, cols), amax
 
 
 def columnwise_operand(t: torch.Tensor, split_sizes: torch.Tensor, amax: torch.Tensor | None = None):
     """(local values of ``RHT(t^T)`` (C, T), per-expert post-RHT amax (E,)): 16-token blocks."""
-    tokens = t.shape[0]
+    tokens, hidden = t.shape
     require(
         tokens % NVFP4_BLOCK_SIZE == 0, lambda: f"nvfp4 needs a token count divisible by 16, got {tokens}"
     )
-    transformed = nvfp4_ref.apply_rht(t.t().contiguous())
-    if amax is None:
-        amax = per_expert_amax(transformed.abs().amax(dim=0), split_sizes, tokens)
-    block_amax = _token_values(amax, split_sizes, tokens)[::NVFP4_BLOCK_SIZE]
-    return local_values(transformed, block_amax[None, :]), amax
+    outputs = torch.ops.lowp.nvfp4_group_quantize(t, split_sizes, False, True, True, None, amax)
+    _, _, col_data, col_scale, _, amax = outputs
+    return _decode_grouped_columns(col_data, col_scale, split_sizes, hidden, tokens), amax
 
 
 def weight_operand(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(local values (E, N, K), amax (E,)): each expert's 16x16-block quantization."""
+    experts, rows, cols = weight.shape
     amax = weight.abs().amax(dim=(1, 2)).float()
-    local = [local_values(weight[e], amax[e].reshape(1), block_2d=True) for e in range(weight.shape[0])]
+    local = []
+    for e in range(experts):
+        row_data, row_scale, *_ = torch.ops.lowp.nvfp4_quantize(
+            weight[e], True, False, False, amax[e : e + 1], None, True
+        )
+        local.append(_decode_rows(row_data, row_scale, rows, cols))
     return torch.stack(local), amax
 
 

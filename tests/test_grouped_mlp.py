@@ -221,6 +221,28 @@ def test_nvfp4_local_values_times_the_global_scale_are_the_reference_dequantizat
     torch.testing.assert_close(local.float() * (amax * (1 / 2688)), expected, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("splits", [[32, 0, 48, 16], [0, 96, 0, 0], [16, 16, 32, 32]])
+def test_nvfp4_operands_from_the_quantize_ops_equal_the_pure_pytorch_local_values(splits):
+    """The recipe decodes the grouped / 16x16 quantize ops' codes and scales: those local values must be
+    the pure-PyTorch block quantization's, bit for bit (row-wise, column-wise after the RHT, weights)."""
+    split_sizes = torch.tensor(splits)
+    gen = torch.Generator().manual_seed(10)
+    t = (torch.randn(96, 48, generator=gen) * torch.logspace(-3, 3, 48)).bfloat16()
+    local, amax = grouped_nvfp4.rowwise_operand(t, split_sizes)
+    token_amax = grouped_nvfp4._token_values(amax, split_sizes, 96)[:, None]
+    assert torch.equal(local, grouped_nvfp4.local_values(t, token_amax))
+    local, amax = grouped_nvfp4.columnwise_operand(t, split_sizes)
+    transformed = nvfp4_ref.apply_rht(t.t().contiguous())
+    block_amax = grouped_nvfp4._token_values(amax, split_sizes, 96)[::16][None, :]
+    assert torch.equal(local, grouped_nvfp4.local_values(transformed, block_amax))
+    expected_amax = grouped_nvfp4.per_expert_amax(transformed.abs().amax(dim=0), split_sizes, 96)
+    assert torch.equal(amax, expected_amax)
+    weight = torch.randn(3, 32, 48, generator=gen).bfloat16()
+    local, amax = grouped_nvfp4.weight_operand(weight)
+    for e in range(3):
+        assert torch.equal(local[e], grouped_nvfp4.local_values(weight[e], amax[e].reshape(1), block_2d=True))
+
+
 # ------------------------------------------------------------------------------------------ grouped_mm
 
 
