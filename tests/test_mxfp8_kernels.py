@@ -192,10 +192,8 @@ def test_quantize_kernel_matches_reference_on_fixed_small_shapes(
 @pytest.mark.parametrize("shape", [(64, 512), (40, 300), (96, 160)], ids=str)
 @pytest.mark.parametrize("copies", ["rowwise", "columnwise"])
 @pytest.mark.parametrize("scale_layout", LAYOUTS)
-def test_one_copy_kernels_walk_column_strips_with_wide_tiles(
-    suite, kernel_device, shape, copies, scale_layout
-):
-    """One copy alone takes other tiles (256 columns) and the column-strip grid order: same bytes."""
+def test_one_copy_kernels_match_reference_on_wide_inputs(suite, kernel_device, shape, copies, scale_layout):
+    """One copy alone over several full and partial column tiles: the reference's bytes."""
     x = make_input(shape, torch.bfloat16, seed=sum(shape), n_special=2, layout="contiguous")
     assert_quantize_matches_reference(x, kernel_device, "e4m3", *COPIES[copies], scale_layout)
 

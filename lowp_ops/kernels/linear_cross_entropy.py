@@ -1,6 +1,5 @@
 """LM head + cross entropy on CUDA (or interpreted CPU) tensors: the reference's chunk schedule run with
-cuBLAS for the bf16 GEMMs, the Triton cross-entropy kernels, and for the MXFP8 gradient either the
-Triton MXFP8 GEMM or (sm90, where it is faster) a dequantize to bf16 followed by cuBLAS.
+cuBLAS for the bf16 GEMMs, the Triton cross-entropy kernels and the Triton MXFP8 GEMM.
 
 bf16 GEMMs stay on cuBLAS (fp32 accumulation): ``addmm_`` accumulates ``dweight`` in place with one
 rounding per chunk, as the reference specifies.
@@ -15,7 +14,7 @@ import triton.language as tl
 from ..meta.linear_cross_entropy import scale_by_output
 from ..reference.linear_cross_entropy import Steps, backward_chunks, forward_chunks, fwd_bwd_chunks
 from .cross_entropy import launch_cross_entropy_bwd, launch_cross_entropy_bwd_mxfp8, launch_cross_entropy_fwd
-from .mxfp8 import launch_mxfp8_dequantize, launch_mxfp8_quantize
+from .mxfp8 import launch_mxfp8_quantize
 from .mxfp8_gemm import mxfp8_gemm_into
 
 SCALE_BLOCK = 4096
@@ -32,33 +31,6 @@ def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate
         torch.mm(a, b, out=out)
 
 
-def dequantize_then_mm_into(
-    out, a_data, a_scale, a_use, a_fp8_dtype, b, b_scale, b_fp8_dtype, accumulate
-) -> None:
-    """``out = bf16(op(A) @ B [+ out])`` through bf16 copies of the MXFP8 operands and cuBLAS. The copies
-    are exact (an FP8 value times a power of two fits bf16 unless it falls below 2^-133), products
-    accumulate in fp32 and round once: the Triton MXFP8 GEMM's numerics, up to summation order."""
-    a = launch_mxfp8_dequantize(a_data, a_scale, a_fp8_dtype, a_use, "compact", torch.bfloat16)
-    a = a.t() if a_use == "columnwise" else a
-    if b_scale is not None:
-        b = launch_mxfp8_dequantize(b, b_scale, b_fp8_dtype, "columnwise", "compact", torch.bfloat16)
-    _matmul_into(out, a, b, accumulate)
-
-
-def _cublas_after_dequantize_is_faster(out: torch.Tensor, b: torch.Tensor, b_scale) -> bool:
-    """On GPUs without block-scaled tensor cores (sm90), dequantize + cuBLAS beat every Triton MXFP8
-    GEMM variant measured on the H200 (2048 x 129280 x 4096 chunk: dgrad 3.23 ms against 5.48,
-    wgrad 3.27 against 8.90; cuBLAS bf16 alone 2.96 / 3.21); bf16 results only."""
-    if not out.is_cuda or out.dtype != torch.bfloat16 or (b_scale is None and b.dtype != torch.bfloat16):
-        return False
-    return torch.cuda.get_device_capability(out.device)[0] < 10
-
-
-def _mxfp8_gemm_into(out, a_data, a_scale, a_use, a_fp8_dtype, b, b_scale, b_fp8_dtype, accumulate) -> None:
-    gemm = dequantize_then_mm_into if _cublas_after_dequantize_is_faster(out, b, b_scale) else mxfp8_gemm_into
-    gemm(out, a_data, a_scale, a_use, a_fp8_dtype, b, b_scale, b_fp8_dtype, accumulate)
-
-
 def _quantize_columnwise(x: torch.Tensor, fp8_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     _, _, col_data, col_scale = launch_mxfp8_quantize(x, fp8_dtype, False, True, "compact")
     return col_data, col_scale
@@ -70,7 +42,7 @@ KERNEL_STEPS = Steps(
     ce_bwd=launch_cross_entropy_bwd,
     ce_bwd_mxfp8=launch_cross_entropy_bwd_mxfp8,
     matmul_into=_matmul_into,
-    mxfp8_gemm_into=_mxfp8_gemm_into,
+    mxfp8_gemm_into=mxfp8_gemm_into,
     quantize_columnwise=_quantize_columnwise,
 )
 

@@ -110,16 +110,6 @@ def tile_coords(cols, BLOCK_COLS: tl.constexpr):
 
 
 @triton.jit
-def strip_tile_coords(rows):
-    """(32-row block, column tile) of this program on a 1-D grid that walks down column strips (adjacent
-    programs on adjacent row blocks): the faster order when only one copy is written (H200, 16384^2
-    bf16, best configs: row-wise 89-90%, column-wise 91% of copy, against 84% / 83% along the rows)."""
-    n_row_blocks = tl.cdiv(rows, 32)
-    pid = tl.program_id(0)
-    return pid % n_row_blocks, pid // n_row_blocks
-
-
-@triton.jit
 def store_tile(ptr, rows_idx, cols_idx, rows, cols, values, EVEN: tl.constexpr):
     """Store a [32, BLOCK_COLS] tile row-major into a (rows, cols) buffer; EVEN: the tile is in bounds."""
     ptrs = ptr + rows_idx[:, None].to(tl.int64) * cols + cols_idx[None, :]
@@ -283,14 +273,10 @@ def mxfp8_quantize_kernel(
     COLWISE: tl.constexpr,
     SWIZZLED: tl.constexpr,
     EVEN: tl.constexpr,
-    ALONG_ROWS: tl.constexpr,
 ):
     """One program: a 32 x BLOCK_COLS tile read once; both copies come from registers. EVEN: every tile
     is in bounds (rows % 32 == 0, cols % BLOCK_COLS == 0), so no masks are evaluated."""
-    if ALONG_ROWS:
-        row_block, col_tile = tile_coords(cols, BLOCK_COLS)
-    else:
-        row_block, col_tile = strip_tile_coords(rows)
+    row_block, col_tile = tile_coords(cols, BLOCK_COLS)
     tile_col0 = col_tile * BLOCK_COLS
     rows_idx = row_block * 32 + tl.arange(0, 32)
     cols_idx = tile_col0 + tl.arange(0, BLOCK_COLS)
@@ -369,19 +355,11 @@ def tile_cols(cols: int, widest: int = 128) -> int:
     return max(32, min(widest, triton.next_power_of_2(cols)))
 
 
-def quantize_config(cols: int, rowwise: bool, columnwise: bool) -> tuple[int, int, bool]:
-    """(BLOCK_COLS, num_warps, along_rows) of the quantize kernel, measured on the H200 at 16384 x 16384
-    bf16 (% of copy). Both copies, grid along rows: 128 columns on 2 warps 86.7, 128 on 1 warp 83,
-    256 on 2 warps 73 (down column strips: 256 on 2 warps 81). One copy, down column strips: row-wise
-    256 columns on 2 warps 89-90 (128 on 2 warps, along rows: 84), column-wise 256 on 1 warp 91
-    (128 on 2 warps, along rows: 83)."""
-    if cols < 128:
-        return tile_cols(cols), 1, rowwise and columnwise
-    if rowwise and columnwise:
-        return 128, 2, True
-    if cols < 256:
-        return 128, (2 if rowwise else 1), False
-    return (256, 2, False) if rowwise else (256, 1, False)
+def quantize_config(cols: int) -> tuple[int, int]:
+    """(BLOCK_COLS, num_warps) of the quantize kernel. Measured on the H200 at 16384 x 16384 bf16 row+col
+    (grid along rows): 128 columns on 2 warps 86% of copy, 128 on 1 warp 83%, 64 on 1 warp 82%,
+    256 on 2 warps 73%."""
+    return (128, 2) if cols >= 128 else (tile_cols(cols), 1)
 
 
 def launch_mxfp8_quantize(
@@ -406,7 +384,7 @@ def launch_mxfp8_quantize(
         # The kernel reads row-major tiles only. Column-major 16-bit input (row stride 1) on one warp
         # crashed the H200 (illegal address, Triton 3.6, 45 x 70 bf16 with strides (1, 45)).
         x2d = x2d.contiguous()
-    default_cols, default_warps, along_rows = quantize_config(cols, rowwise, columnwise)
+    default_cols, default_warps = quantize_config(cols)
     block_cols, num_warps = block_cols or default_cols, num_warps or default_warps
     grid = (triton.cdiv(rows, TILE_ROWS) * triton.cdiv(cols, block_cols),)
     mxfp8_quantize_kernel[grid](
@@ -429,7 +407,6 @@ def launch_mxfp8_quantize(
         ROWWISE=rowwise,
         COLWISE=columnwise,
         SWIZZLED=scale_layout == "swizzled",
-        ALONG_ROWS=along_rows,
         num_warps=num_warps,
     )
     return outputs
