@@ -51,7 +51,18 @@ def main() -> None:
     backward = {
         f"cols={b} warps={w}": (
             lambda b=b, w=w: launch_cross_entropy_bwd_mxfp8(
-                logits, target, lse, grad_rows, 0.0, -100, "e4m3", True, True, "compact", b, w
+                logits,
+                target,
+                lse,
+                grad_rows,
+                0.0,
+                -100,
+                "e4m3",
+                True,
+                True,
+                "compact",
+                block_cols=b,
+                num_warps=w,
             )
         )
         for b, w in [(64, 1), (128, 1), (64, 2), (128, 2), (256, 2), (256, 4)]

@@ -224,7 +224,7 @@ cross_entropy_bwd_mxfp8 = _define(
     " str fp8_dtype, bool rowwise, bool columnwise, str scale_layout, SymInt vocab_start=0,"
     " SymInt vocab_total=0) -> (Tensor, Tensor, Tensor, Tensor)",
     ce_ref.cross_entropy_bwd_mxfp8,
-    "cross_entropy.launch_cross_entropy_bwd_mxfp8_op",
+    "cross_entropy.launch_cross_entropy_bwd_mxfp8",
     ce_meta.cross_entropy_bwd_mxfp8_outputs,
 )
 

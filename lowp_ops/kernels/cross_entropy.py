@@ -398,11 +398,13 @@ def launch_cross_entropy_bwd_mxfp8(
     rowwise: bool,
     columnwise: bool,
     scale_layout: str,
-    block_cols: int | None = None,
-    num_warps: int | None = None,
     vocab_start: int = 0,
     vocab_total: int = 0,
+    *,
+    block_cols: int | None = None,
+    num_warps: int | None = None,
 ):
+    """``lowp::cross_entropy_bwd_mxfp8``; ``block_cols`` / ``num_warps`` override the launch config."""
     outputs = cross_entropy_bwd_mxfp8_outputs(
         logits,
         target,
@@ -462,23 +464,3 @@ def launch_cross_entropy_bwd_mxfp8(
         num_warps=num_warps,
     )
     return outputs
-
-
-def launch_cross_entropy_bwd_mxfp8_op(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    lse: torch.Tensor,
-    grad_rows: torch.Tensor,
-    label_smoothing: float,
-    ignore_index: int,
-    fp8_dtype: str,
-    rowwise: bool,
-    columnwise: bool,
-    scale_layout: str,
-    vocab_start: int = 0,
-    vocab_total: int = 0,
-):
-    """``lowp::cross_entropy_bwd_mxfp8``, whose arguments end with (vocab_start, vocab_total) where the
-    launcher has its tuning arguments (left at their defaults, positionally like every launcher call)."""
-    args = (logits, target, lse, grad_rows, label_smoothing, ignore_index, fp8_dtype, rowwise, columnwise)
-    return launch_cross_entropy_bwd_mxfp8(*args, scale_layout, None, None, vocab_start, vocab_total)
