@@ -20,9 +20,18 @@ from ..meta.cross_entropy import (
     cross_entropy_fwd_outputs,
 )
 from .mxfp8 import TRITON_FP8, quantize_tile, store_tile, tile_cols, tile_coords
-from .softmax import finish_logsumexp, online_softmax_update, rows_with_unit_stride
+from .softmax import row_logsumexp_and_sum, rows_with_unit_stride
 
 FWD_BLOCK = 8192
+
+
+def fwd_config(n_cols: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) of a one-row-per-program online pass: one warp per 2048 elements of a row
+    block, 92-93% of copy at 4096 x 129280 on the H200."""
+    block = min(FWD_BLOCK, triton.next_power_of_2(n_cols))
+    return block, max(1, block // 2048)
+
+
 BWD_BLOCK_COLS = 128
 TILE_ROWS = 32
 
@@ -42,16 +51,7 @@ def cross_entropy_fwd_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
-    m = float("-inf")
-    d = 0.0
-    sum_x = 0.0
-    for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        block = tl.load(row_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-        m, d = online_softmax_update(m, d, block)
-        if HAS_SMOOTHING:
-            sum_x += tl.sum(tl.where(cols < n_cols, block, 0.0), 0)
-    lse = finish_logsumexp(m, d)
+    lse, sum_x = row_logsumexp_and_sum(row_ptr, n_cols, BLOCK, HAS_SMOOTHING)
 
     target = tl.load(target_ptr + row).to(tl.int64)
     is_valid = target != ignore_index
@@ -321,9 +321,8 @@ def launch_cross_entropy_fwd(
     if rows == 0:
         return loss, lse
     logits = rows_with_unit_stride(logits)
-    block = block or min(FWD_BLOCK, triton.next_power_of_2(n_cols))
-    # One warp per 2048 elements of a row block: 92-93% of copy at 4096 x 129280 on the H200.
-    num_warps = num_warps or max(1, block // 2048)
+    default_block, default_warps = fwd_config(n_cols)
+    block, num_warps = block or default_block, num_warps or default_warps
     cross_entropy_fwd_kernel[(rows,)](
         logits,
         logits.stride(0),

@@ -33,15 +33,25 @@ def finish_logsumexp(m, d):
 
 
 @triton.jit
-def row_logsumexp(row_ptr, n_cols, BLOCK: tl.constexpr):
-    """Masked-safe log-sum-exp (fp32) of one row of ``n_cols`` contiguous elements."""
+def row_logsumexp_and_sum(row_ptr, n_cols, BLOCK: tl.constexpr, WITH_SUM: tl.constexpr):
+    """(masked-safe log-sum-exp, sum of the values) in fp32 of one row of ``n_cols`` contiguous elements,
+    from one pass; the sum (label smoothing needs it) is 0 unless ``WITH_SUM``."""
     m = float("-inf")
     d = 0.0
+    total = 0.0
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         block = tl.load(row_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
         m, d = online_softmax_update(m, d, block)
-    return finish_logsumexp(m, d)
+        if WITH_SUM:
+            total += tl.sum(tl.where(cols < n_cols, block, 0.0), 0)
+    return finish_logsumexp(m, d), total
+
+
+@triton.jit
+def row_logsumexp(row_ptr, n_cols, BLOCK: tl.constexpr):
+    """Masked-safe log-sum-exp (fp32) of one row of ``n_cols`` contiguous elements."""
+    return row_logsumexp_and_sum(row_ptr, n_cols, BLOCK, False)[0]
 
 
 @triton.jit

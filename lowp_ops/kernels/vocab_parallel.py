@@ -20,8 +20,8 @@ from ..meta.vocab_parallel import (
     vocab_parallel_ce_merge_outputs,
     vocab_parallel_ce_stats_output,
 )
-from .cross_entropy import FWD_BLOCK
-from .softmax import finish_logsumexp, online_softmax_update, rows_with_unit_stride
+from .cross_entropy import fwd_config
+from .softmax import row_logsumexp_and_sum, rows_with_unit_stride
 
 MERGE_BLOCK_ROWS = 1024
 
@@ -45,17 +45,8 @@ def vocab_parallel_ce_stats_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
-    m = float("-inf")
-    d = 0.0
-    logit_sum = 0.0
-    for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        block = tl.load(row_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-        m, d = online_softmax_update(m, d, block)
-        if LOGIT_SUM_ON:
-            logit_sum += tl.sum(tl.where(cols < n_cols, block, 0.0), 0)
     # An all -inf shard gives lse = -inf (d = 0), which the merge's exp turns into a 0 contribution.
-    lse = finish_logsumexp(m, d)
+    lse, logit_sum = row_logsumexp_and_sum(row_ptr, n_cols, BLOCK, LOGIT_SUM_ON)
 
     local_target = tl.load(target_ptr + row).to(tl.int64) - vocab_start
     in_shard = (local_target >= 0) & (local_target < n_cols)
@@ -125,8 +116,7 @@ def launch_vocab_parallel_ce_stats(
     if rows == 0:
         return stats
     logits = rows_with_unit_stride(logits)
-    # The single-rank forward's launch rule (one warp per 2048 elements of a row block).
-    block = min(FWD_BLOCK, triton.next_power_of_2(n_cols))
+    block, num_warps = fwd_config(n_cols)
     vocab_parallel_ce_stats_kernel[(rows,)](
         logits,
         logits.stride(0),
@@ -142,7 +132,7 @@ def launch_vocab_parallel_ce_stats(
         TARGET_ROW=TARGET_LOGIT,
         SUM_ROW=LOGIT_SUM,
         WIDTH_ROW=WIDTH,
-        num_warps=max(1, block // 2048),
+        num_warps=num_warps,
     )
     return stats
 
