@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import platform
+import sys
 
 import torch
 import triton
@@ -59,3 +61,19 @@ def write_json(name: str, payload: dict, path: str | None = None) -> str | None:
         with open(path, "w") as f:
             json.dump(payload, f, indent=1)
     return path
+
+
+def import_liger(module: str, name: str):
+    """``liger_kernel.<module>.<name>``, or None with a printed reason. peft in the GPU image can raise a
+    non-ImportError on import, which escapes Liger's own guard: make it a clean ImportError first."""
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        pass
+    except Exception:
+        sys.modules["peft"] = None
+    try:
+        return getattr(importlib.import_module(f"liger_kernel.{module}"), name)
+    except Exception as error:
+        print(f"Liger unavailable: {type(error).__name__}: {error}")
+        return None

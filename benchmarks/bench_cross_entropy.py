@@ -12,12 +12,11 @@ Run: ``PYTHONPATH=. python3 benchmarks/bench_cross_entropy.py`` (Liger from a wh
 from __future__ import annotations
 
 import argparse
-import sys
 import traceback
 
 import torch
 import torch.nn.functional as F
-from _common import copy_bandwidth_tbs, environment, graph_ms, median_ms, write_json
+from _common import copy_bandwidth_tbs, environment, graph_ms, import_liger, median_ms, write_json
 
 import lowp_ops
 
@@ -25,20 +24,8 @@ SHAPES = [(4096, 129280), (8192, 32768), (16384, 131072)]
 
 
 def load_liger():
-    """Liger's CE autograd Function, or None. peft in the GPU image can raise a non-ImportError on import,
-    which escapes Liger's own guard: make it a clean ImportError first."""
-    try:
-        import peft  # noqa: F401
-    except ImportError:
-        pass
-    except Exception:
-        sys.modules["peft"] = None
-    try:
-        from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
-    except Exception as error:
-        print(f"Liger unavailable: {type(error).__name__}: {error}")
-        return None
-    return LigerCrossEntropyFunction
+    """Liger's CE autograd Function, or None."""
+    return import_liger("ops.cross_entropy", "LigerCrossEntropyFunction")
 
 
 def run_shape(n_rows: int, vocab: int, copy_tbs: float, liger) -> list[dict]:

@@ -13,12 +13,11 @@ Run: ``PYTHONPATH=. python3 benchmarks/bench_linear_cross_entropy.py [--quick]``
 from __future__ import annotations
 
 import argparse
-import sys
 import traceback
 
 import torch
 import torch.nn.functional as F
-from _common import copy_bandwidth_tbs, environment, median_ms, write_json
+from _common import copy_bandwidth_tbs, environment, import_liger, median_ms, write_json
 
 import lowp_ops
 from lowp_ops.kernels import mxfp8_gemm as gemm_kernels
@@ -27,20 +26,9 @@ N_TOKENS, HIDDEN, VOCAB = 4096, 4096, 129280
 
 
 def load_liger_flce():
-    """Liger's fused linear cross-entropy loss module, or None (peft in the GPU image can raise a
-    non-ImportError on import, which escapes Liger's own guard: make it a clean ImportError first)."""
-    try:
-        import peft  # noqa: F401
-    except ImportError:
-        pass
-    except Exception:
-        sys.modules["peft"] = None
-    try:
-        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-    except Exception as error:
-        print(f"Liger unavailable, skipped: {type(error).__name__}: {error}")
-        return None
-    return LigerFusedLinearCrossEntropyLoss()
+    """Liger's fused linear cross-entropy loss module, or None."""
+    loss_class = import_liger("transformers", "LigerFusedLinearCrossEntropyLoss")
+    return None if loss_class is None else loss_class()
 
 
 def measure(name: str, loss_fn, h, w, target, copy_ms: float, rows: list) -> None:
