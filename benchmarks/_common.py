@@ -17,9 +17,9 @@ def median_ms(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
     return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
-def graph_ms(fn, calls: int = 10) -> float:
-    """GPU time per call of ``fn`` without host (launch) overhead: median replay of a CUDA graph holding
-    ``calls`` calls, divided by ``calls``. Raises if ``fn`` cannot be captured (e.g. it syncs)."""
+def capture_graph(fn, calls: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``calls`` calls of ``fn``, after three warm-up calls on a side stream. Raises if
+    ``fn`` cannot be captured (e.g. it syncs with the host)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -30,9 +30,13 @@ def graph_ms(fn, calls: int = 10) -> float:
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    ms = median_ms(graph.replay) / calls
-    del graph
-    return ms
+    return graph
+
+
+def graph_ms(fn, calls: int = 10) -> float:
+    """GPU time per call of ``fn`` without host (launch) overhead: median replay of a CUDA graph holding
+    ``calls`` calls, divided by ``calls``."""
+    return median_ms(capture_graph(fn, calls).replay) / calls
 
 
 def copy_bandwidth_tbs(device: str = "cuda", gib: float = 2.0) -> tuple[float, float]:

@@ -25,7 +25,7 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _common import copy_bandwidth_tbs, environment, write_json
+from _common import capture_graph, copy_bandwidth_tbs, environment, write_json
 
 import lowp_ops
 
@@ -53,19 +53,8 @@ def timed_ms(fn, group, calls: int, warmup: int = 5) -> float:
 
 def graph_timed_ms(fn, group, replays: int, calls_per_graph: int = 10) -> float:
     """GPU ms per call: a CUDA graph of ``calls_per_graph`` calls, replayed ``replays`` times."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls_per_graph):
-            fn()
-    ms = timed_ms(graph.replay, group, replays, warmup=2) / calls_per_graph
-    del graph
-    return ms
+    graph = capture_graph(fn, calls_per_graph)
+    return timed_ms(graph.replay, group, replays, warmup=2) / calls_per_graph
 
 
 def make_cases(logits: torch.Tensor, target: torch.Tensor, group) -> dict:
