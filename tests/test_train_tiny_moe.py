@@ -48,6 +48,16 @@ def test_short_cpu_run_learns_with_no_graph_break_and_no_recompile():
     assert int(recompiles) == 0
 
 
+def test_plot_trains_the_three_recipes_and_writes_a_png(tmp_path):
+    path = tmp_path / "losses.png"
+    out = run_example("--steps", "2", "--device", "cpu", "--plot", str(path))
+    recipes = [line.split()[0] for line in out.splitlines() if line.startswith("recipe=")]
+    assert sorted(recipes) == ["recipe=bf16", "recipe=mxfp8", "recipe=nvfp4"]
+    data = path.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 200
+    assert SUMMARY.match(out.strip().splitlines()[-1])
+
+
 def test_bad_arguments_are_rejected_with_the_argument_named():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     result = subprocess.run(
