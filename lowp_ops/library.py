@@ -41,11 +41,18 @@ def cpu_runs_triton() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("LOWP_OPS_CPU_KERNELS") == "triton"
 
 
-def _define(name: str, schema: str, reference: Callable, launcher: str | None, fake: Callable):
+def _define(
+    name: str,
+    schema: str,
+    reference: Callable,
+    launcher: str | None,
+    fake: Callable,
+    mutates_args: tuple[str, ...] = (),
+):
     """Define ``lowp::<name>``: reference by default, ``kernels.<launcher>`` on CUDA, ``fake`` for tracing.
     Without a launcher the reference (graph-safe, no host sync) also serves CUDA."""
     if launcher is None:
-        op = torch.library.custom_op(f"lowp::{name}", reference, mutates_args=(), schema=schema)
+        op = torch.library.custom_op(f"lowp::{name}", reference, mutates_args=mutates_args, schema=schema)
         op.register_fake(fake)
         return op
     module_name, function_name = launcher.rsplit(".", 1)
@@ -58,7 +65,7 @@ def _define(name: str, schema: str, reference: Callable, launcher: str | None, f
     def default(*args):
         return triton_kernel(*args) if cpu_runs_triton() else reference(*args)
 
-    op = torch.library.custom_op(f"lowp::{name}", default, mutates_args=(), schema=schema)
+    op = torch.library.custom_op(f"lowp::{name}", default, mutates_args=mutates_args, schema=schema)
     op.register_kernel("cuda")(triton_kernel)
     op.register_fake(fake)
     return op
@@ -350,12 +357,13 @@ linear_cross_entropy_fwd_bwd = _define(
     linear_ce_meta.linear_cross_entropy_fwd_bwd_outputs,
 )
 
-scale_by = _define(
-    "scale_by",
-    "(Tensor x, Tensor scale) -> Tensor",
-    linear_ce_ref.scale_by,
-    "linear_cross_entropy.launch_scale_by",
-    linear_ce_meta.scale_by_output,
+scale_by_ = _define(
+    "scale_by_",
+    "(Tensor(a!) x, Tensor scale) -> ()",
+    linear_ce_ref.scale_by_,
+    "linear_cross_entropy.launch_scale_by_",
+    linear_ce_meta.check_scale_by_args,
+    mutates_args=("x",),
 )
 
 
@@ -383,14 +391,14 @@ def _linear_cross_entropy_fwd_bwd_setup(ctx, inputs, output):
 
 
 def _linear_cross_entropy_fwd_bwd_backward(ctx, grad_loss, _grad_dhidden, _grad_dweight):
-    # The forward computed the gradients of the loss itself; the chain rule only scales them.
+    # The forward computed the gradients of the loss itself; the chain rule only scales them, in place
+    # (no second copy of dweight; a second backward through this node fails autograd's version check).
     dhidden, dweight = ctx.saved_tensors
     computed_dhidden, computed_dweight = ctx.computed
-    return (
-        scale_by(dhidden, grad_loss) if computed_dhidden else None,
-        scale_by(dweight, grad_loss) if computed_dweight else None,
-        *[None] * 9,
-    )
+    for grad, computed in ((dhidden, computed_dhidden), (dweight, computed_dweight)):
+        if computed:
+            scale_by_(grad, grad_loss)
+    return (dhidden if computed_dhidden else None, dweight if computed_dweight else None, *[None] * 9)
 
 
 linear_cross_entropy_fwd.register_autograd(
@@ -417,4 +425,28 @@ vocab_parallel_ce_merge = _define(
     vocab_parallel_ref.vocab_parallel_ce_merge,
     "vocab_parallel.launch_vocab_parallel_ce_merge",
     vocab_parallel_meta.vocab_parallel_ce_merge_outputs,
+)
+
+# ------------------------------------ vocabulary-parallel LM head + cross entropy (lowp_ops.distributed)
+# Imported here, not at the top, to keep this section self-contained.
+from .meta import linear_vocab_parallel as linear_vocab_parallel_meta  # noqa: E402
+from .reference import linear_vocab_parallel as linear_vocab_parallel_ref  # noqa: E402
+
+linear_vocab_parallel_ce_stats = _define(
+    "linear_vocab_parallel_ce_stats",
+    "(Tensor hidden, Tensor weight, Tensor target, SymInt vocab_start, bool logit_sum, int chunk_size)"
+    " -> Tensor",
+    linear_vocab_parallel_ref.linear_vocab_parallel_ce_stats,
+    "linear_vocab_parallel.launch_linear_vocab_parallel_ce_stats",
+    linear_vocab_parallel_meta.linear_vocab_parallel_ce_stats_output,
+)
+
+linear_vocab_parallel_ce_bwd = _define(
+    "linear_vocab_parallel_ce_bwd",
+    "(Tensor hidden, Tensor weight, Tensor target, Tensor lse, Tensor grad_rows, float label_smoothing,"
+    " SymInt ignore_index, str grad_format, str other_operand, int chunk_size, bool compute_dhidden,"
+    " bool compute_dweight, SymInt vocab_start, SymInt vocab_total) -> (Tensor, Tensor)",
+    linear_vocab_parallel_ref.linear_vocab_parallel_ce_bwd,
+    "linear_vocab_parallel.launch_linear_vocab_parallel_ce_bwd",
+    linear_vocab_parallel_meta.linear_vocab_parallel_ce_bwd_outputs,
 )

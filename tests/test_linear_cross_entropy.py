@@ -179,6 +179,64 @@ def test_forward_keeps_no_logits_sized_tensor(reduction):
     loss.sum().backward()
 
 
+def test_second_backward_through_the_fused_node_fails_instead_of_scaling_twice():
+    """The fused path scales its saved gradients in place; autograd's version check must stop a second
+    backward (retain_graph) from using the already scaled tensors."""
+    h, w, target = make_inputs()
+    w.requires_grad_()
+    loss = lowp_ops.linear_cross_entropy(h, w, target)
+    loss.backward(torch.tensor(0.5), retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward(torch.tensor(0.5))
+
+
+def scale_by_checks(dtype=torch.bfloat16, scales=(1.0, 0.3, -2.5), device="cpu"):
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(3, 4099, generator=gen) * 100).to(dtype)
+    x[0, :5] = torch.tensor([float("inf"), -0.0, float("-inf"), 0.0, 1e-30])
+    x = x.to(device)
+    for scale in scales:
+        got = x.clone()
+        torch.ops.lowp.scale_by_(got, torch.tensor(scale, device=device))
+        want = (x.float() * scale).to(dtype)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), scale
+    strided = x.clone()[:, ::2]
+    torch.ops.lowp.scale_by_(strided, torch.tensor(0.3, device=device))
+    assert torch.equal(strided, (x[:, ::2].float() * 0.3).to(dtype))
+
+
+def test_scale_by_in_place_is_one_rounding_of_the_fp32_product():
+    scale_by_checks()
+
+
+@pytest.mark.interp
+def test_scale_by_kernel_interp():
+    """fp32 (no rounding) and exact bf16 scales: the interpreter's own fp32 -> bf16 cast truncates."""
+    scale_by_checks(torch.float32)
+    scale_by_checks(torch.bfloat16, scales=(1.0, 0.5, -4.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_scale_by_kernel_is_one_rounding_of_the_fp32_product_gpu(dtype):
+    scale_by_checks(dtype, device="cuda")
+
+
+@pytest.mark.interp
+def test_cross_entropy_backward_written_over_its_logits_equals_a_fresh_buffer_interp():
+    gen = torch.Generator().manual_seed(4)
+    logits = (torch.randn(40, 300, generator=gen) * 3).to(torch.bfloat16)
+    target = torch.randint(0, 300, (40,), generator=gen)
+    target[::5] = IGNORE
+    lse = torch.logsumexp(logits.float(), dim=1)
+    grad_rows = torch.full((40,), 0.1)
+    fresh = lce_kernels.launch_cross_entropy_bwd(logits, target, lse, grad_rows, 0.1, IGNORE)
+    in_place = logits.clone()
+    returned = lce_kernels.cross_entropy_bwd_in_place(in_place, target, lse, grad_rows, 0.1, IGNORE)
+    assert returned.data_ptr() == in_place.data_ptr()
+    assert torch.equal(in_place.view(torch.int16), fresh.view(torch.int16))
+
+
 def test_frozen_weight_gets_no_gradient_and_hidden_still_does():
     h, w, target = make_inputs()
     h.requires_grad_()
@@ -296,7 +354,7 @@ def test_opcheck_fwd_bwd_and_scale_by(grad_format):
             torch.ops.lowp.linear_cross_entropy_fwd_bwd.default,
             (h, w, target, row_weight, 0.0, IGNORE, grad_format, "bf16", 32, *computed),
         )
-    torch.library.opcheck(torch.ops.lowp.scale_by.default, (w, torch.tensor(0.3)))
+    torch.library.opcheck(torch.ops.lowp.scale_by_.default, (w.clone(), torch.tensor(0.3)))
 
 
 # ----------------------------------------------------------------------------------- torch.compile
@@ -363,7 +421,8 @@ def test_kernels_match_reference_interp(reduction, grad_format, other_operand):
         want_loss, want_dh, want_dw = lce_ref.linear_cross_entropy_fwd_bwd(
             h, w, target, row_weight, *config, True, True
         )
-        want_dh, want_dw = lce_ref.scale_by(want_dh, grad_loss), lce_ref.scale_by(want_dw, grad_loss)
+        lce_ref.scale_by_(want_dh, grad_loss)
+        lce_ref.scale_by_(want_dw, grad_loss)
     else:
         want_loss, lse = lce_ref.linear_cross_entropy_fwd(h, w, target, *config)
         want_dh, want_dw = lce_ref.linear_cross_entropy_bwd(h, w, target, lse, grad_loss, *config, True, True)
@@ -372,6 +431,34 @@ def test_kernels_match_reference_interp(reduction, grad_format, other_operand):
     # error (operand, copy or scale layout) would be O(1).
     for got, want in ((dh, want_dh), (dw, want_dw)):
         assert relative_error(got, want.double()) < GRAD_RTOL[grad_format]
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("a_use", ["rowwise", "columnwise"])
+@pytest.mark.parametrize("other", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_dequantize_then_cublas_gemm_matches_the_reference_gemm_interp(a_use, other, accumulate):
+    """The sm90 path of the MXFP8 GEMMs (dequantize to bf16, then one fp32-accumulating matmul) against the
+    reference GEMM: exact operands, so only the final bf16 rounding (and summation order) may differ."""
+    from lowp_ops.reference import mxfp8 as mxfp8_ref
+
+    gen = torch.Generator().manual_seed(5)
+    dy = (torch.randn(64, 96, generator=gen) * 3).to(torch.bfloat16)  # (tokens, vocab)
+    row_data, row_scale, col_data, col_scale = mxfp8_ref.mxfp8_quantize(dy, "e4m3", True, True, "compact")
+    a_data, a_scale = (row_data, row_scale) if a_use == "rowwise" else (col_data, col_scale)
+    k = 96 if a_use == "rowwise" else 64
+    b = torch.randn(k, 40, generator=gen).to(torch.bfloat16)
+    b_scale = None
+    if other == "mxfp8":
+        _, _, b, b_scale = mxfp8_ref.mxfp8_quantize(b, "e4m3", False, True, "compact")
+    start = torch.randn(a_data.shape[0] if a_use == "rowwise" else a_data.shape[1], 40, generator=gen)
+    got, want = start.to(torch.bfloat16), start.to(torch.bfloat16)
+    args = (a_data, a_scale, a_use, "e4m3", b, b_scale, "e4m3", accumulate)
+    lce_kernels.dequantize_then_mm_into(got, *args)
+    lce_ref.REFERENCE_STEPS.mxfp8_gemm_into(want, *args)
+    # One bf16 rounding of the same fp32 sum: equal, or one bf16 step apart where the order mattered.
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-3)
+    assert (got != want).float().mean() < 0.05
 
 
 # -------------------------------------------------------------------------------------- tiny LM

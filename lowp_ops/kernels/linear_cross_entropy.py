@@ -1,5 +1,6 @@
 """LM head + cross entropy on CUDA (or interpreted CPU) tensors: the reference's chunk schedule run with
-cuBLAS for the bf16 GEMMs, the Triton cross-entropy kernels and the Triton MXFP8 GEMM.
+cuBLAS for the bf16 GEMMs, the Triton cross-entropy kernels, and for the MXFP8 gradient either the
+Triton MXFP8 GEMM or (sm90, where it is faster) a dequantize to bf16 followed by cuBLAS.
 
 bf16 GEMMs stay on cuBLAS (fp32 accumulation): ``addmm_`` accumulates ``dweight`` in place with one
 rounding per chunk, as the reference specifies.
@@ -11,10 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..meta.linear_cross_entropy import scale_by_output
+from ..meta.linear_cross_entropy import check_scale_by_args
 from ..reference.linear_cross_entropy import Steps, backward_chunks, forward_chunks, fwd_bwd_chunks
 from .cross_entropy import launch_cross_entropy_bwd, launch_cross_entropy_bwd_mxfp8, launch_cross_entropy_fwd
-from .mxfp8 import launch_mxfp8_quantize
+from .mxfp8 import launch_mxfp8_dequantize, launch_mxfp8_quantize
 from .mxfp8_gemm import mxfp8_gemm_into
 
 SCALE_BLOCK = 4096
@@ -31,18 +32,52 @@ def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate
         torch.mm(a, b, out=out)
 
 
+def dequantize_then_mm_into(
+    out, a_data, a_scale, a_use, a_fp8_dtype, b, b_scale, b_fp8_dtype, accumulate
+) -> None:
+    """``out = bf16(op(A) @ B [+ out])`` through bf16 copies of the MXFP8 operands and cuBLAS. The copies
+    are exact (an FP8 value times a power of two fits bf16 unless it falls below 2^-133), products
+    accumulate in fp32 and round once: the Triton MXFP8 GEMM's numerics, up to summation order."""
+    a = launch_mxfp8_dequantize(a_data, a_scale, a_fp8_dtype, a_use, "compact", torch.bfloat16)
+    a = a.t() if a_use == "columnwise" else a
+    if b_scale is not None:
+        b = launch_mxfp8_dequantize(b, b_scale, b_fp8_dtype, "columnwise", "compact", torch.bfloat16)
+    _matmul_into(out, a, b, accumulate)
+
+
+def _cublas_after_dequantize_is_faster(out: torch.Tensor, b: torch.Tensor, b_scale) -> bool:
+    """On GPUs without block-scaled tensor cores (sm90), dequantize + cuBLAS beat every Triton MXFP8
+    GEMM variant measured on the H200 (2048 x 129280 x 4096 chunk: dgrad 3.23 ms against 5.48,
+    wgrad 3.27 against 8.90; cuBLAS bf16 alone 2.96 / 3.21); bf16 results only."""
+    if not out.is_cuda or out.dtype != torch.bfloat16 or (b_scale is None and b.dtype != torch.bfloat16):
+        return False
+    return torch.cuda.get_device_capability(out.device)[0] < 10
+
+
+def _mxfp8_gemm_into(out, a_data, a_scale, a_use, a_fp8_dtype, b, b_scale, b_fp8_dtype, accumulate) -> None:
+    gemm = dequantize_then_mm_into if _cublas_after_dequantize_is_faster(out, b, b_scale) else mxfp8_gemm_into
+    gemm(out, a_data, a_scale, a_use, a_fp8_dtype, b, b_scale, b_fp8_dtype, accumulate)
+
+
 def _quantize_columnwise(x: torch.Tensor, fp8_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     _, _, col_data, col_scale = launch_mxfp8_quantize(x, fp8_dtype, False, True, "compact")
     return col_data, col_scale
 
 
+def cross_entropy_bwd_in_place(logits, target, lse, grad_rows, label_smoothing, ignore_index, *vocab):
+    """The bf16 cross-entropy backward written over the chunk's own logits (no second C x V buffer)."""
+    return launch_cross_entropy_bwd(
+        logits, target, lse, grad_rows, label_smoothing, ignore_index, *vocab, out=logits.contiguous()
+    )
+
+
 KERNEL_STEPS = Steps(
     logits=_logits,
     ce_fwd=launch_cross_entropy_fwd,
-    ce_bwd=launch_cross_entropy_bwd,
+    ce_bwd=cross_entropy_bwd_in_place,
     ce_bwd_mxfp8=launch_cross_entropy_bwd_mxfp8,
     matmul_into=_matmul_into,
-    mxfp8_gemm_into=mxfp8_gemm_into,
+    mxfp8_gemm_into=_mxfp8_gemm_into,
     quantize_columnwise=_quantize_columnwise,
 )
 
@@ -63,20 +98,24 @@ def launch_linear_cross_entropy_fwd_bwd(*args):
 
 
 @triton.jit
-def scale_by_kernel(x_ptr, scale_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def scale_by_kernel(x_ptr, scale_ptr, n, BLOCK: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    in_bounds = offsets < n
-    x = tl.load(x_ptr + offsets, mask=in_bounds, other=0.0).to(tl.float32)
     scale = tl.load(scale_ptr).to(tl.float32)
-    tl.store(out_ptr + offsets, (x * scale).to(out_ptr.dtype.element_ty), mask=in_bounds)
+    # scale == 1 (a loss differentiated directly) moves no bytes: every access is masked off.
+    in_bounds = offsets < tl.where(scale != 1.0, n, 0)
+    x = tl.load(x_ptr + offsets, mask=in_bounds, other=0.0).to(tl.float32)
+    tl.store(x_ptr + offsets, (x * scale).to(x_ptr.dtype.element_ty), mask=in_bounds)
 
 
-def launch_scale_by(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``lowp::scale_by``: one read and one write of ``x``, the scale read on the device."""
-    out = scale_by_output(x, scale)
-    x = x.contiguous()
-    if x.numel():
-        scale_by_kernel[(triton.cdiv(x.numel(), SCALE_BLOCK),)](
-            x, scale, out, x.numel(), BLOCK=SCALE_BLOCK, num_warps=4
-        )
-    return out
+def launch_scale_by_(x: torch.Tensor, scale: torch.Tensor) -> None:
+    """``lowp::scale_by_``: ``x *= scale`` in place, the scale read on the device; one read and one write
+    of ``x``, none when the scale is 1."""
+    check_scale_by_args(x, scale)
+    if x.numel() == 0:
+        return
+    if not x.is_contiguous():
+        x.copy_(x.float() * scale.float())
+        return
+    scale_by_kernel[(triton.cdiv(x.numel(), SCALE_BLOCK),)](
+        x, scale, x.numel(), BLOCK=SCALE_BLOCK, num_warps=4
+    )

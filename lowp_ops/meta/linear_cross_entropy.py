@@ -7,12 +7,15 @@ Peak extra memory (beyond inputs and the ``dhidden (N, H)`` / ``dweight (V, H)``
 ``C = chunk_size`` and ``b`` the inputs' element size:
 
 - forward without gradients: ``C·V·b`` (one logits chunk) + 8 N bytes (loss, lse);
-- gradient, ``grad_format=None``: ``2·C·V·b`` (logits chunk and its bf16 gradient);
-- gradient, MXFP8: ``C·V·(b + 2 + 1/16)`` (logits chunk, row- and column-wise FP8 copies, E8M0 scales);
+- gradient, ``grad_format=None``: ``C·V·b`` on CUDA (the gradient is written over its logits chunk),
+  ``2·C·V·b`` in the CPU reference;
+- gradient, MXFP8: ``C·V·(b + 2 + 1/16)`` (logits chunk, row- and column-wise FP8 copies, E8M0 scales),
+  plus ``2·C·V`` on sm90, where each copy is dequantized to bf16 for cuBLAS (one at a time);
   ``other_operand="mxfp8"`` adds the quantized weight ``1.03·V·H`` and one ``1.03·C·H`` hidden chunk.
 
-The default chunk keeps a logits chunk near 512 MiB of bf16: at V = 129280 that is 2048 tokens, so the
-gradient's extra memory (1 GiB) equals the size of ``dweight`` at H = 4096.
+The reduced losses (mean, sum) compute the gradients in the forward and scale them in place in the
+backward, so ``dhidden`` and ``dweight`` exist once. The default chunk keeps a logits chunk near 512 MiB
+of bf16: at V = 129280 that is 2048 tokens, half the size of ``dweight`` at H = 4096.
 """
 
 from __future__ import annotations
@@ -175,8 +178,8 @@ def linear_cross_entropy_fwd_bwd_outputs(
     return (loss, *_grad_outputs(hidden, weight, compute_dhidden, compute_dweight))
 
 
-def scale_by_output(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x``'s shape and dtype, contiguous; ``scale`` is a 0-d float tensor."""
+def check_scale_by_args(x: torch.Tensor, scale: torch.Tensor) -> None:
+    """``lowp::scale_by_`` (in place): ``x`` float32/bf16/fp16, ``scale`` a 0-d float tensor."""
     require(
         scale.dim() == 0 and scale.is_floating_point(),
         lambda: f"scale must be a 0-d float tensor, got {scale.dtype} of shape {tuple(scale.shape)}",
@@ -184,4 +187,3 @@ def scale_by_output(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     require(
         x.dtype in HIGH_PRECISION_DTYPES, lambda: f"x must be float32, bfloat16 or float16, got {x.dtype}"
     )
-    return x.new_empty(x.shape)

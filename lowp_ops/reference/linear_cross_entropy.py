@@ -24,12 +24,12 @@ from dataclasses import dataclass
 import torch
 
 from ..meta.linear_cross_entropy import (
+    check_scale_by_args,
     chunk_bounds,
     fp8_dtype_of,
     linear_cross_entropy_bwd_outputs,
     linear_cross_entropy_fwd_bwd_outputs,
     linear_cross_entropy_fwd_outputs,
-    scale_by_output,
 )
 from . import cross_entropy as ce_ref
 from . import mxfp8 as mxfp8_ref
@@ -45,7 +45,7 @@ class Steps:
 
     logits: Callable  # (hidden_c, weight) -> logits_c in the inputs' dtype
     ce_fwd: Callable  # lowp::cross_entropy_fwd
-    ce_bwd: Callable  # lowp::cross_entropy_bwd
+    ce_bwd: Callable  # lowp::cross_entropy_bwd; may write dlogits over its (chunk's own) logits
     ce_bwd_mxfp8: Callable  # lowp::cross_entropy_bwd_mxfp8
     matmul_into: Callable  # (out, a, b, accumulate): out = dtype(a @ b [+ out])
     mxfp8_gemm_into: Callable  # (out, *lowp::mxfp8_gemm args without out_dtype, accumulate)
@@ -184,6 +184,7 @@ def forward_chunks(
         loss_c, lse_c = steps.ce_fwd(logits_c, target[start:end], label_smoothing, ignore_index)
         loss[start:end] = loss_c
         lse[start:end] = lse_c
+        del logits_c
     return loss, lse
 
 
@@ -203,6 +204,7 @@ def gradient_chunks(
         else:
             lse_c = lse[start:end]
         writer.write(start, end, hidden_c, logits_c, target_c, lse_c, per_row[start:end])
+        del logits_c  # before the next chunk's logits exist: one chunk at a time
     writer.finish()
 
 
@@ -314,9 +316,9 @@ def linear_cross_entropy_fwd_bwd(*args):
     return fwd_bwd_chunks(*args, steps=REFERENCE_STEPS)
 
 
-def scale_by(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Reference of ``lowp::scale_by``: ``x * scale`` in fp32, one rounding to x's dtype (the upstream
-    gradient of a fused loss applied to the gradients computed in its forward)."""
-    out = scale_by_output(x, scale)
-    out.copy_(x.float() * scale.float())
-    return out
+def scale_by_(x: torch.Tensor, scale: torch.Tensor) -> None:
+    """Reference of ``lowp::scale_by_``: ``x = dtype(x * scale)`` in place, in fp32 with one rounding (the
+    upstream gradient of a fused loss applied to the gradients computed in its forward). ``scale == 1``
+    leaves ``x`` as it is, which is also what the product gives."""
+    check_scale_by_args(x, scale)
+    x.copy_(x.float() * scale.float())

@@ -1,0 +1,78 @@
+"""Vocabulary-parallel LM head + cross entropy: one rank's part (pure PyTorch: semantics and CPU ops).
+
+Rank ``r`` holds the weight rows of the vocabulary ids ``[vocab_start, vocab_start + V)`` of
+``vocab_total``; ``hidden (N, H)`` and the global ``target (N,)`` are the same on every rank.
+
+- Forward (``lowp::linear_vocab_parallel_ce_stats``): per chunk of tokens, ``logits_c = dtype(hidden_c @
+  weight^T)`` exactly as the single-rank op computes them, then the shard's per-row packet of
+  :func:`lowp_ops.reference.vocab_parallel.vocab_parallel_ce_stats`; only one chunk's logits exist. The
+  packets are then all-gathered and merged (``lowp::vocab_parallel_ce_merge``) into the loss and global lse.
+- Backward (``lowp::linear_vocab_parallel_ce_bwd``): the single-rank chunk schedule
+  (:func:`~lowp_ops.reference.linear_cross_entropy.backward_chunks`) whose cross-entropy steps know the
+  shard (``vocab_start``, ``vocab_total``: global ``eps``, one-hot only on the rank holding the target).
+  Given the same global lse, its dlogits (bf16, or the MXFP8 payload when ``V`` is a multiple of 32) are
+  the columns of the single-rank dlogits, so ``dweight`` is this rank's rows of the single-rank ``dweight``;
+  ``dhidden`` is this shard's partial sum (the caller all-reduces it over ranks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import torch
+
+from ..meta.linear_cross_entropy import chunk_bounds
+from ..meta.linear_vocab_parallel import check_weight_shard, linear_vocab_parallel_ce_stats_output
+from .linear_cross_entropy import REFERENCE_STEPS, Steps, backward_chunks
+from .vocab_parallel import vocab_parallel_ce_stats as shard_stats_ref
+
+
+def stats_chunks(hidden, weight, target, vocab_start, logit_sum, chunk_size, *, logits: Callable, shard_stats):
+    """``lowp::linear_vocab_parallel_ce_stats`` with the given ``logits`` and ``shard_stats`` steps."""
+    stats = linear_vocab_parallel_ce_stats_output(hidden, weight, target, vocab_start, logit_sum, chunk_size)
+    for start, end in chunk_bounds(hidden.shape[0], weight.shape[0], chunk_size):
+        logits_c = logits(hidden[start:end], weight)
+        stats[:, start:end] = shard_stats(logits_c, target[start:end], vocab_start, logit_sum)
+    return stats
+
+
+def shard_steps(steps: Steps, vocab_start: int, vocab_total: int) -> Steps:
+    """``steps`` whose cross-entropy backward steps treat the logits as the given vocabulary shard."""
+    shard = dict(vocab_start=vocab_start, vocab_total=vocab_total)
+    return dataclasses.replace(
+        steps,
+        ce_bwd=functools.partial(steps.ce_bwd, **shard),
+        ce_bwd_mxfp8=functools.partial(steps.ce_bwd_mxfp8, **shard),
+    )
+
+
+def bwd_chunks(*args, steps: Steps, on_dlogits=None):
+    """``lowp::linear_vocab_parallel_ce_bwd``: ``lowp::linear_cross_entropy_bwd``'s arguments followed by
+    ``vocab_start, vocab_total``."""
+    *single_rank_args, vocab_start, vocab_total = args
+    check_weight_shard(single_rank_args[1], vocab_start, vocab_total)
+    return backward_chunks(
+        *single_rank_args, steps=shard_steps(steps, vocab_start, vocab_total), on_dlogits=on_dlogits
+    )
+
+
+def linear_vocab_parallel_ce_stats(hidden, weight, target, vocab_start, logit_sum, chunk_size):
+    """Reference of ``lowp::linear_vocab_parallel_ce_stats``: the packet ``(SHARD_STATS, N)`` fp32."""
+    return stats_chunks(
+        hidden,
+        weight,
+        target,
+        vocab_start,
+        logit_sum,
+        chunk_size,
+        logits=REFERENCE_STEPS.logits,
+        shard_stats=shard_stats_ref,
+    )
+
+
+def linear_vocab_parallel_ce_bwd(*args) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of ``lowp::linear_vocab_parallel_ce_bwd``: ``(dhidden partial, dweight)``."""
+    return bwd_chunks(*args, steps=REFERENCE_STEPS)
+
