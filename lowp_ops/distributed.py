@@ -63,6 +63,11 @@ def vocab_parallel_cross_entropy_stats(
     shard_width = logits.shape[1]
     vocab_start, _ = vocab_shard(shard_width, process_group)
     stats = torch.ops.lowp.vocab_parallel_ce_stats(logits, target, vocab_start, label_smoothing > 0)
+    return _gather_and_merge(stats, target, shard_width, label_smoothing, ignore_index, process_group)
+
+
+def _gather_and_merge(stats, target, shard_width, label_smoothing, ignore_index, process_group):
+    """This rank's packet -> (loss, lse) of all ranks: one all-gather, then the same merge everywhere."""
     gathered = funcol.wait_tensor(_all_gather(stats, 0, process_group))
     merge = torch.ops.lowp.vocab_parallel_ce_merge
     return merge(gathered, target, shard_width, label_smoothing, ignore_index)
@@ -96,3 +101,109 @@ def vocab_parallel_cross_entropy_rows(
 ) -> torch.Tensor:
     """Differentiable per-row loss (N,) fp32 of this rank's ``(N, V)`` shard (see the module docstring)."""
     return VocabParallelCrossEntropy.apply(logits, target, label_smoothing, ignore_index, process_group)
+
+
+# ------------------------------------------------- vocabulary-parallel LM head + cross entropy
+# lowp_ops.linear_cross_entropy(..., process_group=pg): rank r holds the weight rows of the vocabulary ids
+# [r V, (r + 1) V) (the layout above, checked the same way: unequal widths give NaN everywhere).
+
+
+def linear_vocab_parallel_cross_entropy_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    chunk_size: int,
+    process_group: dist.ProcessGroup,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (per-row loss (N,) fp32, global lse (N,) fp32) of ``hidden @ weight^T``, identical on every rank;
+    not differentiable. Only one ``chunk_size`` chunk of this rank's logits exists at a time."""
+    check_process_group(process_group)
+    shard_width = weight.shape[0]
+    vocab_start, _ = vocab_shard(shard_width, process_group)
+    stats = torch.ops.lowp.linear_vocab_parallel_ce_stats(
+        hidden, weight, target, vocab_start, label_smoothing > 0, chunk_size
+    )
+    return _gather_and_merge(stats, target, shard_width, label_smoothing, ignore_index, process_group)
+
+
+class LinearVocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-row loss of ``hidden @ weight_shard^T``; one all-gather in the forward, and in the backward
+    one all-reduce of the hidden gradient (unless the caller reduces it itself)."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        target,
+        label_smoothing,
+        ignore_index,
+        grad_format,
+        other_operand,
+        chunk_size,
+        process_group,
+        reduce_hidden_grad,
+    ):
+        loss, lse = linear_vocab_parallel_cross_entropy_stats(
+            hidden, weight, target, label_smoothing, ignore_index, chunk_size, process_group
+        )
+        ctx.config = (label_smoothing, ignore_index, grad_format, other_operand, chunk_size)
+        ctx.shard = vocab_shard(weight.shape[0], process_group)
+        ctx.process_group, ctx.reduce_hidden_grad = process_group, reduce_hidden_grad
+        ctx.save_for_backward(hidden, weight, target, lse)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        hidden, weight, target, lse = ctx.saved_tensors
+        need_dhidden, need_dweight = ctx.needs_input_grad[:2]
+        dhidden, dweight = torch.ops.lowp.linear_vocab_parallel_ce_bwd(
+            hidden,
+            weight,
+            target,
+            lse,
+            grad_loss.float(),
+            *ctx.config,
+            need_dhidden,
+            need_dweight,
+            *ctx.shard,
+        )
+        if need_dhidden and ctx.reduce_hidden_grad:
+            # Summed in fp32 (one rounding of the W shard partials), identical on every rank.
+            summed = funcol.all_reduce(dhidden.float(), "sum", ctx.process_group)
+            dhidden = funcol.wait_tensor(summed).to(hidden.dtype)
+        return (dhidden if need_dhidden else None, dweight if need_dweight else None, *[None] * 8)
+
+
+def linear_vocab_parallel_cross_entropy_rows(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    grad_format: str,
+    other_operand: str,
+    chunk_size: int,
+    process_group: dist.ProcessGroup,
+    reduce_hidden_grad: bool,
+) -> torch.Tensor:
+    """Differentiable per-row loss (N,) fp32, identical on every rank, of ``hidden (N, H)`` (replicated)
+    and this rank's ``weight (V, H)`` rows; ``grad_format`` as the op's (``"none"``, ``"mxfp8_e4m3"``, ...).
+
+    Gradients: ``weight``'s is this rank's rows of the single-rank gradient (given the same lse: byte for
+    byte); ``hidden``'s is summed over the ranks (all-reduce in fp32) unless ``reduce_hidden_grad`` is
+    False, when it is this shard's partial sum for a caller that all-reduces input gradients itself."""
+    return LinearVocabParallelCrossEntropy.apply(
+        hidden,
+        weight,
+        target,
+        label_smoothing,
+        ignore_index,
+        grad_format,
+        other_operand,
+        chunk_size,
+        process_group,
+        reduce_hidden_grad,
+    )

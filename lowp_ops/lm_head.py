@@ -13,12 +13,15 @@ from .meta.mxfp8_gemm import check_other_operand
 PUBLIC_GRAD_FORMATS = (None, "mxfp8_e4m3", "mxfp8_e5m2")
 
 
-def _check_process_group(process_group) -> None:
+def _check_process_group(process_group, reduce_hidden_grad) -> None:
+    require(
+        isinstance(reduce_hidden_grad, bool),
+        lambda: f"reduce_hidden_grad must be a bool, got {type(reduce_hidden_grad).__name__}",
+    )
     if process_group is not None:
-        raise NotImplementedError(
-            "process_group: vocabulary-parallel linear_cross_entropy is not implemented yet; "
-            "pass process_group=None"
-        )
+        from .distributed import check_process_group
+
+        check_process_group(process_group)
 
 
 def _reduce(loss_rows: torch.Tensor, target_rows: torch.Tensor, reduction: str, ignore_index: int):
@@ -50,6 +53,7 @@ def linear_cross_entropy(
     process_group=None,
     chunk_size: int | None = None,
     other_operand: str = "bf16",
+    reduce_hidden_grad: bool = True,
 ) -> torch.Tensor:
     """``F.cross_entropy(F.linear(hidden, weight), target)`` without the ``(N, V)`` logits in memory.
 
@@ -66,7 +70,18 @@ def linear_cross_entropy(
         chunk_size: tokens per chunk (None: the largest multiple of 256 with at most 2^28 logits).
             Peak extra memory with gradients: ``2·chunk·V·b`` (bf16 gradient) or ``chunk·V·(b + 2.06)``
             bytes (MXFP8), b the inputs' element size; see :mod:`lowp_ops.meta.linear_cross_entropy`.
-        label_smoothing, ignore_index, reduction: as ``F.cross_entropy``; process_group: not yet.
+        label_smoothing, ignore_index, reduction: as ``F.cross_entropy``.
+        process_group: vocabulary-parallel LM head (:mod:`lowp_ops.distributed`). Each rank passes the
+            same ``hidden`` and global ``target`` and the weight rows of its vocabulary shard: equal
+            widths, in rank order (unequal widths give a NaN loss on every rank, checked on device).
+            Every rank returns the same loss: per chunk the rank's logits give per-row statistics, one
+            all-gather exchanges them. The forward keeps no gradient (the global log-sum-exp is known
+            only after the exchange): the backward recomputes each chunk's logits (four GEMMs per chunk).
+            ``weight``'s gradient is this rank's rows of the single-rank one.
+        reduce_hidden_grad: with ``process_group``, ``hidden``'s gradient is summed over the ranks by an
+            fp32 all-reduce in the backward (default). False: each rank gets its shard's partial sum, for
+            tensor-parallel regions that all-reduce the input gradient themselves (Megatron's
+            column-parallel LM head).
 
     Returns the fp32 loss (0-d, or ``target.shape`` for ``reduction="none"``); gradients come in the
     inputs' dtypes. Logits are ``dtype(hidden @ weight^T)`` with fp32 accumulation, per chunk.
@@ -77,7 +92,7 @@ def linear_cross_entropy(
     keeps ``hidden``, ``weight``, ``target`` and the per-row log-sum-exp, and the backward recomputes each
     chunk's logits (four GEMMs per chunk). No host synchronization either way.
     """
-    _check_process_group(process_group)
+    _check_process_group(process_group, reduce_hidden_grad)
     check_hidden_weight_target(hidden, weight, target)
     check_label_smoothing(label_smoothing)
     check_reduction(reduction)
@@ -93,6 +108,26 @@ def linear_cross_entropy(
     hidden_rows = hidden.reshape(-1, hidden.shape[-1])
     target_rows = target.reshape(-1)
     op_format = grad_format or "none"
+    if process_group is not None:
+        from .distributed import linear_vocab_parallel_cross_entropy_rows
+
+        loss_rows = linear_vocab_parallel_cross_entropy_rows(
+            hidden_rows,
+            weight,
+            target_rows,
+            float(label_smoothing),
+            int(ignore_index),
+            op_format,
+            other_operand,
+            chunk,
+            process_group,
+            reduce_hidden_grad,
+        )
+        return (
+            loss_rows.view(target.shape)
+            if reduction == "none"
+            else _reduce(loss_rows, target_rows, reduction, ignore_index)
+        )
     need_dhidden, need_dweight = hidden.requires_grad, weight.requires_grad
     if torch.is_grad_enabled() and (need_dhidden or need_dweight) and reduction != "none":
         loss, _, _ = torch.ops.lowp.linear_cross_entropy_fwd_bwd(

@@ -411,3 +411,9 @@ def run_group(
         with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
             results.append(json.load(f))
     return results
+
+
+# ------------------------------------------------- checks of the vocabulary-parallel LM head
+# Registered into CHECKS by importing their module here, so that the spawned ranks (which import this
+# module to find _worker) know them too.
+import linear_vocab_parallel_checks  # noqa: E402, F401

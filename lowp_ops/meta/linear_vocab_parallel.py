@@ -11,7 +11,11 @@ import torch
 
 from .checks import require
 from .cross_entropy import check_vocab_shard
-from .linear_cross_entropy import check_chunk_size, check_hidden_weight_target, linear_cross_entropy_bwd_outputs
+from .linear_cross_entropy import (
+    check_chunk_size,
+    check_hidden_weight_target,
+    linear_cross_entropy_bwd_outputs,
+)
 from .vocab_parallel import MAX_EXACT_WIDTH, SHARD_STATS
 
 
@@ -23,7 +27,7 @@ def linear_vocab_parallel_ce_stats_output(
     logit_sum: bool,
     chunk_size: int,
 ) -> torch.Tensor:
-    """The packet ``(SHARD_STATS, N)`` fp32 of the logits ``hidden @ weight^T`` (ids ``[vocab_start, +V)``)."""
+    """The packet ``(SHARD_STATS, N)`` fp32 of the logits ``hidden @ weight^T`` (ids ``vocab_start + i``)."""
     require(hidden.dim() == 2, lambda: f"hidden must be 2-D (N, H) here, got {hidden.dim()}-D")
     check_hidden_weight_target(hidden, weight, target)
     check_chunk_size(chunk_size)

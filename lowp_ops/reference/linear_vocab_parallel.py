@@ -29,7 +29,9 @@ from .linear_cross_entropy import REFERENCE_STEPS, Steps, backward_chunks
 from .vocab_parallel import vocab_parallel_ce_stats as shard_stats_ref
 
 
-def stats_chunks(hidden, weight, target, vocab_start, logit_sum, chunk_size, *, logits: Callable, shard_stats):
+def stats_chunks(
+    hidden, weight, target, vocab_start, logit_sum, chunk_size, *, logits: Callable, shard_stats
+):
     """``lowp::linear_vocab_parallel_ce_stats`` with the given ``logits`` and ``shard_stats`` steps."""
     stats = linear_vocab_parallel_ce_stats_output(hidden, weight, target, vocab_start, logit_sum, chunk_size)
     for start, end in chunk_bounds(hidden.shape[0], weight.shape[0], chunk_size):
@@ -75,4 +77,3 @@ def linear_vocab_parallel_ce_stats(hidden, weight, target, vocab_start, logit_su
 def linear_vocab_parallel_ce_bwd(*args) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of ``lowp::linear_vocab_parallel_ce_bwd``: ``(dhidden partial, dweight)``."""
     return bwd_chunks(*args, steps=REFERENCE_STEPS)
-
