@@ -18,7 +18,6 @@ Rank ``r`` holds the weight rows of the vocabulary ids ``[vocab_start, vocab_sta
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 
 import torch
@@ -40,13 +39,21 @@ def stats_chunks(
     return stats
 
 
+def _with_shard(step: Callable, vocab_start: int, vocab_total: int) -> Callable:
+    """``step`` with ``vocab_start, vocab_total`` appended to its positional arguments."""
+
+    def sharded(*args):
+        return step(*args, vocab_start, vocab_total)
+
+    return sharded
+
+
 def shard_steps(steps: Steps, vocab_start: int, vocab_total: int) -> Steps:
     """``steps`` whose cross-entropy backward steps treat the logits as the given vocabulary shard."""
-    shard = dict(vocab_start=vocab_start, vocab_total=vocab_total)
     return dataclasses.replace(
         steps,
-        ce_bwd=functools.partial(steps.ce_bwd, **shard),
-        ce_bwd_mxfp8=functools.partial(steps.ce_bwd_mxfp8, **shard),
+        ce_bwd=_with_shard(steps.ce_bwd, vocab_start, vocab_total),
+        ce_bwd_mxfp8=_with_shard(steps.ce_bwd_mxfp8, vocab_start, vocab_total),
     )
 
 

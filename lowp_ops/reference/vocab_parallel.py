@@ -51,7 +51,8 @@ def vocab_parallel_ce_merge(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (loss (N,) fp32, global lse (N,) fp32) from the ranks' packets ``(W * SHARD_STATS, N)``."""
     loss, lse = vocab_parallel_ce_merge_outputs(gathered, target, shard_width, label_smoothing, ignore_index)
-    packets = gathered.view(-1, len(SHARD_STATS), gathered.shape[1]).unbind(0)
+    n_stats = len(SHARD_STATS)
+    packets = gathered.view(gathered.shape[0] // n_stats, n_stats, gathered.shape[1]).unbind(0)
     vocab_total = len(packets) * shard_width
     row_max = packets[0][LSE]
     for packet in packets[1:]:
