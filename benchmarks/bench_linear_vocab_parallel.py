@@ -1,0 +1,166 @@
+"""Vocabulary-parallel LM head + cross entropy on two GPUs (NCCL) against one GPU holding the whole head.
+
+One GPU: ``lowp_ops.linear_cross_entropy`` with hidden 4096 x 4096 and weight 129280 x 4096 bf16 (the
+fused path: three GEMMs per chunk, gradients formed in the forward). Two GPUs: each rank holds 64640
+weight rows and calls it with ``process_group=``: per chunk its logits and per-row packet, one NCCL
+all-gather, the merge; the backward recomputes each chunk (four GEMMs per chunk in all, on half the
+vocabulary) and all-reduces the hidden gradient in fp32 (64 MiB). Cases: forward only, forward +
+backward with a bf16 and with an MXFP8 (E4M3) logits gradient, and the all-reduce alone.
+
+Timings as ``bench_vocab_parallel.py``: a fixed number of calls on every rank, eager and CUDA-graph
+replays, the slowest rank's time. GEMM-bound, so the table reports useful TFLOP/s (2 N H V per GEMM:
+1 GEMM forward, 3 forward + backward; the parallel path's recomputed GEMM is not counted) next to the
+copy ceiling measured in the same run.
+
+Run on a machine with two GPUs: ``PYTHONPATH=. python3 benchmarks/bench_linear_vocab_parallel.py``
+(skips, exit 0, with fewer than two GPUs). Prints markdown tables; JSON to
+$OUT/bench_linear_vocab_parallel.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from _common import copy_bandwidth_tbs, environment, write_json
+from bench_vocab_parallel import NCCL_ENV, WORLD, graph_timed_ms, timed_ms
+
+import lowp_ops
+
+GEMMS = {"forward": 1, "forward + backward (bf16 grad)": 3, "forward + backward (MXFP8 e4m3 grad)": 3}
+
+
+def make_cases(hidden, weight, target, group) -> dict:
+    h = hidden.detach().requires_grad_()
+    w = weight.detach().requires_grad_()
+
+    def forward():
+        with torch.no_grad():
+            return lowp_ops.linear_cross_entropy(hidden, weight, target, process_group=group)
+
+    def forward_backward(grad_format):
+        def step():
+            loss = lowp_ops.linear_cross_entropy(h, w, target, grad_format=grad_format, process_group=group)
+            return torch.autograd.grad(loss, (h, w))
+
+        return step
+
+    cases = {
+        "forward": forward,
+        "forward + backward (bf16 grad)": forward_backward(None),
+        "forward + backward (MXFP8 e4m3 grad)": forward_backward("mxfp8_e4m3"),
+    }
+    if group is not None:
+        grad = torch.empty(hidden.shape, device=hidden.device, dtype=torch.float32)
+        cases["fp32 all-reduce of the hidden gradient alone"] = lambda: dist.all_reduce(grad, group=group)
+    return cases
+
+
+def measure(hidden, weight, target, group, calls: int, graphs: bool) -> dict:
+    results = {}
+    for name, fn in make_cases(hidden, weight, target, group).items():
+        row = {"eager_ms": timed_ms(fn, group, calls, warmup=2)}
+        if graphs:
+            try:
+                row["graph_ms"] = graph_timed_ms(fn, group, max(2, calls // 5), calls_per_graph=2)
+            except Exception as error:  # a failed capture is a finding, not a crash of the table
+                row["graph_error"] = f"{type(error).__name__}: {error}"
+                traceback.print_exc()
+        results[name] = row
+        torch.cuda.empty_cache()
+    return results
+
+
+def inputs(rows: int, hidden_size: int, vocab: int, device: str, vocab_rows: slice | None = None):
+    gen = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(rows, hidden_size, device=device, generator=gen, dtype=torch.bfloat16)
+    weight = torch.randn(vocab, hidden_size, device=device, generator=gen, dtype=torch.bfloat16)
+    weight *= hidden_size**-0.5
+    target = torch.randint(0, vocab, (rows,), device=device, generator=gen)
+    if vocab_rows is not None:
+        weight = weight[vocab_rows].contiguous()
+    return hidden, weight, target
+
+
+def worker(rank: int, args: argparse.Namespace, store_path: str, result_path: str) -> None:
+    os.environ.update(NCCL_ENV)
+    torch.cuda.set_device(rank)
+    device = f"cuda:{rank}"
+    dist.init_process_group("nccl", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
+    group = dist.group.WORLD
+    single = copy = None
+    if rank == 0:  # the one-GPU baseline and the copy ceiling, while rank 1 waits
+        _, copy = copy_bandwidth_tbs(device)
+        single = measure(*inputs(args.rows, args.hidden, args.vocab, device), None, args.calls, args.graphs)
+        torch.cuda.empty_cache()
+    dist.barrier(group)
+    shard = args.vocab // WORLD
+    rows = slice(rank * shard, (rank + 1) * shard)
+    parallel = measure(
+        *inputs(args.rows, args.hidden, args.vocab, device, rows), group, args.calls, args.graphs
+    )
+    for row in parallel.values():  # the slowest rank's time per case
+        for key in ("eager_ms", "graph_ms"):
+            if key in row:
+                value = torch.tensor([row[key]], device=device)
+                dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+                row[key] = float(value)
+    if rank == 0:
+        torch.save({"single": single, "parallel": parallel, "copy_tbs": copy}, result_path)
+    dist.destroy_process_group()
+
+
+def report(args, single: dict, parallel: dict, copy_tbs: float) -> None:
+    shard = args.vocab // WORLD
+    print(f"\ncopy ceiling (GPU 0, 2 GiB): {copy_tbs:.3f} TB/s; hidden {args.rows} x {args.hidden}, weight")
+    print(f"{args.vocab} x {args.hidden} bf16 on one GPU, {shard} rows per rank on {WORLD} GPUs (NCCL)\n")
+    for mode in ("eager", "graph"):
+        key = f"{mode}_ms"
+        what = "host launches included" if mode == "eager" else "CUDA-graph replay, GPU time"
+        print(f"### {mode} ({what})\n")
+        print("| case | 1 GPU ms | TFLOP/s | 2 GPUs ms per rank | TFLOP/s per rank | speedup |")
+        print("|---|---|---|---|---|---|")
+        for name, row in parallel.items():
+            one = single.get(name, {})
+            cells = [name]
+            for value, vocab in ((one.get(key), args.vocab), (row.get(key), shard)):
+                cells.append(f"{value:.3f}" if value else "-")
+                flops = 2 * args.rows * args.hidden * vocab * GEMMS.get(name, 0)
+                cells.append(f"{flops / value / 1e9:.0f}" if value and flops else "-")
+            speedup = one.get(key) / row[key] if one.get(key) and row.get(key) else None
+            cells.append(f"{speedup:.2f}x" if speedup else "-")
+            print("| " + " | ".join(cells) + " |")
+        print()
+    for name, row in [*(("1 GPU " + k, v) for k, v in single.items()), *parallel.items()]:
+        if "graph_error" in row:
+            print(f"CUDA-graph capture failed, {name}: {row['graph_error']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--vocab", type=int, default=129280)
+    parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--no-graphs", dest="graphs", action="store_false")
+    args = parser.parse_args()
+    if torch.cuda.device_count() < WORLD:
+        print(f"bench_linear_vocab_parallel: needs {WORLD} GPUs, found {torch.cuda.device_count()}; skipped")
+        return
+    os.environ.update(NCCL_ENV)
+    with tempfile.TemporaryDirectory() as tmp:
+        store_path, result_path = os.path.join(tmp, "store"), os.path.join(tmp, "result.pt")
+        mp.start_processes(worker, args=(args, store_path, result_path), nprocs=WORLD, start_method="spawn")
+        result = torch.load(result_path)
+    report(args, result["single"], result["parallel"], result["copy_tbs"])
+    payload = {"environment": environment(), "world": WORLD, **vars(args), **result}
+    write_json("bench_linear_vocab_parallel.json", payload)
+
+
+if __name__ == "__main__":
+    main()
