@@ -143,6 +143,8 @@ def check_shard_backward(steps, device, grad_format, other_operand, world=3):
     for rank in range(world):
         dh, dw, seen = recorded_backward(*common, shard=(rank, world))
         assert_dlogits_are_the_columns(seen, full_seen, rank, grad_format)
+        # Equal dlogits bytes (above) make equal dweight rows unless the GEMM library sums a row-subset
+        # product in another order (cuBLAS may pick another kernel for another M; not seen on CPU).
         assert torch.equal(bits(dw), bits(shard_rows(full_dw, rank))), f"rank {rank}: dweight rows"
         dh_sum += dh.float()
     scale = full_dh.abs().max().item()
