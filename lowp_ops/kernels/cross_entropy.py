@@ -359,16 +359,8 @@ def launch_cross_entropy_bwd(
     """``lowp::cross_entropy_bwd``. ``out``: where to write dlogits; may be ``logits`` itself when it is
     contiguous (each program reads its tile before writing it), which the LM-head loss uses."""
     dlogits = cross_entropy_bwd_output(
-        logits, target, lse, grad_rows, label_smoothing, ignore_index, vocab_start, vocab_total
+        logits, target, lse, grad_rows, label_smoothing, ignore_index, vocab_start, vocab_total, out
     )
-    if out is not None:
-        if out.data_ptr() == logits.data_ptr() and not logits.is_contiguous():
-            raise ValueError("out may alias logits only when logits is contiguous")
-        if out.shape != dlogits.shape or out.dtype != dlogits.dtype or not out.is_contiguous():
-            raise ValueError(
-                f"out must be a contiguous {dlogits.dtype} tensor of shape {tuple(dlogits.shape)}"
-            )
-        dlogits = out
     rows, n_cols = logits.shape
     if rows == 0 or n_cols == 0:
         return dlogits

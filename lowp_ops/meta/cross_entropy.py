@@ -91,10 +91,22 @@ def cross_entropy_bwd_output(
     ignore_index: int,
     vocab_start: int = 0,
     vocab_total: int = 0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """dlogits: ``(N, V)`` contiguous, logits' dtype."""
+    """dlogits: ``(N, V)`` contiguous, logits' dtype; ``out`` (launchers only), when given, is checked and
+    returned instead of a new tensor. It may be ``logits`` itself when that is contiguous."""
     _check_bwd_inputs(logits, target, lse, grad_rows, vocab_start, vocab_total)
-    return logits.new_empty(logits.shape)
+    if out is None:
+        return logits.new_empty(logits.shape)
+    require(
+        out.shape == logits.shape and out.dtype == logits.dtype and out.is_contiguous(),
+        lambda: f"out must be a contiguous {logits.dtype} tensor of shape {tuple(logits.shape)}",
+    )
+    require(
+        out.data_ptr() != logits.data_ptr() or logits.is_contiguous(),
+        lambda: "out may alias logits only when logits is contiguous",
+    )
+    return out
 
 
 def cross_entropy_bwd_mxfp8_outputs(
