@@ -206,8 +206,8 @@ def main() -> None:
             )
 
     if not args.no_sweep and kernels_run:
-        default = quantize_config(cols)
         for mode, (rowwise, columnwise) in MODES.items():
+            default = quantize_config(cols, rowwise, columnwise)
             expected = lowp_outputs(lowp_ops.mxfp8_quantize(x, fp8_dtype, rowwise, columnwise, "compact"))
             for block_cols, warps in SWEEP:
                 run = lambda r=rowwise, c=columnwise, b=block_cols, w=warps: launch_mxfp8_quantize(

@@ -130,7 +130,8 @@ def main() -> None:
     results: list = []
     for name in names:
         SECTIONS[name](copy_tbs, results)
-    write_json("tune_kernels.json", {"env": environment(), "copy_TBps": copy_tbs, "results": results})
+    name = "tune_kernels_" + "_".join(names) + ".json"
+    write_json(name, {"env": environment(), "copy_TBps": copy_tbs, "results": results})
 
 
 if __name__ == "__main__":

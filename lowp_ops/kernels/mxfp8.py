@@ -355,11 +355,18 @@ def tile_cols(cols: int, widest: int = 128) -> int:
     return max(32, min(widest, triton.next_power_of_2(cols)))
 
 
-def quantize_config(cols: int) -> tuple[int, int]:
-    """(BLOCK_COLS, num_warps) of the quantize kernel. Measured on the H200 at 16384 x 16384 bf16 row+col
-    (grid along rows): 128 columns on 2 warps 86% of copy, 128 on 1 warp 83%, 64 on 1 warp 82%,
-    256 on 2 warps 73%."""
-    return (128, 2) if cols >= 128 else (tile_cols(cols), 1)
+def quantize_config(cols: int, rowwise: bool = True, columnwise: bool = True) -> tuple[int, int]:
+    """(BLOCK_COLS, num_warps) of the quantize kernel, per mode. Measured on the H200 at 16384 x 16384
+    bf16 (grid along rows, % of copy): row+col 128 cols / 2 warps 86.1 (128/1 85.4, 256/2 85.9, 256/4
+    67.3); row only 256/2 94.4 (256/4 94.7, 128/2 92.6); col only 128/1 95.8 (256/1 96.1, 128/2 82.8)."""
+    if rowwise and not columnwise:
+        widest, warps = 256, 2
+    elif columnwise and not rowwise:
+        widest, warps = 128, 1
+    else:
+        widest, warps = 128, 2
+    block_cols = tile_cols(cols, widest)
+    return (block_cols, warps) if block_cols >= 128 else (block_cols, 1)
 
 
 def launch_mxfp8_quantize(
@@ -384,7 +391,7 @@ def launch_mxfp8_quantize(
         # The kernel reads row-major tiles only. Column-major 16-bit input (row stride 1) on one warp
         # crashed the H200 (illegal address, Triton 3.6, 45 x 70 bf16 with strides (1, 45)).
         x2d = x2d.contiguous()
-    default_cols, default_warps = quantize_config(cols)
+    default_cols, default_warps = quantize_config(cols, rowwise, columnwise)
     block_cols, num_warps = block_cols or default_cols, num_warps or default_warps
     grid = (triton.cdiv(rows, TILE_ROWS) * triton.cdiv(cols, block_cols),)
     mxfp8_quantize_kernel[grid](
