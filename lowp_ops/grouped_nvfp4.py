@@ -15,7 +15,8 @@ Split sizes must be multiples of 16 (the RHT and column-wise blocks never stradd
 
 The activations and gradients go through ``lowp::nvfp4_group_quantize`` (one read per operand, Triton on
 CUDA) and the weights through ``lowp::nvfp4_quantize`` (16x16 blocks, one call per expert); the local
-values are decoded from their codes and E4M3 scales with a few element-wise ops.
+values are decoded from their codes and E4M3 scales by ``lowp::nvfp4_decode_rows`` and
+``lowp::nvfp4_group_decode_columns`` (one read of codes and scales, one bf16 write).
 """
 
 from __future__ import annotations
@@ -54,45 +55,15 @@ def local_values(t: torch.Tensor, amax: torch.Tensor, block_2d: bool = False) ->
     return (nvfp4_ref.e2m1_values(codes) * block_scale[:, :cols]).to(torch.bfloat16)
 
 
-def _decode_rows(row_data: torch.Tensor, row_scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """bf16 local values (rows, cols) of a row-wise NVFP4 copy: packed codes (rows, cols/2) and the
-    padded E4M3 scale matrix (one scale per 16 columns)."""
-    codes = nvfp4_ref.unpack_fp4(row_data[:rows])
-    scale = row_scale[:rows, : cols // NVFP4_BLOCK_SIZE].view(torch.float8_e4m3fn).float()
-    return (nvfp4_ref.e2m1_values(codes) * scale.repeat_interleave(NVFP4_BLOCK_SIZE, dim=1)).to(
-        torch.bfloat16
-    )
-
-
-def _decode_grouped_columns(
-    col_data: torch.Tensor, col_scale: torch.Tensor, split_sizes: torch.Tensor, hidden: int, tokens: int
-) -> torch.Tensor:
-    """bf16 local values (hidden, tokens) of a grouped column-wise copy: expert e's (hidden, m_e/2) bytes
-    start at byte ``hidden * start_e / 2`` of the flat data, its scales at column
-    ``group_col_scale_starts[e]`` of the scale matrix (``meta.nvfp4.nvfp4_group_quantize_outputs``)."""
-    experts = split_sizes.shape[0]
-    expert = expert_of_rows(split_sizes, tokens).clamp(max=experts - 1)
-    sizes = split_sizes.long()
-    start = (torch.cumsum(sizes, 0) - sizes)[expert]
-    local = torch.arange(tokens, device=col_data.device) - start
-    channel = torch.arange(hidden, device=col_data.device)[:, None]
-    byte = hidden * start // 2 + channel * (sizes[expert] // 2) + local // 2
-    packed = col_data.view(-1)[byte.clamp(0, col_data.numel() - 1)]
-    codes = torch.where(local % 2 == 1, packed >> 4, packed & 0xF)
-    scale_col = nvfp4_ref.group_col_scale_starts(split_sizes)[expert] + local // NVFP4_BLOCK_SIZE
-    scale = col_scale[:hidden].gather(1, scale_col.expand(hidden, tokens)).view(torch.float8_e4m3fn).float()
-    return (nvfp4_ref.e2m1_values(codes) * scale).to(torch.bfloat16)
-
-
 def rowwise_operand(t: torch.Tensor, split_sizes: torch.Tensor, amax: torch.Tensor | None = None):
     """(local values (T, C), per-expert amax (E,)) of the row-wise copy of tokens ``t`` (T, C)."""
-    tokens, cols = t.shape
+    tokens = t.shape[0]
     if amax is None:
         amax = per_expert_amax(t.abs().amax(dim=1), split_sizes, tokens)
     row_data, row_scale, *_ = torch.ops.lowp.nvfp4_group_quantize(
         t, split_sizes, True, False, False, amax, None
     )
-    return _decode_rows(row_data, row_scale, tokens, cols), amax
+    return torch.ops.lowp.nvfp4_decode_rows(row_data, row_scale), amax
 
 
 def columnwise_operand(t: torch.Tensor, split_sizes: torch.Tensor, amax: torch.Tensor | None = None):
@@ -103,20 +74,21 @@ def columnwise_operand(t: torch.Tensor, split_sizes: torch.Tensor, amax: torch.T
     )
     outputs = torch.ops.lowp.nvfp4_group_quantize(t, split_sizes, False, True, True, None, amax)
     _, _, col_data, col_scale, _, amax = outputs
-    return _decode_grouped_columns(col_data, col_scale, split_sizes, hidden, tokens), amax
+    local = torch.ops.lowp.nvfp4_group_decode_columns(col_data, col_scale, split_sizes, hidden, tokens)
+    return local, amax
 
 
 def weight_operand(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(local values (E, N, K), amax (E,)): each expert's 16x16-block quantization."""
-    experts, rows, cols = weight.shape
+    """(local values (E, N, K), amax (E,)): each expert's 16x16-block quantization (one quantize per
+    expert: the grouped quantizer has 1x16 blocks only), decoded for all experts at once."""
     amax = weight.abs().amax(dim=(1, 2)).float()
-    local = []
-    for e in range(experts):
-        row_data, row_scale, *_ = torch.ops.lowp.nvfp4_quantize(
-            weight[e], True, False, False, amax[e : e + 1], None, True
-        )
-        local.append(_decode_rows(row_data, row_scale, rows, cols))
-    return torch.stack(local), amax
+    copies = [
+        torch.ops.lowp.nvfp4_quantize(weight[e], True, False, False, amax[e : e + 1], None, True)
+        for e in range(weight.shape[0])
+    ]
+    row_data = torch.stack([copy[0] for copy in copies])
+    row_scale = torch.stack([copy[1] for copy in copies])
+    return torch.ops.lowp.nvfp4_decode_rows(row_data, row_scale), amax
 
 
 def _scale_rows(out: torch.Tensor, alpha: torch.Tensor, split_sizes: torch.Tensor) -> torch.Tensor:

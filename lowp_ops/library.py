@@ -450,3 +450,24 @@ linear_vocab_parallel_ce_bwd = _define(
     "linear_vocab_parallel.launch_linear_vocab_parallel_ce_bwd",
     linear_vocab_parallel_meta.linear_vocab_parallel_ce_bwd_outputs,
 )
+
+# ------------------------------------------ NVFP4 local values (e2m1 x E4M3 block scale) of the recipe
+# Imported here, not at the top, to keep this section self-contained.
+from .meta import nvfp4_decode as nvfp4_decode_meta  # noqa: E402
+from .reference import nvfp4_decode as nvfp4_decode_ref  # noqa: E402
+
+nvfp4_decode_rows = _define(
+    "nvfp4_decode_rows",
+    "(Tensor data, Tensor scale) -> Tensor",
+    nvfp4_decode_ref.nvfp4_decode_rows,
+    "nvfp4_decode.launch_nvfp4_decode_rows",
+    nvfp4_decode_meta.nvfp4_decode_rows_output,
+)
+
+nvfp4_group_decode_columns = _define(
+    "nvfp4_group_decode_columns",
+    "(Tensor col_data, Tensor col_scale, Tensor split_sizes, SymInt hidden, SymInt tokens) -> Tensor",
+    nvfp4_decode_ref.nvfp4_group_decode_columns,
+    "nvfp4_decode.launch_nvfp4_group_decode_columns",
+    nvfp4_decode_meta.nvfp4_group_decode_columns_output,
+)

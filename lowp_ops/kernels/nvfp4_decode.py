@@ -1,0 +1,266 @@
+"""Triton NVFP4 local-value decodes (semantics in ``lowp_ops.reference.nvfp4_decode``).
+
+One program decodes a ``BLOCK_ROWS x BLOCK_COLS`` tile of one matrix of packed E2M1 codes with one E4M3
+scale per 16 columns: it reads the codes (8 bytes per 16-value block) and the block scales once and
+writes the bf16 values once, row-contiguous. The grouped column-wise copy is a row-wise copy per expert
+(expert e's ``(hidden, m_e)`` matrix of codes, row stride ``m_e / 2`` bytes): its programs own token
+tiles that never straddle experts, mapped from the device cumsum of the split sizes (no host sync).
+
+Both formats are decoded with integer steps on the bits (the interpreter has no fp8 types) and one fp32
+multiply, which is exact: bf16 holds the product, so the final cast rounds nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats import SCALE_TILE_COLS
+from ..meta.nvfp4_decode import nvfp4_decode_rows_output, nvfp4_group_decode_columns_output
+
+SCALE_COLS_MULTIPLE = tl.constexpr(SCALE_TILE_COLS)
+FP32_QUIET_NAN_BITS = tl.constexpr(0x7FC00000)
+
+
+@triton.jit
+def e2m1_value(code):
+    """fp32 value of int32 E2M1 codes 0..15: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6; code 8 is -0."""
+    magnitude_code = code & 7
+    exponent = magnitude_code >> 1
+    mantissa = magnitude_code & 1
+    normal = (((exponent + 126) << 23) | (mantissa << 22)).to(tl.float32, bitcast=True)
+    magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.5, normal)
+    return tl.where(code >= 8, -magnitude, magnitude)
+
+
+@triton.jit
+def e4m3_value(bits):
+    """fp32 value of int32 E4M3 (fn) bit patterns 0..255: bias 7, subnormals m * 2^-9, 0x7F / 0xFF NaN."""
+    magnitude_bits = bits & 0x7F
+    exponent = magnitude_bits >> 3
+    mantissa = magnitude_bits & 7
+    normal_bits = ((exponent + 120) << 23) | (mantissa << 20)
+    normal_bits = tl.where(magnitude_bits == 0x7F, FP32_QUIET_NAN_BITS, normal_bits)
+    subnormal = mantissa.to(tl.float32) * 0.001953125  # 2^-9
+    magnitude = tl.where(exponent == 0, subnormal, normal_bits.to(tl.float32, bitcast=True))
+    return tl.where(bits >= 128, -magnitude, magnitude)
+
+
+@triton.jit
+def decode_tile(
+    data_ptr,
+    data_row_stride,
+    scale_ptr,
+    scale_row_stride,
+    scale_col_stride,
+    out_ptr,
+    out_row_stride,
+    row_idx,
+    rows_ok,
+    col0,
+    n_cols,
+    BLOCK_COLS: tl.constexpr,
+):
+    """Decode rows ``row_idx`` (int64 [BLOCK_ROWS], masked by ``rows_ok``), columns ``[col0, col0 +
+    BLOCK_COLS)`` (below ``n_cols``) of one matrix: codes at ``data_ptr`` (byte ``r * data_row_stride +
+    c / 2``), scale of column c at ``scale_ptr + r * scale_row_stride + (c / 16) * scale_col_stride``, value
+    to ``out_ptr + r * out_row_stride + c``. col0 and BLOCK_COLS are multiples of 16."""
+    NB: tl.constexpr = BLOCK_COLS // 16
+    block_idx = col0 // 16 + tl.arange(0, NB)
+    byte_col = block_idx[:, None] * 8 + tl.arange(0, 8)[None, :]  # [NB, 8]
+    data_ok = rows_ok[:, None, None] & (2 * byte_col < n_cols)[None, :, :]
+    data_ptrs = data_ptr + row_idx[:, None, None] * data_row_stride + byte_col[None, :, :]
+    packed = tl.load(data_ptrs, mask=data_ok, other=0).to(tl.int32)
+    scale_ok = rows_ok[:, None] & (16 * block_idx < n_cols)[None, :]
+    scale_ptrs = scale_ptr + row_idx[:, None] * scale_row_stride + block_idx[None, :] * scale_col_stride
+    block_scale = e4m3_value(tl.load(scale_ptrs, mask=scale_ok, other=0).to(tl.int32))
+    # Element 2i is the low nibble: join puts (low, high) last, so [NB, 8, 2] flattens in column order.
+    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [row_idx.shape[0], NB, 16])
+    values = e2m1_value(codes) * block_scale[:, :, None]
+    out_col = block_idx[:, None] * 16 + tl.arange(0, 16)[None, :]  # [NB, 16]
+    out_ptrs = out_ptr + row_idx[:, None, None] * out_row_stride + out_col[None, :, :]
+    tl.store(out_ptrs, values.to(tl.bfloat16), mask=rows_ok[:, None, None] & (out_col < n_cols)[None, :, :])
+
+
+@triton.jit
+def nvfp4_decode_rows_kernel(
+    data_ptr,
+    scale_ptr,
+    out_ptr,
+    rows,
+    cols,
+    data_batch_stride,
+    data_row_stride,
+    scale_batch_stride,
+    scale_row_stride,
+    scale_col_stride,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):
+    """Grid (row tiles, column tiles, batch)."""
+    batch = tl.program_id(2).to(tl.int64)
+    row_idx = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    decode_tile(
+        data_ptr + batch * data_batch_stride,
+        data_row_stride,
+        scale_ptr + batch * scale_batch_stride,
+        scale_row_stride,
+        scale_col_stride,
+        out_ptr + batch * rows * cols,
+        cols,
+        row_idx,
+        row_idx < rows,
+        tl.program_id(1) * BLOCK_COLS,
+        cols,
+        BLOCK_COLS,
+    )
+
+
+@triton.jit
+def token_tile_coordinates(split_ptr, experts, tokens, tile, TILE: tl.constexpr, EXPERTS_POW2: tl.constexpr):
+    """(decodable, tokens of its range, first token, expert size, first local token of the tile, first
+    scale column) of token tile ``tile`` when every expert's tokens are cut into TILE-token tiles in
+    order, followed by the tiles of the tokens past the last expert. Decodable: a tile of an expert
+    that ends within ``tokens``; the others (the tail, an expert reaching past ``tokens``) are zeros."""
+    idx = tl.arange(0, EXPERTS_POW2)
+    sizes = tl.load(split_ptr + idx, mask=idx < experts, other=0).to(tl.int32)
+    tiles = (sizes + TILE - 1) // TILE
+    tile_ends = tl.cumsum(tiles, 0)
+    expert = tl.sum((tile_ends <= tile).to(tl.int32), 0)
+    in_expert = expert < experts
+    mine = idx == expert
+    before = idx < expert
+    start = tl.sum(tl.where(before, sizes, 0), 0)
+    size = tl.sum(tl.where(mine, sizes, 0), 0)
+    first_tile = tl.where(in_expert, tl.sum(tl.where(mine, tile_ends - tiles, 0), 0), tl.sum(tiles, 0))
+    n_tokens = tl.maximum(tl.minimum(tl.where(in_expert, size, tokens), tokens - start), 0)
+    blocks = (sizes + 15) // 16
+    padded_blocks = (blocks + SCALE_COLS_MULTIPLE - 1) // SCALE_COLS_MULTIPLE * SCALE_COLS_MULTIPLE
+    scale_col0 = tl.sum(tl.where(before, padded_blocks, 0), 0)
+    decodable = in_expert & (start + size <= tokens)
+    return decodable, n_tokens, start, size, (tile - first_tile) * TILE, scale_col0
+
+
+@triton.jit
+def nvfp4_group_decode_columns_kernel(
+    col_data_ptr,
+    col_scale_ptr,
+    split_ptr,
+    out_ptr,
+    hidden,
+    tokens,
+    experts,
+    scale_row_stride,
+    scale_col_stride,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
+):
+    """Grid (token tiles, hidden tiles): a tile of one expert's (hidden, m_e) codes, or zeros."""
+    decodable, n_tokens, start, size, local0, scale_col0 = token_tile_coordinates(
+        split_ptr, experts, tokens, tl.program_id(0), BLOCK_TOKENS, EXPERTS_POW2
+    )
+    row_idx = tl.program_id(1).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    rows_ok = row_idx < hidden
+    out_ptr = out_ptr + start
+    if decodable:
+        decode_tile(
+            col_data_ptr + start.to(tl.int64) * hidden // 2,
+            size // 2,
+            col_scale_ptr + scale_col0 * scale_col_stride,
+            scale_row_stride,
+            scale_col_stride,
+            out_ptr,
+            tokens,
+            row_idx,
+            rows_ok,
+            local0,
+            n_tokens,
+            BLOCK_TOKENS,
+        )
+    else:
+        out_col = local0 + tl.arange(0, BLOCK_TOKENS)
+        zeros = tl.zeros([BLOCK_ROWS, BLOCK_TOKENS], dtype=tl.bfloat16)
+        out_ptrs = out_ptr + row_idx[:, None] * tokens + out_col[None, :]
+        tl.store(out_ptrs, zeros, mask=rows_ok[:, None] & (out_col < n_tokens)[None, :])
+
+
+# ----------------------------------------------------------------------------------------- launchers
+
+
+def decode_config(cols: int) -> tuple[int, int, int]:
+    """(BLOCK_ROWS, BLOCK_COLS, num_warps): 16 x 256 tiles, 4 warps (32 values per thread); narrower
+    (a power of two >= 16) for thin matrices. Not tuned on a GPU yet."""
+    return 16, max(16, min(256, triton.next_power_of_2(cols))), 4
+
+
+def launch_nvfp4_decode_rows(
+    data: torch.Tensor, scale: torch.Tensor, config: tuple | None = None
+) -> torch.Tensor:
+    """``lowp::nvfp4_decode_rows`` on CUDA (or interpreted CPU) tensors; ``config`` = (BLOCK_ROWS,
+    BLOCK_COLS, num_warps) overrides the launch configuration (benchmarks, tests)."""
+    out = nvfp4_decode_rows_output(data, scale)
+    rows, cols = out.shape[-2:]
+    batch = data.shape[0] if data.dim() == 3 else 1
+    if out.numel() == 0:
+        return out
+    data3 = data.reshape(-1, rows, data.shape[-1])
+    if data3.stride(-1) != 1:
+        data3 = data3.contiguous()
+    scale3 = scale.reshape(-1, *scale.shape[-2:])
+    block_rows, block_cols, num_warps = config or decode_config(cols)
+    grid = (triton.cdiv(rows, block_rows), triton.cdiv(cols, block_cols), batch)
+    nvfp4_decode_rows_kernel[grid](
+        data3,
+        scale3,
+        out,
+        rows,
+        cols,
+        data3.stride(0),
+        data3.stride(1),
+        scale3.stride(0),
+        scale3.stride(1),
+        scale3.stride(2),
+        BLOCK_ROWS=block_rows,
+        BLOCK_COLS=block_cols,
+        num_warps=num_warps,
+    )
+    return out
+
+
+def launch_nvfp4_group_decode_columns(
+    col_data: torch.Tensor,
+    col_scale: torch.Tensor,
+    split_sizes: torch.Tensor,
+    hidden: int,
+    tokens: int,
+    config: tuple | None = None,
+) -> torch.Tensor:
+    """``lowp::nvfp4_group_decode_columns`` on CUDA (or interpreted CPU) tensors. The split sizes stay on
+    the device: the grid covers the most token tiles any split can need, the experts' plus the tail's,
+    ``(tokens + (E + 1) * (BLOCK_TOKENS - 1)) // BLOCK_TOKENS``. ``config`` = (BLOCK_ROWS, BLOCK_TOKENS,
+    num_warps)."""
+    out = nvfp4_group_decode_columns_output(col_data, col_scale, split_sizes, hidden, tokens)
+    if out.numel() == 0:
+        return out
+    experts = split_sizes.shape[0]
+    block_rows, block_tokens, num_warps = config or (32, 128, 4)
+    token_tiles = (tokens + (experts + 1) * (block_tokens - 1)) // block_tokens
+    grid = (token_tiles, triton.cdiv(hidden, block_rows))
+    nvfp4_group_decode_columns_kernel[grid](
+        col_data.contiguous(),
+        col_scale,
+        split_sizes.contiguous(),
+        out,
+        hidden,
+        tokens,
+        experts,
+        col_scale.stride(0),
+        col_scale.stride(1),
+        BLOCK_ROWS=block_rows,
+        BLOCK_TOKENS=block_tokens,
+        EXPERTS_POW2=max(2, triton.next_power_of_2(experts)),
+        num_warps=num_warps,
+    )
+    return out

@@ -1,0 +1,81 @@
+"""Argument checks and output allocation for the NVFP4 local-value decodes (``lowp::nvfp4_decode_rows``,
+``lowp::nvfp4_group_decode_columns``): the bf16 ``e2m1(code) * fp32(E4M3 block scale)`` operands of the
+emulated NVFP4 GEMMs."""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import NVFP4_BLOCK_SIZE
+from .checks import require
+from .nvfp4 import group_col_scale_cols
+
+
+def _check_uint8(t: torch.Tensor, name: str) -> None:
+    require(t.dtype == torch.uint8, lambda: f"{name} must be uint8, got {t.dtype}")
+
+
+def nvfp4_decode_rows_output(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """bf16 ``(..., R, C)`` contiguous for packed codes ``data`` ``(R, C/2)`` or ``(B, R, C/2)`` and an E4M3
+    scale matrix ``scale`` of the same rank with at least ``R`` rows and ``ceil(C/16)`` columns (the
+    padded scales of ``lowp::nvfp4_quantize``, stacked along B for a batch)."""
+    _check_uint8(data, "data")
+    _check_uint8(scale, "scale")
+    require(data.dim() in (2, 3), lambda: f"data must be 2-D (R, C/2) or 3-D (B, R, C/2), got {data.dim()}-D")
+    require(
+        scale.dim() == data.dim(),
+        lambda: f"scale must have the rank of data ({data.dim()}-D), got {scale.dim()}-D",
+    )
+    rows, cols = data.shape[-2], 2 * data.shape[-1]
+    blocks = (cols + NVFP4_BLOCK_SIZE - 1) // NVFP4_BLOCK_SIZE
+    require(
+        scale.shape[-2] >= rows and scale.shape[-1] >= blocks,
+        lambda: (
+            f"scale must have at least {rows} rows and {blocks} columns (one per 16 values) for data of "
+            f"shape {tuple(data.shape)}, got {tuple(scale.shape)}"
+        ),
+    )
+    require(scale.device == data.device, lambda: "scale must be on the device of data")
+    require(
+        data.dim() == 2 or scale.shape[0] == data.shape[0],
+        lambda: f"scale must have the batch size of data ({data.shape[0]}), got {scale.shape[0]}",
+    )
+    return data.new_empty((*data.shape[:-1], cols), dtype=torch.bfloat16)
+
+
+def nvfp4_group_decode_columns_output(
+    col_data: torch.Tensor, col_scale: torch.Tensor, split_sizes: torch.Tensor, hidden, tokens
+) -> torch.Tensor:
+    """bf16 ``(hidden, tokens)`` contiguous for the grouped column-wise copy of
+    ``lowp::nvfp4_group_quantize`` (``meta.nvfp4.nvfp4_group_quantize_outputs``): flat ``col_data`` of
+    ``hidden * tokens / 2`` bytes, 2-D ``col_scale`` with at least ``hidden`` rows and the grouped
+    matrix's ``tokens // 16 + 4 E`` columns."""
+    _check_uint8(col_data, "col_data")
+    _check_uint8(col_scale, "col_scale")
+    require(hidden >= 0 and tokens >= 0, lambda: f"hidden and tokens must be >= 0, got {hidden}, {tokens}")
+    require(tokens % 2 == 0, lambda: f"tokens must be even (two E2M1 per byte), got {tokens}")
+    require(
+        col_data.dim() == 1 and col_data.shape[0] == hidden * tokens // 2,
+        lambda: (
+            f"col_data must be 1-D with hidden * tokens / 2 = {hidden * tokens // 2} bytes, "
+            f"got shape {tuple(col_data.shape)}"
+        ),
+    )
+    require(
+        split_sizes.dim() == 1 and split_sizes.dtype in (torch.int32, torch.int64),
+        lambda: f"split_sizes must be 1-D int32/int64, got {split_sizes.dtype} {split_sizes.dim()}-D",
+    )
+    require(split_sizes.shape[0] >= 1, lambda: "split_sizes must have at least one expert")
+    scale_cols = group_col_scale_cols(tokens, split_sizes.shape[0])
+    require(
+        col_scale.dim() == 2 and col_scale.shape[0] >= hidden and col_scale.shape[1] >= scale_cols,
+        lambda: (
+            f"col_scale must be 2-D with at least {hidden} rows and {scale_cols} columns, "
+            f"got shape {tuple(col_scale.shape)}"
+        ),
+    )
+    require(
+        split_sizes.device == col_data.device and col_scale.device == col_data.device,
+        lambda: "split_sizes and col_scale must be on the device of col_data",
+    )
+    return col_data.new_empty((hidden, tokens), dtype=torch.bfloat16)

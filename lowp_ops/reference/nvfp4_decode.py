@@ -1,0 +1,63 @@
+"""Local values of NVFP4 copies: ``e2m1(code) * fp32(E4M3 block scale)`` in bf16, the operands of the
+emulated NVFP4 GEMMs (te_grouped_mlp_nvfp4.md §3.3). The product of a 2-bit and a 4-bit significand is
+exact in fp32 and in bf16 (magnitudes 2^-10 .. 2688), so the result has one value whatever the order of
+the operations. The global scale ``amax / 2688`` is not applied (it scales the GEMM output).
+
+Element-wise PyTorch on the device, no host sync: the CPU implementation and the kernels' oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import NVFP4_BLOCK_SIZE
+from ..meta.nvfp4_decode import nvfp4_decode_rows_output, nvfp4_group_decode_columns_output
+from .nvfp4 import e2m1_values, group_col_scale_starts
+from .swiglu import expert_of_rows
+
+
+def nvfp4_decode_rows(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Reference of ``lowp::nvfp4_decode_rows``: bf16 ``(..., R, C)`` local values of a row-wise copy,
+    packed codes ``data`` ``(..., R, C/2)`` (element 2i in the low nibble) with one E4M3 scale per 16
+    columns in ``scale[..., :R, :ceil(C/16)]`` (1x16 blocks, or the row-wise copy of 16x16 blocks)."""
+    out = nvfp4_decode_rows_output(data, scale)
+    rows, cols = out.shape[-2:]
+    codes = torch.stack((data & 0xF, data >> 4), dim=-1).flatten(-2)
+    blocks = (cols + NVFP4_BLOCK_SIZE - 1) // NVFP4_BLOCK_SIZE
+    block_scale = scale[..., :rows, :blocks].view(torch.float8_e4m3fn).float()
+    element_scale = block_scale.repeat_interleave(NVFP4_BLOCK_SIZE, dim=-1)[..., :cols]
+    out.copy_(e2m1_values(codes) * element_scale)
+    return out
+
+
+def nvfp4_group_decode_columns(
+    col_data: torch.Tensor, col_scale: torch.Tensor, split_sizes: torch.Tensor, hidden: int, tokens: int
+) -> torch.Tensor:
+    """Reference of ``lowp::nvfp4_group_decode_columns``: bf16 ``(hidden, tokens)`` local values of the
+    grouped column-wise copy of ``lowp::nvfp4_group_quantize``. Token t of expert e (local index
+    ``l = t - start_e``, ``start_e = sum_{i<e} m_i``) in channel h has its code in byte
+    ``hidden * start_e / 2 + h * m_e / 2 + l / 2`` (high nibble for odd l) and its scale in
+    ``col_scale[h, group_col_scale_starts[e] + l // 16]``. Every m_e must be even. Tokens past
+    ``sum(split_sizes)``, and those of an expert reaching past ``tokens``, decode as 0."""
+    out = nvfp4_group_decode_columns_output(col_data, col_scale, split_sizes, hidden, tokens)
+    if out.numel() == 0:
+        return out
+    experts = split_sizes.shape[0]
+    expert = expert_of_rows(split_sizes, tokens)
+    past_last = expert >= experts
+    expert = expert.clamp(max=experts - 1)
+    sizes = split_sizes.long()
+    ends = torch.cumsum(sizes, 0)
+    decodable = ~past_last & (ends[expert] <= tokens)
+    start = (ends - sizes)[expert]
+    local = torch.arange(tokens, device=col_data.device) - start
+    channel = torch.arange(hidden, device=col_data.device)[:, None]
+    byte = hidden * start // 2 + channel * (sizes[expert] // 2) + local // 2
+    packed = col_data[byte.clamp(0, col_data.numel() - 1)]
+    codes = torch.where(local % 2 == 1, packed >> 4, packed & 0xF)
+    scale_col = group_col_scale_starts(split_sizes)[expert] + local // NVFP4_BLOCK_SIZE
+    scale_col = scale_col.clamp(0, col_scale.shape[1] - 1).expand(hidden, tokens)
+    scale = col_scale[:hidden].gather(1, scale_col).view(torch.float8_e4m3fn).float()
+    values = e2m1_values(codes) * scale
+    out.copy_(torch.where(decodable, values, 0.0))
+    return out

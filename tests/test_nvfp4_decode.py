@@ -1,0 +1,290 @@
+"""NVFP4 local-value decodes (``lowp::nvfp4_decode_rows``, ``lowp::nvfp4_group_decode_columns``): the
+reference against the pure-PyTorch block quantization of ``grouped_nvfp4.local_values`` and a float64
+table of every code/scale pair; the Triton kernels against the reference bit for bit (``interp``: CPU
+tensors under TRITON_INTERPRET=1, small shapes; ``gpu``: CUDA, larger shapes); opcheck, compile, bad
+arguments."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowp_ops import grouped_nvfp4
+from lowp_ops.formats import E2M1_MAGNITUDES
+from lowp_ops.kernels import nvfp4_decode as kernels
+from lowp_ops.reference import nvfp4 as nvfp4_ref
+from lowp_ops.reference import nvfp4_decode as reference
+
+SUITES = [
+    pytest.param("interp", marks=pytest.mark.interp, id="interp"),
+    pytest.param("gpu", marks=pytest.mark.gpu, id="gpu"),
+]
+# Empty experts at the front, in the middle and at the end; sizes multiples of 16, not of the tile.
+SPLITS = [[0, 48, 0, 16, 32, 0], [16, 80], [0, 0, 96], [96]]
+decode_rows = torch.ops.lowp.nvfp4_decode_rows
+decode_columns = torch.ops.lowp.nvfp4_group_decode_columns
+
+
+def make_tokens(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """bf16 randn with per-column magnitudes over 2^+-10 (block scales from subnormal to large E4M3)."""
+    gen = torch.Generator().manual_seed(seed)
+    exponents = torch.randint(-10, 11, (1, cols), generator=gen).float()
+    return (torch.randn(rows, cols, generator=gen) * torch.exp2(exponents)).bfloat16()
+
+
+def assert_bits_equal(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Same bf16 bit patterns (so -0 differs from +0); NaN equals NaN whatever its payload."""
+    got = got.cpu()
+    assert got.shape == expected.shape, (tuple(got.shape), tuple(expected.shape))
+    same = (got.view(torch.int16) == expected.view(torch.int16)) | (got.isnan() & expected.isnan())
+    if not same.all():
+        first = tuple(i.item() for i in (~same).nonzero()[0])
+        raise AssertionError(
+            f"{(~same).sum().item()} of {got.numel()} differ; first at {first}: "
+            f"got {got[first].item()!r}, expected {expected[first].item()!r}"
+        )
+
+
+def every_code_and_scale() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(data (256, 256), scale (256, 32), float64 values (256, 512)): row s holds the 256 data bytes in
+    order and scale byte s for all of its 32 blocks, so every (code, scale) pair occurs."""
+    data = torch.arange(256, dtype=torch.int32).to(torch.uint8)[None].repeat(256, 1)
+    scale = torch.arange(256, dtype=torch.int32).to(torch.uint8)[:, None].repeat(1, 32)
+    e2m1 = torch.tensor(E2M1_MAGNITUDES + tuple(-m for m in E2M1_MAGNITUDES), dtype=torch.float64)
+    codes = torch.stack((data.long() & 15, data.long() >> 4), dim=-1).reshape(256, 512)
+    e4m3 = scale[:, :1].view(torch.float8_e4m3fn).double()
+    return data, scale, e2m1[codes] * e4m3
+
+
+def group_columnwise_copy(t: torch.Tensor, split_sizes: torch.Tensor, rht: bool):
+    """(col_data, col_scale, amax) of the grouped reference quantizer."""
+    outputs = nvfp4_ref.nvfp4_group_quantize(t, split_sizes, False, True, rht, None, None)
+    return outputs[2], outputs[3], outputs[5]
+
+
+# ------------------------------------------------------------------------------------------ reference
+
+
+def test_every_code_and_scale_decodes_to_the_float64_product():
+    data, scale, expected = every_code_and_scale()
+    got = reference.nvfp4_decode_rows(data, scale)
+    assert_bits_equal(got, expected.to(torch.bfloat16))
+    assert got.isnan().sum() == 2 * 512, "scale bytes 0x7F and 0xFF are NaN"
+    assert got[0, 16].signbit() and got[0, 16] == 0, "code 8 (low nibble of byte 8) is -0"
+
+
+@pytest.mark.parametrize(("cols", "block_2d"), [(64, False), (40, False), (48, True)])
+def test_rows_decode_is_the_pure_pytorch_local_values(cols, block_2d):
+    t = make_tokens(48, cols, seed=cols)
+    amax = t.abs().amax().float().reshape(1)
+    data, scale, *_ = nvfp4_ref.nvfp4_quantize(t, True, False, False, amax, None, block_2d)
+    assert_bits_equal(reference.nvfp4_decode_rows(data, scale), grouped_nvfp4.local_values(t, amax, block_2d))
+
+
+def test_batched_rows_decode_is_each_matrix_decoded():
+    copies = [
+        nvfp4_ref.nvfp4_quantize(make_tokens(32, 48, seed=s), True, False, False, None, None, True)
+        for s in range(3)
+    ]
+    data, scale = torch.stack([c[0] for c in copies]), torch.stack([c[1] for c in copies])
+    got = reference.nvfp4_decode_rows(data, scale)
+    for index, copy in enumerate(copies):
+        assert_bits_equal(got[index], reference.nvfp4_decode_rows(copy[0], copy[1]))
+
+
+@pytest.mark.parametrize("splits", SPLITS)
+@pytest.mark.parametrize("rht", [False, True])
+def test_grouped_columns_decode_is_each_experts_local_values(splits, rht):
+    split_sizes = torch.tensor(splits)
+    t = make_tokens(96, 40, seed=len(splits))
+    col_data, col_scale, amax = group_columnwise_copy(t, split_sizes, rht)
+    got = reference.nvfp4_group_decode_columns(col_data, col_scale, split_sizes, 40, 96)
+    start = 0
+    for expert, size in enumerate(splits):
+        columns = t[start : start + size].t().contiguous()
+        columns = nvfp4_ref.apply_rht(columns) if rht else columns
+        expected = grouped_nvfp4.local_values(columns, amax[expert].reshape(1))
+        assert_bits_equal(got[:, start : start + size], expected)
+        start += size
+
+
+def test_tokens_past_the_experts_and_of_a_cut_expert_decode_as_zero():
+    col_data, col_scale, _ = group_columnwise_copy(
+        make_tokens(96, 24, seed=4), torch.tensor(SPLITS[0]), False
+    )
+    full = reference.nvfp4_group_decode_columns(col_data, col_scale, torch.tensor(SPLITS[0]), 24, 96)
+    short = reference.nvfp4_group_decode_columns(
+        col_data, col_scale, torch.tensor([0, 48, 0, 16, 0, 0]), 24, 96
+    )
+    assert_bits_equal(short[:, :64], full[:, :64])
+    assert (short[:, 64:] == 0).all() and not short[:, 64:].signbit().any()
+    long = reference.nvfp4_group_decode_columns(
+        col_data, col_scale, torch.tensor([0, 48, 0, 16, 48, 0]), 24, 96
+    )
+    assert_bits_equal(long[:, :64], full[:, :64])
+    assert (long[:, 64:] == 0).all()
+
+
+# ------------------------------------------------------------------------------ kernels vs reference
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_kernel_decodes_every_code_and_scale_like_the_reference(suite, kernel_device):
+    data, scale, _ = every_code_and_scale()
+    got = kernels.launch_nvfp4_decode_rows(data.to(kernel_device), scale.to(kernel_device))
+    assert_bits_equal(got, reference.nvfp4_decode_rows(data, scale))
+
+
+@pytest.mark.parametrize("suite", SUITES)
+@pytest.mark.parametrize(("shape", "config"), [((40, 40), None), ((3, 33, 64), None), ((20, 96), (8, 32, 1))])
+def test_rows_kernel_matches_reference(suite, kernel_device, shape, config):
+    gen = torch.Generator().manual_seed(sum(shape))
+    data = torch.randint(0, 256, (*shape[:-1], shape[-1] // 2), generator=gen, dtype=torch.uint8)
+    # Scales below 0x7F (no NaN), read through a transposed view (any scale strides).
+    scale_shape = (*shape[:-2], (shape[-1] + 15) // 16 + 3, shape[-2] + 5)
+    scale = torch.randint(0, 127, scale_shape, generator=gen, dtype=torch.uint8).transpose(-1, -2)
+    got = kernels.launch_nvfp4_decode_rows(data.to(kernel_device), scale.to(kernel_device), config)
+    assert_bits_equal(got, reference.nvfp4_decode_rows(data, scale))
+
+
+@pytest.mark.parametrize("suite", SUITES)
+@pytest.mark.parametrize("splits", [*SPLITS, [0, 48, 0, 16, 0, 0], [0, 48, 0, 16, 48, 0]])
+def test_grouped_columns_kernel_matches_reference(suite, kernel_device, splits):
+    t = make_tokens(96, 40, seed=5)
+    col_data, col_scale, _ = group_columnwise_copy(t, torch.tensor(SPLITS[0]), True)
+    split_sizes = torch.tensor(splits)
+    expected = reference.nvfp4_group_decode_columns(col_data, col_scale, split_sizes, 40, 96)
+    device_args = (col_data.to(kernel_device), col_scale.to(kernel_device), split_sizes.to(kernel_device))
+    for config in (None, (16, 16, 1)):
+        got = kernels.launch_nvfp4_group_decode_columns(*device_args, 40, 96, config)
+        assert_bits_equal(got, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts", [1, 8])
+def test_kernels_match_reference_at_moe_shapes(experts):
+    gen = torch.Generator().manual_seed(experts)
+    sizes = torch.randint(0, 40, (experts,), generator=gen) * 16
+    sizes[experts // 2] = 0
+    tokens, hidden = int(sizes.sum()), 1040
+    t = make_tokens(tokens, hidden, seed=experts)
+    outputs = nvfp4_ref.nvfp4_group_quantize(t, sizes, True, True, True, None, None)
+    got = kernels.launch_nvfp4_decode_rows(outputs[0].cuda(), outputs[1].cuda())
+    assert_bits_equal(got, reference.nvfp4_decode_rows(outputs[0], outputs[1]))
+    cuda_args = (outputs[2].cuda(), outputs[3].cuda(), sizes.cuda(), hidden, tokens)
+    got = kernels.launch_nvfp4_group_decode_columns(*cuda_args)
+    assert_bits_equal(
+        got, reference.nvfp4_group_decode_columns(outputs[2], outputs[3], sizes, hidden, tokens)
+    )
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_recipe_operands_through_the_kernels_equal_the_pure_pytorch_local_values(suite, kernel_device):
+    """The recipe's operands (quantize ops + decode ops on the kernel device) against ``local_values``."""
+    split_sizes = torch.tensor([32, 0, 48, 16])
+    t = make_tokens(96, 48, seed=11)
+    local, amax = grouped_nvfp4.rowwise_operand(t.to(kernel_device), split_sizes.to(kernel_device))
+    token_amax = grouped_nvfp4._token_values(amax.cpu(), split_sizes, 96)[:, None]
+    assert_bits_equal(local, grouped_nvfp4.local_values(t, token_amax))
+    local, amax = grouped_nvfp4.columnwise_operand(t.to(kernel_device), split_sizes.to(kernel_device))
+    block_amax = grouped_nvfp4._token_values(amax.cpu(), split_sizes, 96)[::16][None, :]
+    assert_bits_equal(local, grouped_nvfp4.local_values(nvfp4_ref.apply_rht(t.t().contiguous()), block_amax))
+    weight = make_tokens(3 * 32, 48, seed=12).view(3, 32, 48)
+    local, amax = grouped_nvfp4.weight_operand(weight.to(kernel_device))
+    for e in range(3):
+        expected = grouped_nvfp4.local_values(weight[e], amax[e].cpu().reshape(1), block_2d=True)
+        assert_bits_equal(local[e], expected)
+
+
+# ----------------------------------------------------------------------------------- traceability
+
+
+def opcheck_all(device: str) -> None:
+    t = make_tokens(48, 40, seed=6)
+    data, scale, *_ = nvfp4_ref.nvfp4_quantize(t, True, False, False, None, None, False)
+    torch.library.opcheck(decode_rows.default, (data.to(device), scale.to(device)))
+    torch.library.opcheck(
+        decode_rows.default,
+        (data.to(device)[None].expand(2, -1, -1), scale.to(device)[None].expand(2, -1, -1)),
+    )
+    split_sizes = torch.tensor([16, 0, 32])
+    col_data, col_scale, _ = group_columnwise_copy(t, split_sizes, True)
+    args = (col_data.to(device), col_scale.to(device), split_sizes.to(device), 40, 48)
+    torch.library.opcheck(decode_columns.default, args)
+
+
+def test_opcheck_reference_ops():
+    opcheck_all("cpu")
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_opcheck_ops_on_kernels(suite, kernel_device):
+    opcheck_all(kernel_device)
+
+
+def test_compiled_decodes_do_not_recompile_over_token_counts():
+    def operands(t, split_sizes):
+        row_data, row_scale, col_data, col_scale, *_ = torch.ops.lowp.nvfp4_group_quantize(
+            t, split_sizes, True, True, True, None, None
+        )
+        tokens, hidden = t.shape
+        return decode_rows(row_data, row_scale), decode_columns(
+            col_data, col_scale, split_sizes, hidden, tokens
+        )
+
+    compiled = torch.compile(operands, fullgraph=True, dynamic=True, backend="aot_eager")
+    for index, tokens in enumerate((32, 48, 80)):
+        t = make_tokens(tokens, 32, seed=tokens)
+        split_sizes = torch.tensor([16, tokens - 32, 16])
+        if index == 2:
+            torch.compiler.set_stance("fail_on_recompile")
+        try:
+            got = compiled(t, split_sizes)
+        finally:
+            torch.compiler.set_stance("default")
+        for g, e in zip(got, operands(t, split_sizes), strict=True):
+            assert_bits_equal(g, e)
+
+
+# -------------------------------------------------------------------------------------- arguments
+
+_BYTES = torch.zeros(32, 8, dtype=torch.uint8)
+_SCALES = torch.zeros(128, 4, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((_BYTES.float(), _SCALES), "data must be uint8"),
+        ((_BYTES, _SCALES.float()), "scale must be uint8"),
+        ((_BYTES[0], _SCALES), "data must be 2-D"),
+        ((_BYTES, _SCALES[None]), "scale must have the rank of data"),
+        ((_BYTES, _SCALES[:16]), "scale must have at least 32 rows and 1 columns"),
+        ((_BYTES.expand(2, 32, 8), _SCALES.expand(3, 128, 4)), "scale must have the batch size"),
+    ],
+)
+def test_decode_rows_bad_arguments_raise_naming_them(args, match):
+    with pytest.raises(ValueError, match=match):
+        decode_rows(*args)
+
+
+_COL_BYTES = torch.zeros(8 * 32 // 2, dtype=torch.uint8)
+_COL_SCALES = torch.zeros(128, 2 + 4 * 2, dtype=torch.uint8)
+_SPLITS = torch.tensor([16, 16])
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((_COL_BYTES.view(8, 16), _COL_SCALES, _SPLITS, 8, 32), "col_data must be 1-D with"),
+        ((_COL_BYTES, _COL_SCALES, _SPLITS, 8, 30), "col_data must be 1-D with"),
+        ((_COL_BYTES, _COL_SCALES, _SPLITS, 16, 15), "tokens must be even"),
+        ((_COL_BYTES, _COL_SCALES.int(), _SPLITS, 8, 32), "col_scale must be uint8"),
+        ((_COL_BYTES, _COL_SCALES[:, :9], _SPLITS, 8, 32), "at least 8 rows and 10 columns"),
+        ((_COL_BYTES, _COL_SCALES, _SPLITS.float(), 8, 32), "split_sizes must be 1-D int32/int64"),
+        ((_COL_BYTES, _COL_SCALES, _SPLITS[:0], 8, 32), "at least one expert"),
+    ],
+)
+def test_group_decode_columns_bad_arguments_raise_naming_them(args, match):
+    with pytest.raises(ValueError, match=match):
+        decode_columns(*args)
