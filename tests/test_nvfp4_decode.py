@@ -33,10 +33,11 @@ def make_tokens(rows: int, cols: int, seed: int) -> torch.Tensor:
 
 
 def assert_bits_equal(got: torch.Tensor, expected: torch.Tensor) -> None:
-    """Same bf16 bit patterns (so -0 differs from +0); NaN equals NaN whatever its payload."""
+    """Same dtype and bit patterns (so -0 differs from +0); NaN equals NaN whatever its payload."""
     got = got.cpu()
-    assert got.shape == expected.shape, (tuple(got.shape), tuple(expected.shape))
-    same = (got.view(torch.int16) == expected.view(torch.int16)) | (got.isnan() & expected.isnan())
+    assert got.dtype == expected.dtype and got.shape == expected.shape, (got.dtype, tuple(got.shape))
+    bits = {2: torch.int16, 4: torch.int32}[got.element_size()]
+    same = (got.view(bits) == expected.view(bits)) | (got.isnan() & expected.isnan())
     if not same.all():
         first = tuple(i.item() for i in (~same).nonzero()[0])
         raise AssertionError(
@@ -164,8 +165,8 @@ def test_grouped_columns_kernel_matches_reference(suite, kernel_device, splits):
 @pytest.mark.parametrize("experts", [1, 8])
 def test_kernels_match_reference_at_moe_shapes(experts):
     gen = torch.Generator().manual_seed(experts)
-    sizes = torch.randint(0, 40, (experts,), generator=gen) * 16
-    sizes[experts // 2] = 0
+    sizes = torch.randint(1, 40, (experts,), generator=gen) * 16
+    sizes[experts // 2] = 0 if experts > 1 else sizes[0]
     tokens, hidden = int(sizes.sum()), 1040
     t = make_tokens(tokens, hidden, seed=experts)
     outputs = nvfp4_ref.nvfp4_group_quantize(t, sizes, True, True, True, None, None)
@@ -288,3 +289,44 @@ _SPLITS = torch.tensor([16, 16])
 def test_group_decode_columns_bad_arguments_raise_naming_them(args, match):
     with pytest.raises(ValueError, match=match):
         decode_columns(*args)
+
+
+@pytest.mark.cudagraph
+def test_cuda_graph_capture_of_the_recipe_operands_replays_like_eager_with_new_inputs_and_splits():
+    """Quantize + decode of the three operand kinds, captured once (no host sync), replayed on new
+    tokens, weights and split sizes."""
+
+    def inputs(seed: int):
+        gen = torch.Generator().manual_seed(seed)
+        cuts = torch.sort(torch.randint(0, 33, (3,), generator=gen)).values * 16
+        split_sizes = torch.cat([cuts[:1], cuts.diff(), 512 - cuts[-1:]])  # 4 experts, some empty
+        return (
+            make_tokens(512, 256, seed).cuda(),
+            make_tokens(3 * 128, 256, seed + 1).view(3, 128, 256).cuda(),
+            split_sizes.cuda(),
+        )
+
+    def operands(t, weight, split_sizes):
+        return (
+            *grouped_nvfp4.rowwise_operand(t, split_sizes),
+            *grouped_nvfp4.columnwise_operand(t, split_sizes),
+            *grouped_nvfp4.weight_operand(weight),
+        )
+
+    static = inputs(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            operands(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = operands(*static)
+    for seed in (1, 2):
+        new = inputs(seed)
+        for buffer, value in zip(static, new, strict=True):
+            buffer.copy_(value)
+        graph.replay()
+        for got, expected in zip(captured, operands(*new), strict=True):
+            assert_bits_equal(got, expected.cpu())
