@@ -93,8 +93,9 @@ def test_batched_rows_decode_is_each_matrix_decoded():
         assert_bits_equal(got[index], reference.nvfp4_decode_rows(copy[0], copy[1]))
 
 
-@pytest.mark.parametrize("splits", SPLITS)
-@pytest.mark.parametrize("rht", [False, True])
+@pytest.mark.parametrize(
+    ("splits", "rht"), [*((s, r) for s in SPLITS for r in (False, True)), ([6, 0, 34, 56], False)]
+)
 def test_grouped_columns_decode_is_each_experts_local_values(splits, rht):
     split_sizes = torch.tensor(splits)
     t = make_tokens(96, 40, seed=len(splits))
@@ -149,10 +150,19 @@ def test_rows_kernel_matches_reference(suite, kernel_device, shape, config):
 
 
 @pytest.mark.parametrize("suite", SUITES)
-@pytest.mark.parametrize("splits", [*SPLITS, [0, 48, 0, 16, 0, 0], [0, 48, 0, 16, 48, 0]])
-def test_grouped_columns_kernel_matches_reference(suite, kernel_device, splits):
+@pytest.mark.parametrize(
+    ("quantized_splits", "splits"),
+    [
+        *((SPLITS[0], splits) for splits in SPLITS),
+        (SPLITS[0], [0, 48, 0, 16, 0, 0]),  # tokens past the last expert
+        (SPLITS[0], [0, 48, 0, 16, 48, 0]),  # an expert cut at the last token
+        ([6, 0, 34, 56], [6, 0, 34, 56]),  # even sizes, not multiples of 16 (no RHT): unaligned tiles
+    ],
+)
+def test_grouped_columns_kernel_matches_reference(suite, kernel_device, quantized_splits, splits):
     t = make_tokens(96, 40, seed=5)
-    col_data, col_scale, _ = group_columnwise_copy(t, torch.tensor(SPLITS[0]), True)
+    rht = all(size % 16 == 0 for size in quantized_splits)
+    col_data, col_scale, _ = group_columnwise_copy(t, torch.tensor(quantized_splits), rht)
     split_sizes = torch.tensor(splits)
     expected = reference.nvfp4_group_decode_columns(col_data, col_scale, split_sizes, 40, 96)
     device_args = (col_data.to(kernel_device), col_scale.to(kernel_device), split_sizes.to(kernel_device))

@@ -25,13 +25,15 @@ FP32_QUIET_NAN_BITS = tl.constexpr(0x7FC00000)
 
 @triton.jit
 def e2m1_value(code):
-    """fp32 value of int32 E2M1 codes 0..15: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6; code 8 is -0."""
+    """fp32 value of int32 E2M1 codes 0..15: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6; code 8 is -0. Built
+    on the bits: Triton's unary minus is ``0 - x``, which would turn -0 into +0."""
     magnitude_code = code & 7
     exponent = magnitude_code >> 1
     mantissa = magnitude_code & 1
-    normal = (((exponent + 126) << 23) | (mantissa << 22)).to(tl.float32, bitcast=True)
-    magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.5, normal)
-    return tl.where(code >= 8, -magnitude, magnitude)
+    # Exponent field 126 + e with e = 0 meaning 0.5 (code 1) or 0 (code 0); mantissa bit 22 is +0.5.
+    normal = ((exponent + 126) << 23) | (mantissa << 22)
+    magnitude = tl.where(exponent == 0, mantissa * (126 << 23), normal)
+    return (magnitude | ((code & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -42,9 +44,9 @@ def e4m3_value(bits):
     mantissa = magnitude_bits & 7
     normal_bits = ((exponent + 120) << 23) | (mantissa << 20)
     normal_bits = tl.where(magnitude_bits == 0x7F, FP32_QUIET_NAN_BITS, normal_bits)
-    subnormal = mantissa.to(tl.float32) * 0.001953125  # 2^-9
-    magnitude = tl.where(exponent == 0, subnormal, normal_bits.to(tl.float32, bitcast=True))
-    return tl.where(bits >= 128, -magnitude, magnitude)
+    subnormal_bits = (mantissa.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)  # m * 2^-9
+    magnitude = tl.where(exponent == 0, subnormal_bits, normal_bits)
+    return (magnitude | ((bits & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -61,26 +63,33 @@ def decode_tile(
     col0,
     n_cols,
     BLOCK_COLS: tl.constexpr,
+    MASK_COLS: tl.constexpr,
 ):
     """Decode rows ``row_idx`` (int64 [BLOCK_ROWS], masked by ``rows_ok``), columns ``[col0, col0 +
-    BLOCK_COLS)`` (below ``n_cols``) of one matrix: codes at ``data_ptr`` (byte ``r * data_row_stride +
-    c / 2``), scale of column c at ``scale_ptr + r * scale_row_stride + (c / 16) * scale_col_stride``, value
-    to ``out_ptr + r * out_row_stride + c``. col0 and BLOCK_COLS are multiples of 16."""
+    BLOCK_COLS)`` (below ``n_cols`` when MASK_COLS) of one matrix: codes at ``data_ptr`` (byte ``r *
+    data_row_stride + c / 2``), scale of column c at ``scale_ptr + r * scale_row_stride + (c / 16) *
+    scale_col_stride``, value to ``out_ptr + r * out_row_stride + c``. col0 and BLOCK_COLS are multiples
+    of 16. Without MASK_COLS the masks are constant along a row, so loads and stores can be vectors."""
     NB: tl.constexpr = BLOCK_COLS // 16
     block_idx = col0 // 16 + tl.arange(0, NB)
     byte_col = block_idx[:, None] * 8 + tl.arange(0, 8)[None, :]  # [NB, 8]
-    data_ok = rows_ok[:, None, None] & (2 * byte_col < n_cols)[None, :, :]
+    out_col = block_idx[:, None] * 16 + tl.arange(0, 16)[None, :]  # [NB, 16]
+    data_ok = tl.broadcast_to(rows_ok[:, None, None], [row_idx.shape[0], NB, 8])
+    scale_ok = tl.broadcast_to(rows_ok[:, None], [row_idx.shape[0], NB])
+    out_ok = tl.broadcast_to(rows_ok[:, None, None], [row_idx.shape[0], NB, 16])
+    if MASK_COLS:
+        data_ok = data_ok & (2 * byte_col < n_cols)[None, :, :]
+        scale_ok = scale_ok & (16 * block_idx < n_cols)[None, :]
+        out_ok = out_ok & (out_col < n_cols)[None, :, :]
     data_ptrs = data_ptr + row_idx[:, None, None] * data_row_stride + byte_col[None, :, :]
     packed = tl.load(data_ptrs, mask=data_ok, other=0).to(tl.int32)
-    scale_ok = rows_ok[:, None] & (16 * block_idx < n_cols)[None, :]
     scale_ptrs = scale_ptr + row_idx[:, None] * scale_row_stride + block_idx[None, :] * scale_col_stride
     block_scale = e4m3_value(tl.load(scale_ptrs, mask=scale_ok, other=0).to(tl.int32))
     # Element 2i is the low nibble: join puts (low, high) last, so [NB, 8, 2] flattens in column order.
     codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [row_idx.shape[0], NB, 16])
     values = e2m1_value(codes) * block_scale[:, :, None]
-    out_col = block_idx[:, None] * 16 + tl.arange(0, 16)[None, :]  # [NB, 16]
     out_ptrs = out_ptr + row_idx[:, None, None] * out_row_stride + out_col[None, :, :]
-    tl.store(out_ptrs, values.to(tl.bfloat16), mask=rows_ok[:, None, None] & (out_col < n_cols)[None, :, :])
+    tl.store(out_ptrs, values.to(tl.bfloat16), mask=out_ok)
 
 
 @triton.jit
@@ -97,8 +106,9 @@ def nvfp4_decode_rows_kernel(
     scale_col_stride,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
+    EVEN_COLS: tl.constexpr,
 ):
-    """Grid (row tiles, column tiles, batch)."""
+    """Grid (row tiles, column tiles, batch). EVEN_COLS: cols is a multiple of BLOCK_COLS."""
     batch = tl.program_id(2).to(tl.int64)
     row_idx = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     decode_tile(
@@ -114,6 +124,7 @@ def nvfp4_decode_rows_kernel(
         tl.program_id(1) * BLOCK_COLS,
         cols,
         BLOCK_COLS,
+        not EVEN_COLS,
     )
 
 
@@ -163,26 +174,45 @@ def nvfp4_group_decode_columns_kernel(
     )
     row_idx = tl.program_id(1).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     rows_ok = row_idx < hidden
-    out_ptr = out_ptr + start
-    if decodable:
+    # Split sizes that are multiples of 16 (the recipe's) and a full tile: aligned, unmasked vectors.
+    fast = decodable & (start % 16 == 0) & (size % 16 == 0) & (local0 + BLOCK_TOKENS <= n_tokens)
+    if fast:
+        aligned_start = tl.multiple_of(start, 16)
         decode_tile(
-            col_data_ptr + start.to(tl.int64) * hidden // 2,
-            size // 2,
+            col_data_ptr + tl.multiple_of((aligned_start // 2).to(tl.int64) * hidden, 8),
+            tl.multiple_of(size // 2, 8),
             col_scale_ptr + scale_col0 * scale_col_stride,
             scale_row_stride,
             scale_col_stride,
-            out_ptr,
+            out_ptr + aligned_start,
             tokens,
             row_idx,
             rows_ok,
             local0,
             n_tokens,
             BLOCK_TOKENS,
+            False,
+        )
+    elif decodable:
+        decode_tile(
+            col_data_ptr + (start // 2).to(tl.int64) * hidden,
+            size // 2,
+            col_scale_ptr + scale_col0 * scale_col_stride,
+            scale_row_stride,
+            scale_col_stride,
+            out_ptr + start,
+            tokens,
+            row_idx,
+            rows_ok,
+            local0,
+            n_tokens,
+            BLOCK_TOKENS,
+            True,
         )
     else:
         out_col = local0 + tl.arange(0, BLOCK_TOKENS)
         zeros = tl.zeros([BLOCK_ROWS, BLOCK_TOKENS], dtype=tl.bfloat16)
-        out_ptrs = out_ptr + row_idx[:, None] * tokens + out_col[None, :]
+        out_ptrs = out_ptr + start + row_idx[:, None] * tokens + out_col[None, :]
         tl.store(out_ptrs, zeros, mask=rows_ok[:, None] & (out_col < n_tokens)[None, :])
 
 
@@ -224,6 +254,7 @@ def launch_nvfp4_decode_rows(
         scale3.stride(2),
         BLOCK_ROWS=block_rows,
         BLOCK_COLS=block_cols,
+        EVEN_COLS=cols % block_cols == 0,
         num_warps=num_warps,
     )
     return out
