@@ -301,9 +301,12 @@ def _grouped_fc1_swiglu_setup(ctx, inputs, output):
     ctx.recipe, ctx.interleave, ctx.amax_from_dglu = recipe, interleave, fc1_dy_amax_from_dglu
     ctx.save_for_backward(x, fc1_weight, probs, split_sizes, output[1])
     ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)  # no zero-filled (T, 2F) gradient of c
 
 
 def _grouped_fc1_swiglu_backward(ctx, grad_h, _grad_c):
+    if grad_h is None:
+        return (None,) * 7
     x, fc1_weight, probs, split_sizes, c = ctx.saved_tensors
     dc, dprobs, dc_amax = dglu(grad_h, c, probs, split_sizes, ctx.interleave)
     dx, dweight = grouped_linear_impl.linear_backward(
@@ -388,6 +391,8 @@ def _linear_cross_entropy_fwd_bwd_setup(ctx, inputs, output):
     ctx.computed = inputs[-2:]
     ctx.save_for_backward(dhidden, dweight)
     ctx.mark_non_differentiable(dhidden, dweight)
+    # Otherwise autograd hands the backward zero-filled gradients of dhidden and dweight: +1 dweight.
+    ctx.set_materialize_grads(False)
 
 
 def _linear_cross_entropy_fwd_bwd_backward(ctx, grad_loss, _grad_dhidden, _grad_dweight):

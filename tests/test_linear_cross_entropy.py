@@ -237,6 +237,37 @@ def test_cross_entropy_backward_written_over_its_logits_equals_a_fresh_buffer_in
     assert torch.equal(in_place.view(torch.int16), fresh.view(torch.int16))
 
 
+def test_backward_of_the_fused_path_allocates_no_weight_sized_tensor():
+    """The backward only scales the gradients the forward computed, in place: no zero-filled gradients of
+    the (non-differentiable) dhidden/dweight outputs, no scaled copy, no clone into ``weight.grad``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class RecordOutputs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.sizes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = [t for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)]
+            storages = {t.untyped_storage().data_ptr() for t in inputs}
+            for t in tree_flatten(out)[0]:
+                if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in storages:  # not a view
+                    self.sizes.append((str(func), t.numel()))
+            return out
+
+    h, w, target = make_inputs()
+    h.requires_grad_()
+    w.requires_grad_()
+    loss = lowp_ops.linear_cross_entropy(h, w, target)
+    with RecordOutputs() as recorder:
+        loss.backward(torch.tensor(0.5))
+    big = [(op, n) for op, n in recorder.sizes if n >= min(h.numel(), w.numel())]
+    assert big == [], big
+    assert w.grad is not None and h.grad is not None
+
+
 def test_frozen_weight_gets_no_gradient_and_hidden_still_does():
     h, w, target = make_inputs()
     h.requires_grad_()
