@@ -26,16 +26,7 @@ import lowp_ops
 from lowp_ops.kernels.swiglu import launch_dglu, launch_swiglu_fwd
 from lowp_ops.reference import swiglu as swiglu_ref
 
-SWEEP = [  # (BLOCK_T, BLOCK_F, num_warps, F_SPLITS)
-    *[(rows, 256, warps, 1) for rows in (8, 16) for warps in (4, 8)],
-    *[
-        (rows, cols, warps, splits)
-        for rows in (8, 16, 32)
-        for cols in (128, 256)
-        for warps in (4, 8)
-        for splits in (2, 6)
-    ],
-]
+SWEEP = [(rows, cols, warps) for rows in (4, 8, 16) for cols in (128, 256, 512) for warps in (4, 8)]
 
 
 def uneven_splits(tokens: int, experts: int, seed: int = 0) -> list[int]:

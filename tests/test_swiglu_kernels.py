@@ -127,16 +127,15 @@ def test_kernels_on_even_tiles_and_an_empty_expert(suite, kernel_device, interle
 
 
 @pytest.mark.parametrize("suite", SUITES)
-@pytest.mark.parametrize("config", [(8, 32, 4, 3), (4, 32, 2, 2), (16, 64, 4, 5), (2, 32, 1, 4)])
+@pytest.mark.parametrize("config", [(4, 32, 2), (16, 64, 4), (2, 32, 1)])
 @pytest.mark.parametrize("interleave", [0, 32])
-def test_dglu_split_along_ffn_matches_the_unsplit_kernel(suite, kernel_device, config, interleave):
-    """Programs covering runs of column tiles (F_SPLITS > 1, including splits with no tile left):
-    dc and the amaxes bit-identical to one program per row block, dprobs within the fp32 sum bound."""
+def test_dglu_launch_configs_agree(suite, kernel_device, config, interleave):
+    """Other tile shapes: dc and the amaxes bit-identical to the default's, dprobs within the fp32 bound."""
     tokens, ffn, split_sizes = 40, 96 if interleave else 100, [8, 0, 25, 7]
     c, probs, grad = make(tokens, ffn, 9, kernel_device, torch.float32, torch.bfloat16)
     splits = torch.tensor(split_sizes, device=kernel_device)
     dc, dprobs, amax = kernels.launch_dglu(grad, c, probs, splits, interleave, config)
-    dc_one, dprobs_one, amax_one = kernels.launch_dglu(grad, c, probs, splits, interleave, (8, 32, 4, 1))
+    dc_one, dprobs_one, amax_one = kernels.launch_dglu(grad, c, probs, splits, interleave)
     assert torch.equal(dc, dc_one) and torch.equal(amax, amax_one)
     g, (gate, linear) = grad.float(), reference.split_glu(c, interleave)
     magnitude = (g * gate * reference.sigmoid(gate) * linear).abs().sum(dim=1)
