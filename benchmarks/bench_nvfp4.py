@@ -159,7 +159,7 @@ def main() -> None:
     )
 
     if not args.no_sweep:
-        default = quantize_config(rows, cols)
+        default = quantize_config(rows, cols, True)
         expected = launch_nvfp4_quantize(x, True, True, True, amax, amax_rht, False)
         for config in SWEEP:
             run = lambda c=config: launch_nvfp4_quantize(x, True, True, True, amax, amax_rht, False, config=c)

@@ -654,13 +654,16 @@ def nvfp4_quantize_kernel(
 # ----------------------------------------------------------------------------------------- launchers
 
 
-def quantize_config(rows: int, cols: int) -> tuple[int, int, int, bool]:
-    """(TILE_ROWS, BLOCK_COLS, num_warps, grid along rows). One warp per 16 x 128 tile: the fewest
-    instructions per element (sm_90 SASS of the row + column + RHT kernel, per thread and element:
-    16x128/1 warp 44.0 with 114 registers; 16x256/2 44.3, 32x128/2 44.6, 16x64/1 48.6; 16x256/1 43.3
-    but 255 registers and a spill)."""
+def quantize_config(rows: int, cols: int, columnwise: bool = True) -> tuple[int, int, int, bool]:
+    """(TILE_ROWS, BLOCK_COLS, num_warps, grid along rows). The column-wise copy is stored transposed,
+    so a program writes TILE_ROWS / 2 contiguous bytes per column: 64-row tiles write whole 32-byte
+    sectors. H200, 16384 x 16384 bf16 with RHT, % of copy: row+col 64 x 64 on 2 warps 36.6 (16 x 128 on
+    1 warp 26.8, 32 x 128 / 2 34.4, 64 x 128 / 4 35.2); col only 64 x 64 / 2 54.1 (64 x 32 / 1 54.6,
+    16 x 128 / 1 24.6). Row only keeps 16 x 128 on 1 warp (64% of copy), the fewest instructions."""
     block_cols = max(16, min(128, triton.next_power_of_2(cols)))
-    return 16, block_cols, 1, True
+    if not columnwise:
+        return 16, block_cols, 1, True
+    return max(16, min(64, triton.next_power_of_2(rows))), min(64, block_cols), 2, False
 
 
 def _rows_with_unit_stride(x2d: torch.Tensor) -> torch.Tensor:
@@ -780,7 +783,7 @@ def launch_nvfp4_quantize(
     row_data, row_scale, col_data, col_scale, amax_row, amax_col = outputs
     rows, cols = flat_2d_dims(x.shape)
     x2d = _rows_with_unit_stride(x.reshape(rows, cols))
-    config = config or quantize_config(rows, cols)
+    config = config or quantize_config(rows, cols, columnwise)
     _launch(
         x2d,
         amax_row,  # unused pointer when not grouped
@@ -822,7 +825,7 @@ def launch_nvfp4_group_quantize(
     rows, cols = x.shape
     experts = split_sizes.shape[0]
     x2d = _rows_with_unit_stride(x)
-    config = config or quantize_config(rows, cols)
+    config = config or quantize_config(rows, cols, columnwise)
     tile_rows = config[0]
     _launch(
         x2d,
