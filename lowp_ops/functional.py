@@ -25,19 +25,17 @@ def _rows(
     return logits.reshape(-1, n_cols), target.reshape(-1)
 
 
-def _reduce(
-    loss_rows: torch.Tensor,
-    target_rows: torch.Tensor,
-    target_shape: torch.Size,
-    reduction: str,
-    ignore_index: int,
+def reduce_row_losses(
+    loss_rows: torch.Tensor, target: torch.Tensor, reduction: str, ignore_index: int
 ) -> torch.Tensor:
+    """As ``F.cross_entropy``'s reductions of per-row fp32 losses (N,) for ``target`` (any shape, N
+    elements): ``"none"`` in ``target``'s shape, the sum, or the mean over non-ignored rows (NaN when
+    every row is ignored, as PyTorch); the count stays on the device."""
     if reduction == "none":
-        return loss_rows.view(target_shape)
+        return loss_rows.view(target.shape)
     if reduction == "sum":
         return loss_rows.sum()
-    # Mean over non-ignored rows, as PyTorch (NaN when every row is ignored); the count stays on device.
-    return loss_rows.sum() / (target_rows != ignore_index).sum()
+    return loss_rows.sum() / (target != ignore_index).sum()
 
 
 def cross_entropy(
@@ -74,7 +72,7 @@ def cross_entropy(
         loss_rows = vocab_parallel_cross_entropy_rows(
             logits_rows, target_rows, float(label_smoothing), int(ignore_index), process_group
         )
-    return _reduce(loss_rows, target_rows, target.shape, reduction, ignore_index)
+    return reduce_row_losses(loss_rows, target, reduction, ignore_index)
 
 
 def _grad_rows(
@@ -142,7 +140,7 @@ def cross_entropy_with_mxfp8_grad(
                 logits_rows, target_rows, float(label_smoothing), int(ignore_index), process_group
             )
             shard = vocab_shard(logits_rows.shape[1], process_group)
-        loss = _reduce(loss_rows, target_rows, target.shape, reduction, ignore_index)
+        loss = reduce_row_losses(loss_rows, target, reduction, ignore_index)
         grad_rows = _grad_rows(grad_loss, loss, target_rows, reduction, ignore_index)
         row_data, row_scale, col_data, col_scale = torch.ops.lowp.cross_entropy_bwd_mxfp8(
             logits_rows,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import library  # noqa: F401  (registers the ops)
+from .functional import reduce_row_losses
 from .meta.checks import require
 from .meta.cross_entropy import check_label_smoothing, check_reduction
 from .meta.linear_cross_entropy import check_chunk_size, check_hidden_weight_target
@@ -22,13 +23,6 @@ def _check_process_group(process_group, reduce_hidden_grad) -> None:
         from .distributed import check_process_group
 
         check_process_group(process_group)
-
-
-def _reduce(loss_rows: torch.Tensor, target_rows: torch.Tensor, reduction: str, ignore_index: int):
-    """As ``F.cross_entropy``: mean over non-ignored rows (NaN when all are ignored), on the device."""
-    if reduction == "sum":
-        return loss_rows.sum()
-    return loss_rows.sum() / (target_rows != ignore_index).sum()
 
 
 def _row_weight(target_rows: torch.Tensor, reduction: str, ignore_index: int) -> torch.Tensor:
@@ -123,11 +117,7 @@ def linear_cross_entropy(
             process_group,
             reduce_hidden_grad,
         )
-        return (
-            loss_rows.view(target.shape)
-            if reduction == "none"
-            else _reduce(loss_rows, target_rows, reduction, ignore_index)
-        )
+        return reduce_row_losses(loss_rows, target, reduction, ignore_index)
     need_dhidden, need_dweight = hidden.requires_grad, weight.requires_grad
     if torch.is_grad_enabled() and (need_dhidden or need_dweight) and reduction != "none":
         loss, _, _ = torch.ops.lowp.linear_cross_entropy_fwd_bwd(
@@ -154,6 +144,4 @@ def linear_cross_entropy(
         other_operand,
         chunk,
     )
-    if reduction == "none":
-        return loss_rows.view(target.shape)
-    return _reduce(loss_rows, target_rows, reduction, ignore_index)
+    return reduce_row_losses(loss_rows, target, reduction, ignore_index)
