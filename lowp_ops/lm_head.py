@@ -62,8 +62,9 @@ def linear_cross_entropy(
         other_operand: for the MXFP8 GEMMs: ``"bf16"`` keeps weight / hidden as given; ``"mxfp8"``
             quantizes them to E4M3 with blocks along K as TransformerEngine's MXFP8 recipe does.
         chunk_size: tokens per chunk (None: the largest multiple of 256 with at most 2^28 logits).
-            Peak extra memory with gradients: ``2·chunk·V·b`` (bf16 gradient) or ``chunk·V·(b + 2.06)``
-            bytes (MXFP8), b the inputs' element size; see :mod:`lowp_ops.meta.linear_cross_entropy`.
+            Peak extra memory beyond the gradients, on CUDA: ``chunk·V·b`` (bf16 gradient, written over
+            its logits chunk) or ``chunk·V·(b + 2.06)`` bytes (MXFP8; plus ``2·chunk·V`` on sm90), b the
+            inputs' element size; see :mod:`lowp_ops.meta.linear_cross_entropy`.
         label_smoothing, ignore_index, reduction: as ``F.cross_entropy``.
         process_group: vocabulary-parallel LM head (:mod:`lowp_ops.distributed`). Each rank passes the
             same ``hidden`` and global ``target`` and the weight rows of its vocabulary shard: equal
