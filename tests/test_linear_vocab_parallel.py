@@ -18,8 +18,6 @@ from lowp_ops.reference import linear_cross_entropy as lce_ref
 from lowp_ops.reference import linear_vocab_parallel as lvp_ref
 
 IGNORE = -100
-GROUP_TIMEOUT_S = 240
-NCCL_TIMEOUT_S = 480  # first NCCL communicators and Inductor compiles on the GPU machine
 SHARD = 64  # a multiple of 32: MXFP8 row-wise blocks never straddle shards
 
 
@@ -259,9 +257,9 @@ def test_interp_gloo_group_runs_the_kernels(tmp_path):
         "lm_head_loss_is_identical_on_every_rank_and_matches_single_rank",
         "lm_head_gradients_are_the_shard_of_the_single_rank_gradients",
     ]
-    results = checks.run_group(2, "gloo", "cpu", str(tmp_path), names, GROUP_TIMEOUT_S)
+    results = checks.run_backend("gloo", 2, str(tmp_path), names)
     for name in names:
-        assert_passed(results, name)
+        checks.assert_passed(results, name)
 
 
 # --------------------------------------------------------------------------- real process groups
@@ -269,22 +267,13 @@ def test_interp_gloo_group_runs_the_kernels(tmp_path):
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda world: f"gloo{world}")
 def gloo_results(request, tmp_path_factory):
-    world = request.param
-    out_dir = tmp_path_factory.mktemp(f"lm_gloo{world}")
-    return checks.run_group(world, "gloo", "cpu", str(out_dir), lm_checks.LM_HEAD_CHECKS, GROUP_TIMEOUT_S)
+    out_dir = tmp_path_factory.mktemp(f"lm_gloo{request.param}")
+    return checks.run_backend("gloo", request.param, str(out_dir), lm_checks.LM_HEAD_CHECKS)
 
 
 @pytest.fixture(scope="module")
 def nccl_results(tmp_path_factory):
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two GPUs")
-    out_dir = tmp_path_factory.mktemp("lm_nccl2")
-    return checks.run_group(2, "nccl", "cuda", str(out_dir), lm_checks.LM_HEAD_CHECKS, NCCL_TIMEOUT_S)
-
-
-def assert_passed(results, name):
-    for rank, result in enumerate(results):
-        assert result[name] is None, f"rank {rank} of {len(results)}:\n{result[name]}"
+    return checks.run_backend("nccl", 2, str(tmp_path_factory.mktemp("lm_nccl2")), lm_checks.LM_HEAD_CHECKS)
 
 
 GROUP_CHECKS = pytest.mark.parametrize("name", lm_checks.LM_HEAD_CHECKS)
@@ -292,24 +281,22 @@ GROUP_CHECKS = pytest.mark.parametrize("name", lm_checks.LM_HEAD_CHECKS)
 
 @GROUP_CHECKS
 def test_gloo(gloo_results, name):
-    assert_passed(gloo_results, name)
+    checks.assert_passed(gloo_results, name)
 
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
 @GROUP_CHECKS
 def test_nccl(nccl_results, name):
-    assert_passed(nccl_results, name)
+    checks.assert_passed(nccl_results, name)
 
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
 @pytest.mark.cudagraph
 def test_nccl_cuda_graph_replay_matches_eager(tmp_path):
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two GPUs")
     name = "lm_head_cuda_graph_replay_matches_eager"
-    assert_passed(checks.run_group(2, "nccl", "cuda", str(tmp_path), [name], NCCL_TIMEOUT_S), name)
+    checks.assert_passed(checks.run_backend("nccl", 2, str(tmp_path), [name]), name)
 
 
 @pytest.mark.gpu

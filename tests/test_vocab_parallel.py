@@ -17,8 +17,6 @@ import lowp_ops
 from lowp_ops.meta.vocab_parallel import LOGIT_SUM, LSE, SHARD_STATS, TARGET_LOGIT, WIDTH
 
 IGNORE = -100
-GROUP_TIMEOUT_S = 240
-NCCL_TIMEOUT_S = 480  # first NCCL communicators and Inductor compiles on the GPU machine
 
 
 def sharded_inputs(rows: int, world: int, shard: int, dtype=torch.bfloat16, device="cpu", seed=0):
@@ -178,10 +176,9 @@ def test_interp_shard_backward_is_the_slice_of_the_full_backward(mxfp8):
 @pytest.mark.interp
 def test_interp_gloo_group_runs_the_kernels(tmp_path):
     names = ["loss_is_identical_on_every_rank_and_matches_float64", "masked_shards_are_safe"]
-    results = checks.run_group(2, "gloo", "cpu", str(tmp_path), names, GROUP_TIMEOUT_S)
-    for rank, result in enumerate(results):
-        for name in names:
-            assert result[name] is None, f"rank {rank}, {name}:\n{result[name]}"
+    results = checks.run_backend("gloo", 2, str(tmp_path), names)
+    for name in names:
+        checks.assert_passed(results, name)
 
 
 # --------------------------------------------------------------------------- real process groups
@@ -189,22 +186,13 @@ def test_interp_gloo_group_runs_the_kernels(tmp_path):
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda world: f"gloo{world}")
 def gloo_results(request, tmp_path_factory):
-    world = request.param
-    out_dir = tmp_path_factory.mktemp(f"gloo{world}")
-    return checks.run_group(world, "gloo", "cpu", str(out_dir), checks.CPU_CHECKS, GROUP_TIMEOUT_S)
+    out_dir = tmp_path_factory.mktemp(f"gloo{request.param}")
+    return checks.run_backend("gloo", request.param, str(out_dir), checks.CPU_CHECKS)
 
 
 @pytest.fixture(scope="module")
 def nccl_results(tmp_path_factory):
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two GPUs")
-    out_dir = tmp_path_factory.mktemp("nccl2")
-    return checks.run_group(2, "nccl", "cuda", str(out_dir), checks.CPU_CHECKS, NCCL_TIMEOUT_S)
-
-
-def assert_passed(results, name):
-    for rank, result in enumerate(results):
-        assert result[name] is None, f"rank {rank} of {len(results)}:\n{result[name]}"
+    return checks.run_backend("nccl", 2, str(tmp_path_factory.mktemp("nccl2")), checks.CPU_CHECKS)
 
 
 GROUP_CHECKS = pytest.mark.parametrize("name", checks.CPU_CHECKS)
@@ -212,24 +200,22 @@ GROUP_CHECKS = pytest.mark.parametrize("name", checks.CPU_CHECKS)
 
 @GROUP_CHECKS
 def test_gloo(gloo_results, name):
-    assert_passed(gloo_results, name)
+    checks.assert_passed(gloo_results, name)
 
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
 @GROUP_CHECKS
 def test_nccl(nccl_results, name):
-    assert_passed(nccl_results, name)
+    checks.assert_passed(nccl_results, name)
 
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
 @pytest.mark.cudagraph
 def test_nccl_cuda_graph_replay_matches_eager(tmp_path):
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two GPUs")
     name = "cuda_graph_replay_matches_eager"
-    assert_passed(checks.run_group(2, "nccl", "cuda", str(tmp_path), [name], NCCL_TIMEOUT_S), name)
+    checks.assert_passed(checks.run_backend("nccl", 2, str(tmp_path), [name]), name)
 
 
 @pytest.mark.gpu

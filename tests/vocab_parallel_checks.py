@@ -413,6 +413,26 @@ def run_group(
     return results
 
 
+GROUP_TIMEOUT_S = 240
+NCCL_TIMEOUT_S = 480  # first NCCL communicators and Inductor compiles on the GPU machine
+
+
+def run_backend(backend: str, world: int, out_dir: str, names: list[str]) -> list[dict]:
+    """:func:`run_group` on CPU tensors (gloo) or on two GPUs (nccl; the test is skipped without them)."""
+    if backend == "gloo":
+        return run_group(world, "gloo", "cpu", out_dir, names, GROUP_TIMEOUT_S)
+    if torch.cuda.device_count() < world:
+        import pytest
+
+        pytest.skip(f"needs {world} GPUs")
+    return run_group(world, "nccl", "cuda", out_dir, names, NCCL_TIMEOUT_S)
+
+
+def assert_passed(results: list[dict], name: str) -> None:
+    for rank, result in enumerate(results):
+        assert result[name] is None, f"rank {rank} of {len(results)}:\n{result[name]}"
+
+
 # ------------------------------------------------- checks of the vocabulary-parallel LM head
 # Registered into CHECKS by importing their module here, so that the spawned ranks (which import this
 # module to find _worker) know them too.
