@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ..meta.linear_cross_entropy import check_scale_by_args
-from ..reference.linear_cross_entropy import Steps, backward_chunks, forward_chunks, fwd_bwd_chunks
+from ..reference.linear_cross_entropy import Steps, backward_chunks, forward_chunks, fwd_bwd_chunks, scale_by_
 from .cross_entropy import launch_cross_entropy_bwd, launch_cross_entropy_bwd_mxfp8, launch_cross_entropy_fwd
 from .mxfp8 import launch_mxfp8_dequantize, launch_mxfp8_quantize
 from .mxfp8_gemm import mxfp8_gemm_into
@@ -110,11 +110,11 @@ def scale_by_kernel(x_ptr, scale_ptr, n, BLOCK: tl.constexpr):
 def launch_scale_by_(x: torch.Tensor, scale: torch.Tensor) -> None:
     """``lowp::scale_by_``: ``x *= scale`` in place, the scale read on the device; one read and one write
     of ``x``, none when the scale is 1."""
+    if not x.is_contiguous():
+        scale_by_(x, scale)  # the reference: strided gradients never come from this library's ops
+        return
     check_scale_by_args(x, scale)
     if x.numel() == 0:
-        return
-    if not x.is_contiguous():
-        x.copy_(x.float() * scale.float())
         return
     scale_by_kernel[(triton.cdiv(x.numel(), SCALE_BLOCK),)](
         x, scale, x.numel(), BLOCK=SCALE_BLOCK, num_warps=4
