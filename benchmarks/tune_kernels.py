@@ -109,12 +109,30 @@ def tune_cross_entropy(copy_tbs: float, results: list) -> None:
     _, lse = launch_cross_entropy_fwd(logits, target, 0.0, -100)
     grad_rows = torch.full((n_rows,), 1.0 / n_rows, device="cuda")
     args = (logits, target, lse, grad_rows, 0.0, -100, "e4m3", True, True, "compact")
-    backward = {
-        f"cols={b} warps={w}": (
-            lambda b=b, w=w: launch_cross_entropy_bwd_mxfp8(*args, block_cols=b, num_warps=w)
+    want = launch_cross_entropy_bwd_mxfp8(*args)
+    backward = {}
+    for b, w, v, r in [
+        (128, 2, 0, None),
+        (128, 2, 1, None),
+        (128, 2, 2, None),
+        (128, 2, 3, None),
+        (128, 1, 0, None),
+        (128, 1, 3, None),
+        (64, 1, 0, None),
+        (64, 1, 3, None),
+        (128, 2, 3, 96),
+        (128, 2, 3, 80),
+        (128, 2, 0, 96),
+        (128, 2, 0, 80),
+        (64, 1, 3, 80),
+        (128, 1, 3, 168),
+    ]:
+        got = launch_cross_entropy_bwd_mxfp8(*args, block_cols=b, num_warps=w, variant=v, maxnreg=r)
+        pairs = zip(got, want, strict=True)
+        differ = sum(int((g.view(torch.uint8) != h.view(torch.uint8)).sum()) for g, h in pairs)
+        backward[f"cols={b} warps={w} v={v} maxnreg={r} d={differ}"] = lambda b=b, w=w, v=v, r=r: (
+            launch_cross_entropy_bwd_mxfp8(*args, block_cols=b, num_warps=w, variant=v, maxnreg=r)
         )
-        for b, w in [(64, 1), (128, 1), (64, 2), (128, 2), (256, 2), (256, 4)]
-    }
     sweep("ce bwd mxfp8", 4.0625, logits.numel(), copy_tbs, backward, results)
     bf16 = {"default": lambda: launch_cross_entropy_bwd(logits, target, lse, grad_rows, 0.0, -100)}
     sweep("ce bwd bf16", 4, logits.numel(), copy_tbs, bf16, results)

@@ -19,7 +19,7 @@ from ..meta.cross_entropy import (
     cross_entropy_bwd_output,
     cross_entropy_fwd_outputs,
 )
-from .mxfp8 import TRITON_FP8, quantize_tile, store_tile, tile_cols, tile_coords
+from .mxfp8 import SOFTWARE_FP8_CAST, TRITON_FP8, quantize_tile, store_tile, tile_cols, tile_coords
 from .softmax import row_logsumexp_and_sum, rows_with_unit_stride
 
 FWD_BLOCK = 8192
@@ -68,7 +68,16 @@ def cross_entropy_fwd_kernel(
 
 @triton.jit
 def cross_entropy_grad(
-    x, cols, lse, target, row_scale, ignored, smoothing_eps, target_weight, HAS_SMOOTHING: tl.constexpr
+    x,
+    cols,
+    lse,
+    target,
+    row_scale,
+    ignored,
+    smoothing_eps,
+    target_weight,
+    HAS_SMOOTHING: tl.constexpr,
+    UNIFORM_IGNORED: tl.constexpr = False,
 ):
     """fp32 dlogits, element-wise: ``(exp(x - lse) - eps - (1 - ls)[col == y]) * row_scale``, exactly 0 on
     ignored rows. Row values come broadcast to x's shape (``lse`` as ``lse * log2(e)``, the target as an
@@ -80,7 +89,27 @@ def cross_entropy_grad(
         grad = grad - smoothing_eps
     grad = tl.where(cols == target, grad - target_weight, grad)
     grad = grad * row_scale
-    return tl.where(ignored, 0.0, grad)
+    if UNIFORM_IGNORED:
+        # No ignored row in this tile (decided once per tile): the per-element select is skipped.
+        if tl.max(ignored.to(tl.int32)) > 0:
+            grad = tl.where(ignored, 0.0, grad)
+    else:
+        grad = tl.where(ignored, 0.0, grad)
+    return grad
+
+
+@triton.jit
+def round_to_bf16_packed(x):
+    """fp32 ``x`` rounded to bf16 (RNE, NaN stays NaN) and widened back: one packed ``cvt.rn.bf16x2``
+    per two elements (Triton's element-wise cast is an F2F per element on the conversion pipe)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 p; cvt.rn.bf16x2.f32 p, $3, $2; shl.b32 $0, p, 16; and.b32 $1, p, 0xffff0000; }",
+        "=r,=r,r,r",
+        [x],
+        dtype=tl.float32,
+        is_pure=True,
+        pack=2,
+    )
 
 
 @triton.jit
@@ -145,6 +174,7 @@ def tile_grad(
     BLOCK_COLS: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     EVEN: tl.constexpr,
+    UNIFORM_IGNORED: tl.constexpr = False,
 ):
     """Tile (row_block, col_tile): (rows_idx, cols, tile_col0, fp32 gradient [32, BLOCK_COLS])."""
     rows_idx, lse, target, row_scale, ignored = load_row_stats(
@@ -172,6 +202,7 @@ def tile_grad(
         smoothing_eps,
         target_weight,
         HAS_SMOOTHING,
+        UNIFORM_IGNORED,
     )
     return rows_idx, cols, tile_col0, grad
 
@@ -195,6 +226,7 @@ def cross_entropy_bwd_kernel(
     BLOCK_COLS: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     EVEN: tl.constexpr,
+    VARIANT: tl.constexpr = 0,
 ):
     row_block, col_tile = tile_coords(n_cols, BLOCK_COLS)
     rows_idx, cols, _, grad = tile_grad(
@@ -216,6 +248,7 @@ def cross_entropy_bwd_kernel(
         BLOCK_COLS,
         HAS_SMOOTHING,
         EVEN,
+        (VARIANT & 1) == 1,
     )
     store_tile(dlogits_ptr, rows_idx, cols, rows, n_cols, grad.to(dlogits_ptr.dtype.element_ty), EVEN)
 
@@ -251,6 +284,7 @@ def cross_entropy_bwd_mxfp8_kernel(
     ROWWISE: tl.constexpr,
     COLWISE: tl.constexpr,
     SWIZZLED: tl.constexpr,
+    VARIANT: tl.constexpr = 0,
 ):
     row_block, col_tile = tile_coords(n_cols, BLOCK_COLS)
     rows_idx, cols, tile_col0, grad = tile_grad(
@@ -272,9 +306,13 @@ def cross_entropy_bwd_mxfp8_kernel(
         BLOCK_COLS,
         HAS_SMOOTHING,
         EVEN,
+        (VARIANT & 1) == 1,
     )
     # Quantize exactly what the other kernel stores: the gradient rounded to the logits' dtype.
-    grad = grad.to(logits_ptr.dtype.element_ty).to(tl.float32)
+    if (VARIANT & 2) == 2 and logits_ptr.dtype.element_ty == tl.bfloat16 and not SOFTWARE_FP8_CAST:
+        grad = round_to_bf16_packed(grad)
+    else:
+        grad = grad.to(logits_ptr.dtype.element_ty).to(tl.float32)
     if not EVEN:
         grad = tl.where((rows_idx[:, None] < rows) & (cols[None, :] < n_cols), grad, 0.0)
     quantize_tile(
@@ -406,6 +444,8 @@ def launch_cross_entropy_bwd_mxfp8(
     *,
     block_cols: int | None = None,
     num_warps: int | None = None,
+    variant: int = 0,
+    maxnreg: int | None = None,
 ):
     """``lowp::cross_entropy_bwd_mxfp8``; ``block_cols`` / ``num_warps`` override the launch config."""
     outputs = cross_entropy_bwd_mxfp8_outputs(
@@ -464,6 +504,8 @@ def launch_cross_entropy_bwd_mxfp8(
         ROWWISE=rowwise,
         COLWISE=columnwise,
         SWIZZLED=scale_layout == "swizzled",
+        VARIANT=variant,
         num_warps=num_warps,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return outputs
