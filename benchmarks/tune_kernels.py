@@ -112,20 +112,22 @@ def tune_cross_entropy(copy_tbs: float, results: list) -> None:
     want = launch_cross_entropy_bwd_mxfp8(*args)
     backward = {}
     for b, w, v, r in [
-        (128, 2, 0, None),
-        (128, 2, 1, None),
         (128, 2, 2, None),
-        (128, 2, 3, None),
-        (128, 1, 0, None),
-        (128, 1, 3, None),
-        (64, 1, 0, None),
-        (64, 1, 3, None),
-        (128, 2, 3, 96),
-        (128, 2, 3, 80),
-        (128, 2, 0, 96),
-        (128, 2, 0, 80),
-        (64, 1, 3, 80),
-        (128, 1, 3, 168),
+        (128, 2, 2, 128),
+        (128, 2, 2, 96),
+        (128, 1, 2, 160),
+        (128, 1, 2, 168),
+        (128, 1, 2, 176),
+        (128, 1, 2, 192),
+        (128, 1, 3, 176),
+        (128, 1, 3, 192),
+        (256, 2, 2, 168),
+        (256, 2, 2, 192),
+        (256, 2, 3, 192),
+        (256, 4, 2, None),
+        (256, 4, 2, 128),
+        (64, 1, 2, None),
+        (64, 1, 2, 96),
     ]:
         got = launch_cross_entropy_bwd_mxfp8(*args, block_cols=b, num_warps=w, variant=v, maxnreg=r)
         pairs = zip(got, want, strict=True)
