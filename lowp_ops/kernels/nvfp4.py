@@ -34,8 +34,8 @@ FLT_MAX = tl.constexpr(3.4028234663852886e38)
 ONE_SIXTH = tl.constexpr(round_to_fp32(1.0 / 6.0))
 SIGN_MASK = tl.constexpr(RHT_SIGN_MASK)
 SCALE_COLS_MULTIPLE = tl.constexpr(SCALE_TILE_COLS)
-# e2m1_code_rn: steps_bits - (e + 127 + 22) << 23 + 2 e = steps_bits - (e + 127) (2^23 - 2) - this.
-SHIFTER_OFFSET = tl.constexpr(22 * 8388608 + 254)
+# e2m1_code_rn: the shifter's bits are (exponent + 22) << 23 plus 2 (2 + 2 * 127 = 0 mod 256).
+SHIFTER_BITS = tl.constexpr(22 * 8388608 + 2)
 
 
 # ------------------------------------------------------------------------------------------ numerics
@@ -59,6 +59,24 @@ def round_to_bf16(x):
         out = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
     else:
         out = x.to(tl.bfloat16).to(tl.float32)
+    return out
+
+
+@triton.jit
+def round_to_bf16_packed(x):
+    """``round_to_bf16`` of a tensor whose elements pair up within a thread: on the GPU one
+    ``cvt.rn.bf16x2.f32`` per pair (half the conversions of one F2F per element)."""
+    if INTERPRETING:
+        out = round_to_bf16(x)
+    else:
+        out = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; cvt.rn.bf16x2.f32 t, $3, $2; shl.b32 $0, t, 16; and.b32 $1, t, 0xffff0000; }",
+            "=r,=r,r,r",
+            [x],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=2,
+        )
     return out
 
 
@@ -119,19 +137,19 @@ def block_encode_factor(scale_value, decode):
 
 
 @triton.jit
-def e2m1_code_rn(v):
-    """E2M1 code (int32, 0..15) of fp32 ``v``: ties to even, saturating at 6; negative values keep the
-    sign bit even when they round to 0, -0.0 gives 0 (the reference's ``v < 0``), NaN gives 0."""
+def e2m1_magnitude_rn(v):
+    """E2M1 code of ``|v|`` (fp32) in the low 8 bits of the int32 result, 0..7 (bits 8+ are junk):
+    ties to even, saturating at 6, NaN gives 0."""
     # maximum/minimum without NaN propagation return the other operand: NaN -> 0 (GPU and interpreter).
     magnitude = tl.minimum(tl.maximum(tl.abs(v), 0.0), 6.0)
-    # Add 2^(e + 22) for the binade 2^e of |v| (e >= 0; e = 0 below 1): the sum rounds |v| to its E2M1
-    # step (0.5, 1 or 2) with ties to even, and its low bits count the steps; code = steps + 2e.
+    # Add the shifter 2^(e + 22) (1 + 2^-22) for the binade 2^e of |v| (e >= 0; e = 0 below 1): the sum
+    # rounds |v| to its E2M1 step (0.5, 1 or 2) with ties to even (the shifter is an even number of
+    # steps), and its low bits count the steps; code = steps + 2e.
     exponent = tl.maximum(magnitude.to(tl.int32, bitcast=True) >> 23, 127)
-    shifter_bits = (exponent + 22) << 23
+    shifter_bits = (exponent << 23) + SHIFTER_BITS
     steps_bits = (magnitude + shifter_bits.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
-    code = steps_bits - exponent * (8388608 - 2) - SHIFTER_OFFSET
-    # A select of code | 8 compiles to one predicated instruction (a select + add takes two more).
-    return tl.where(v < 0, code | 8, code)
+    # steps_bits - exponent (2^23 - 2) = steps + 2e + 22 * 2^23 (the shifter's +2 cancels 2 * 127 mod 256).
+    return steps_bits - exponent * (8388608 - 2)
 
 
 @triton.jit
@@ -155,32 +173,33 @@ def sr_pair_bits(sr_ptr, STREAM: tl.constexpr, pair_index):
 
 
 @triton.jit
-def e2m1_code_sr(v, random_bits):
-    """E2M1 code with stochastic rounding, as ``reference.nvfp4.e2m1_codes_stochastic``: up to the next
-    grid value with probability (|v| - lower) / step, from 16 random bits (NaN: as above)."""
+def e2m1_magnitude_sr(v, random_bits):
+    """E2M1 code (0..7) of ``|v|`` with stochastic rounding, as ``reference.nvfp4.e2m1_codes_stochastic``:
+    up to the next grid value with probability (|v| - lower) / step, from 16 random bits (NaN: 0)."""
     magnitude = tl.minimum(tl.maximum(tl.abs(v), 0.0), 6.0)
     step_unit = tl.where(magnitude < 2.0, 2.0**-17, tl.where(magnitude < 4.0, 2.0**-16, 2.0**-15))
     shifted = magnitude + random_bits.to(tl.float32) * step_unit
     low = (shifted * 2.0).to(tl.int32)
     high = (shifted.to(tl.int32, bitcast=True) >> 22) - 252
-    code = tl.minimum(tl.where(shifted < 2.0, low, high), 7)
-    return tl.where(v < 0, code | 8, code)
+    return tl.minimum(tl.where(shifted < 2.0, low, high), 7)
 
 
 @triton.jit
-def e2m1_code(v, random_bits, STOCHASTIC: tl.constexpr):
-    if STOCHASTIC:  # noqa: SIM108 (a constexpr branch: the other one is never compiled)
-        code = e2m1_code_sr(v, random_bits)
+def e2m1_bytes(low, high, low_bits, high_bits, STOCHASTIC: tl.constexpr):
+    """uint8 of the E2M1 codes of fp32 ``low`` (bits 0-3) and ``high`` (bits 4-7), with round to nearest
+    (ties to even) or stochastic rounding from 16 random bits each. A negative value keeps its sign bit
+    even when it rounds to 0; -0.0 and NaN give code 0 (the reference's ``v < 0``)."""
+    if STOCHASTIC:
+        low_code = e2m1_magnitude_sr(low, low_bits)
+        high_code = e2m1_magnitude_sr(high, high_bits)
     else:
-        code = e2m1_code_rn(v)
-    return code
-
-
-@triton.jit
-def pack_pairs(codes, N: tl.constexpr, M: tl.constexpr):
-    """[N, M] int32 codes -> [N, M/2] uint8, element 2i in the low nibble."""
-    low, high = tl.split(tl.reshape(codes, [N, M // 2, 2]))
-    return (low | (high << 4)).to(tl.uint8)
+        low_code = e2m1_magnitude_rn(low)
+        high_code = e2m1_magnitude_rn(high)
+    low_code = tl.where(low < 0, low_code | 8, low_code)
+    # The high sign after the shift-add: one instruction for the add, one predicated or per sign.
+    byte = low_code + (high_code << 4)
+    byte = tl.where(high < 0, byte | 128, byte)
+    return byte.to(tl.uint8)
 
 
 # --------------------------------------------------------------------------------------------- tiles
@@ -213,13 +232,17 @@ def quantize_rowwise_tile(
     scale_value, scale_code = e4m3_block_scale(vec_max, encode)
     factor = block_encode_factor(scale_value, decode)
     scaled = tl.reshape(tl.reshape(x, [R, NB, 16]) * factor[:, :, None], [R, BC])
-    random_bits = 0
+    # Elements 2i and 2i + 1 of a row: the low and high nibble of output byte i.
+    low, high = tl.split(tl.reshape(scaled, [R, BC // 2, 2]))
+    low_bits = 0
+    high_bits = 0
     if STOCHASTIC:
-        # One hash per output byte: elements 2i and 2i + 1 of a row take its low and high 16 bits.
+        # One hash per output byte: its low and high 16 bits round the low and high element.
         pairs = grows[:, None].to(tl.int64) * (cols // 2) + (col0 // 2 + tl.arange(0, BC // 2))[None, :]
         bits = sr_pair_bits(sr_ptr, 0, pairs)
-        random_bits = tl.reshape(tl.join(bits & 0xFFFF, bits >> 16), [R, BC])
-    data = pack_pairs(e2m1_code(scaled, random_bits, STOCHASTIC), R, BC)
+        low_bits = bits & 0xFFFF
+        high_bits = bits >> 16
+    data = e2m1_bytes(low, high, low_bits, high_bits, STOCHASTIC)
     byte_idx = col0 // 2 + tl.arange(0, BC // 2)
     row_bytes = cols // 2
     if EVEN:
@@ -266,17 +289,18 @@ def quantize_columnwise_tile(
     scale_value, scale_code = e4m3_block_scale(vec_max, encode)
     factor = block_encode_factor(scale_value, decode)
     scaled = tl.reshape(tl.reshape(y, [RB, 16, BC]) * factor[:, None, :], [R, BC])
-    random_bits = 0
+    # Rows 2i and 2i + 1 of a column: the low and high nibble of its output byte i.
+    low, high = tl.split(tl.permute(tl.reshape(scaled, [R // 2, 2, BC]), (0, 2, 1)))
+    low_bits = 0
+    high_bits = 0
     if STOCHASTIC:
-        # One hash per output byte: rows 2i and 2i + 1 of a column take its low and high 16 bits.
+        # One hash per output byte: its low and high 16 bits round the low and high row.
         row_pairs = tile_row0 // 2 + tl.arange(0, R // 2)
         pairs = cols_idx[None, :].to(tl.int64) * (total_rows // 2) + row_pairs[:, None]
         bits = sr_pair_bits(sr_ptr, 1, pairs)
-        random_bits = tl.reshape(tl.permute(tl.join(bits & 0xFFFF, bits >> 16), (0, 2, 1)), [R, BC])
-    codes = e2m1_code(scaled, random_bits, STOCHASTIC)
-    pairs = tl.permute(tl.reshape(codes, [R // 2, 2, BC]), (0, 2, 1))
-    low, high = tl.split(pairs)
-    data = (low | (high << 4)).to(tl.uint8)
+        low_bits = bits & 0xFFFF
+        high_bits = bits >> 16
+    data = e2m1_bytes(low, high, low_bits, high_bits, STOCHASTIC)
     byte_idx = local_row0 // 2 + tl.arange(0, R // 2)
     row_bytes = n_rows // 2
     if EVEN:
@@ -516,7 +540,7 @@ def quantize_tile(
     if COLWISE:
         y = x
         if RHT:
-            y = round_to_bf16(hadamard16_rows(x, TILE_ROWS, BLOCK_COLS))
+            y = round_to_bf16_packed(hadamard16_rows(x, TILE_ROWS, BLOCK_COLS))
         if BLOCK_2D:
             col_max = tl.broadcast_to(tile_max[:, :, None], [TILE_ROWS // 16, BLOCK_COLS // 16, 16])
             col_max = tl.reshape(col_max, [TILE_ROWS // 16, BLOCK_COLS])
