@@ -103,7 +103,7 @@ def tune_cross_entropy(copy_tbs: float, results: list) -> None:
     target = torch.randint(0, vocab, (n_rows,), device="cuda")
     forward = {
         f"block={b} warps={w}": (lambda b=b, w=w: launch_cross_entropy_fwd(logits, target, 0.0, -100, b, w))
-        for b, w in [(4096, 2), (8192, 4)]
+        for b, w in [(4096, 2), (4096, 4), (8192, 4), (8192, 8), (16384, 8)]
     }
     sweep("ce fwd", 2, logits.numel(), copy_tbs, forward, results)
     _, lse = launch_cross_entropy_fwd(logits, target, 0.0, -100)

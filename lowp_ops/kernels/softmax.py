@@ -15,14 +15,16 @@ import triton.language as tl
 from ..meta.softmax import logsumexp_output, softmax_bwd_output, softmax_fwd_output
 
 MAX_BLOCK = 4096
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
 def online_softmax_update(m, d, block):
-    """Fold an fp32 block (masked lanes = -inf) into the running max ``m`` and sum ``d = Σ exp(x - m)``."""
+    """Fold an fp32 block (masked lanes = -inf) into the running max ``m`` and sum ``d = Σ exp(x - m)``.
+    Each element costs one FMA and one ``ex2``: ``exp(x - s) = 2^(x log2e - s log2e)``."""
     m_new = tl.maximum(m, tl.max(block, 0))
     shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    d = d * tl.exp(m - shift) + tl.sum(tl.exp(block - shift), 0)
+    d = d * tl.exp(m - shift) + tl.sum(tl.exp2(block * LOG2E - shift * LOG2E), 0)
     return m_new, d
 
 
@@ -35,12 +37,19 @@ def finish_logsumexp(m, d):
 @triton.jit
 def row_logsumexp_and_sum(row_ptr, n_cols, BLOCK: tl.constexpr, WITH_SUM: tl.constexpr):
     """(masked-safe log-sum-exp, sum of the values) in fp32 of one row of ``n_cols`` contiguous elements,
-    from one pass; the sum (label smoothing needs it) is 0 unless ``WITH_SUM``."""
+    from one pass; the sum (label smoothing needs it) is 0 unless ``WITH_SUM``. Whole blocks load
+    without masks; only the tail block is masked."""
     m = float("-inf")
     d = 0.0
     total = 0.0
-    for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
+    n_whole = n_cols - n_cols % BLOCK
+    for start in range(0, n_whole, BLOCK):
+        block = tl.load(row_ptr + start + tl.arange(0, BLOCK)).to(tl.float32)
+        m, d = online_softmax_update(m, d, block)
+        if WITH_SUM:
+            total += tl.sum(block, 0)
+    if n_whole < n_cols:
+        cols = n_whole + tl.arange(0, BLOCK)
         block = tl.load(row_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
         m, d = online_softmax_update(m, d, block)
         if WITH_SUM:

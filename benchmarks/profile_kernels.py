@@ -1,0 +1,41 @@
+"""Which GPU kernels one call launches and how long each runs (torch.profiler), to find the small
+kernels around the big ones (not a timed benchmark):
+
+    python benchmarks/profile_kernels.py ce_mxfp8 | ce_fwd_bwd
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import lowp_ops
+
+CASES = {
+    "ce_mxfp8": lambda x, t: lowp_ops.cross_entropy_with_mxfp8_grad(x, t),
+    "ce_fwd_bwd": lambda x, t: lowp_ops.cross_entropy(x, t).backward(),
+}
+
+
+def main() -> None:
+    x = (torch.randn(4096, 129280, device="cuda") * 3).to(torch.bfloat16)
+    t = torch.randint(0, 129280, (4096,), device="cuda")
+    for name in sys.argv[1:] or list(CASES):
+        logits = x.clone().requires_grad_(name == "ce_fwd_bwd")
+        for _ in range(3):
+            CASES[name](logits, t)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            CASES[name](logits, t)
+            torch.cuda.synchronize()
+        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        total = sum(e.device_time for e in events)
+        print(f"== {name}: {len(events)} GPU activities, {total:.1f} us")
+        for e in events:
+            print(f"  {e.device_time:9.1f} us  {e.name[:110]}")
+
+
+if __name__ == "__main__":
+    main()
