@@ -34,8 +34,9 @@ FLT_MAX = tl.constexpr(3.4028234663852886e38)
 ONE_SIXTH = tl.constexpr(round_to_fp32(1.0 / 6.0))
 SIGN_MASK = tl.constexpr(RHT_SIGN_MASK)
 SCALE_COLS_MULTIPLE = tl.constexpr(SCALE_TILE_COLS)
-# e2m1_code_rn: the shifter's bits are (exponent + 22) << 23 plus 2 (2 + 2 * 127 = 0 mod 256).
-SHIFTER_BITS = tl.constexpr(22 * 8388608 + 2)
+EXPONENT_MASK = tl.constexpr(0x7F800000)
+# e2m1_magnitude_rn: the shifter is binade * (2^22 + 1).
+SHIFTER_FACTOR = tl.constexpr(4194305.0)
 
 
 # ------------------------------------------------------------------------------------------ numerics
@@ -98,8 +99,12 @@ def hadamard16_rows(x, R: tl.constexpr, BC: tl.constexpr):
     row = tl.arange(0, R) % 16
     negate = (tl.full([R], SIGN_MASK, tl.int32) >> row) & 1
     signs = tl.where(negate == 1, -0.25, 0.25)
-    v = tl.reshape(x * signs[:, None], [R * BC])
-    v = hadamard_stage(v, R // 2, BC)
+    # Row bit 0 with the sign products fused: x0 s0 +- x1 s1 as fma(x0, s0, +-(x1 s1)) (exact products).
+    x0, x1 = tl.split(tl.permute(tl.reshape(x, [R // 2, 2, BC]), (0, 2, 1)))
+    s0, s1 = tl.split(tl.reshape(signs, [R // 2, 2]))
+    p1 = x1 * s1[:, None]
+    pair = tl.join(tl.fma(x0, s0[:, None], p1), tl.fma(x0, s0[:, None], -p1))
+    v = tl.reshape(tl.permute(pair, (0, 2, 1)), [R * BC])
     v = hadamard_stage(v, R // 4, 2 * BC)
     v = hadamard_stage(v, R // 8, 4 * BC)
     v = hadamard_stage(v, R // 16, 8 * BC)
@@ -142,14 +147,15 @@ def e2m1_magnitude_rn(v):
     ties to even, saturating at 6, NaN gives 0."""
     # maximum/minimum without NaN propagation return the other operand: NaN -> 0 (GPU and interpreter).
     magnitude = tl.minimum(tl.maximum(tl.abs(v), 0.0), 6.0)
-    # Add the shifter 2^(e + 22) (1 + 2^-22) for the binade 2^e of |v| (e >= 0; e = 0 below 1): the sum
-    # rounds |v| to its E2M1 step (0.5, 1 or 2) with ties to even (the shifter is an even number of
-    # steps), and its low bits count the steps; code = steps + 2e.
-    exponent = tl.maximum(magnitude.to(tl.int32, bitcast=True) >> 23, 127)
-    shifter_bits = (exponent << 23) + SHIFTER_BITS
-    steps_bits = (magnitude + shifter_bits.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
-    # steps_bits - exponent (2^23 - 2) = steps + 2e + 22 * 2^23 (the shifter's +2 cancels 2 * 127 mod 256).
-    return steps_bits - exponent * (8388608 - 2)
+    # binade = 2^e, the power of two at or below max(|v|, 1) (e = 0, 1 or 2); step = 2^(e - 1).
+    binade_bits = tl.maximum(magnitude, 1.0).to(tl.int32, bitcast=True) & EXPONENT_MASK
+    binade = binade_bits.to(tl.float32, bitcast=True)
+    # |v| + (2^22 + 1) 2^e (an exact product, one rounding) lands in the binade of 2^(e + 22), whose ulp is
+    # the E2M1 step: the sum rounds |v| to the grid with ties to even (the shifter is 2^23 + 2 steps, an
+    # even count), and its low bits are 2 + steps.
+    steps_bits = tl.fma(binade, SHIFTER_FACTOR, magnitude).to(tl.int32, bitcast=True)
+    # code = steps + 2e = (2 + steps) + (binade_bits >> 22) mod 256, as binade_bits >> 22 = 2e + 254.
+    return steps_bits + (binade_bits >> 22)
 
 
 @triton.jit
