@@ -144,9 +144,9 @@ def block_encode_factor(scale_value, decode):
 @triton.jit
 def e2m1_magnitude_rn(v):
     """E2M1 code of ``|v|`` (fp32) in the low 8 bits of the int32 result, 0..7 (bits 8+ are junk):
-    ties to even, saturating at 6, NaN gives 0."""
-    # maximum/minimum without NaN propagation return the other operand: NaN -> 0 (GPU and interpreter).
-    magnitude = tl.minimum(tl.maximum(tl.abs(v), 0.0), 6.0)
+    ties to even, saturating at 6. NaN gives 7: the callers zero the bytes of blocks whose encode factor
+    is NaN, the only blocks holding a NaN (one saves a max(|v|, 0) per element)."""
+    magnitude = tl.minimum(tl.abs(v), 6.0)
     # binade = 2^e, the power of two at or below max(|v|, 1) (e = 0, 1 or 2); step = 2^(e - 1).
     binade_bits = tl.maximum(magnitude, 1.0).to(tl.int32, bitcast=True) & EXPONENT_MASK
     binade = binade_bits.to(tl.float32, bitcast=True)
@@ -191,10 +191,17 @@ def e2m1_magnitude_sr(v, random_bits):
 
 
 @triton.jit
+def not_nan_mask(v):
+    """int32 -1 where fp32 ``v`` is not NaN, 0 where it is (integer steps: no predicates to keep live)."""
+    return ((v.to(tl.int32, bitcast=True) & 0x7FFFFFFF) - 0x7F800001) >> 31
+
+
+@triton.jit
 def e2m1_bytes(low, high, low_bits, high_bits, STOCHASTIC: tl.constexpr):
-    """uint8 of the E2M1 codes of fp32 ``low`` (bits 0-3) and ``high`` (bits 4-7), with round to nearest
-    (ties to even) or stochastic rounding from 16 random bits each. A negative value keeps its sign bit
-    even when it rounds to 0; -0.0 and NaN give code 0 (the reference's ``v < 0``)."""
+    """int32 whose low 8 bits hold the E2M1 codes of fp32 ``low`` (bits 0-3) and ``high`` (bits 4-7), with
+    round to nearest (ties to even) or stochastic rounding from 16 random bits each. A negative value
+    keeps its sign bit even when it rounds to 0; -0.0 gives code 0 (the reference's ``v < 0``); NaN
+    gives 0 with stochastic rounding, junk with round to nearest (see ``e2m1_magnitude_rn``)."""
     if STOCHASTIC:
         low_code = e2m1_magnitude_sr(low, low_bits)
         high_code = e2m1_magnitude_sr(high, high_bits)
@@ -205,7 +212,7 @@ def e2m1_bytes(low, high, low_bits, high_bits, STOCHASTIC: tl.constexpr):
     # The high sign after the shift-add: one instruction for the add, one predicated or per sign.
     byte = low_code + (high_code << 4)
     byte = tl.where(high < 0, byte | 128, byte)
-    return byte.to(tl.uint8)
+    return byte
 
 
 # --------------------------------------------------------------------------------------------- tiles
@@ -249,6 +256,9 @@ def quantize_rowwise_tile(
         low_bits = bits & 0xFFFF
         high_bits = bits >> 16
     data = e2m1_bytes(low, high, low_bits, high_bits, STOCHASTIC)
+    # A NaN makes its block's factor NaN, and only a NaN factor makes NaN data: those blocks encode as 0.
+    keep = not_nan_mask(factor)
+    data = tl.reshape(tl.reshape(data, [R, NB, 8]) & keep[:, :, None], [R, BC // 2]).to(tl.uint8)
     byte_idx = col0 // 2 + tl.arange(0, BC // 2)
     row_bytes = cols // 2
     if EVEN:
@@ -307,6 +317,9 @@ def quantize_columnwise_tile(
         low_bits = bits & 0xFFFF
         high_bits = bits >> 16
     data = e2m1_bytes(low, high, low_bits, high_bits, STOCHASTIC)
+    # A NaN makes its block's factor NaN, and only a NaN factor makes NaN data: those blocks encode as 0.
+    keep = not_nan_mask(factor)
+    data = tl.reshape(tl.reshape(data, [RB, 8, BC]) & keep[:, None, :], [R // 2, BC]).to(tl.uint8)
     byte_idx = local_row0 // 2 + tl.arange(0, R // 2)
     row_bytes = n_rows // 2
     if EVEN:
