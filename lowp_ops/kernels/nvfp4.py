@@ -359,6 +359,24 @@ def expert_of_tile(split_ptr, experts, tile, TILE_ROWS: tl.constexpr, EXPERTS_PO
 
 
 @triton.jit
+def to_fp32(x):
+    """``x`` (bf16, fp16 or fp32) as fp32. bf16 on the GPU: one shift or one and per element of a pair
+    held in one register (the generic conversion spends a byte permute more on the high one)."""
+    if INTERPRETING or x.dtype != tl.bfloat16:
+        out = x.to(tl.float32)
+    else:
+        out = tl.inline_asm_elementwise(
+            "{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000; }",
+            "=r,=r,r",
+            [x],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=2,
+        )
+    return out
+
+
+@triton.jit
 def load_tile(
     x_ptr,
     stride_row,
@@ -380,13 +398,13 @@ def load_tile(
         ptrs = x_ptr + grows[:, None, None].to(tl.int64) * stride_row + first_half[None, :, :]
         # Upcast right after the load (bf16 math is wrong in the Triton interpreter).
         if EVEN:
-            low = tl.load(ptrs).to(tl.float32)
-            high = tl.load(ptrs + 8).to(tl.float32)
+            low = to_fp32(tl.load(ptrs))
+            high = to_fp32(tl.load(ptrs + 8))
         else:
             row_ok = rows_ok[:, None, None]
-            low = tl.load(ptrs, mask=row_ok & (first_half < cols)[None, :, :], other=0.0).to(tl.float32)
+            low = to_fp32(tl.load(ptrs, mask=row_ok & (first_half < cols)[None, :, :], other=0.0))
             high = tl.load(ptrs + 8, mask=row_ok & (first_half + 8 < cols)[None, :, :], other=0.0)
-            high = high.to(tl.float32)
+            high = to_fp32(high)
         x = tl.reshape(tl.permute(tl.join(low, high), (0, 1, 3, 2)), [R, BC])
     else:
         cols_idx = col0 + tl.arange(0, BC)
