@@ -26,16 +26,25 @@ def _rows(
 
 
 def reduce_row_losses(
-    loss_rows: torch.Tensor, target: torch.Tensor, reduction: str, ignore_index: int
+    loss_rows: torch.Tensor,
+    target: torch.Tensor,
+    reduction: str,
+    ignore_index: int,
+    count: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """As ``F.cross_entropy``'s reductions of per-row fp32 losses (N,) for ``target`` (any shape, N
     elements): ``"none"`` in ``target``'s shape, the sum, or the mean over non-ignored rows (NaN when
-    every row is ignored, as PyTorch); the count stays on the device."""
+    every row is ignored, as PyTorch); the count stays on the device (``count``: already counted)."""
     if reduction == "none":
         return loss_rows.view(target.shape)
     if reduction == "sum":
         return loss_rows.sum()
-    return loss_rows.sum() / (target != ignore_index).sum()
+    return loss_rows.sum() / (valid_rows(target, ignore_index) if count is None else count)
+
+
+def valid_rows(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """The number of non-ignored targets, as a 0-d device tensor."""
+    return (target != ignore_index).sum()
 
 
 def cross_entropy(
@@ -81,20 +90,24 @@ def _grad_rows(
     target_rows: torch.Tensor,
     reduction: str,
     ignore_index: int,
+    count: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """dloss per row (N,) fp32 from the gradient of the reduced loss."""
-    if grad_loss is None:
-        grad_loss = torch.ones_like(loss)
-    require(
-        grad_loss.shape == loss.shape,
-        lambda: f"grad_loss must have the loss's shape {tuple(loss.shape)}, got {tuple(grad_loss.shape)}",
-    )
-    grad_loss = grad_loss.float()
+    """dloss per row (N,) fp32 from the gradient of the reduced loss (``count``: the non-ignored rows,
+    if already counted)."""
+    if grad_loss is not None:
+        require(
+            grad_loss.shape == loss.shape,
+            lambda: f"grad_loss must have the loss's shape {tuple(loss.shape)}, got {tuple(grad_loss.shape)}",
+        )
     if reduction == "none":
-        return grad_loss.reshape(-1)
+        return (torch.ones_like(loss) if grad_loss is None else grad_loss.float()).reshape(-1)
     if reduction == "mean":
-        grad_loss = grad_loss / (target_rows != ignore_index).sum()
-    return grad_loss.expand(target_rows.shape)
+        count = valid_rows(target_rows, ignore_index) if count is None else count
+        # 1 / count is what ones / count gives, in one kernel.
+        scale = count.float().reciprocal() if grad_loss is None else grad_loss.float() / count
+    else:
+        scale = torch.ones_like(loss) if grad_loss is None else grad_loss.float()
+    return scale.expand(target_rows.shape)
 
 
 def cross_entropy_with_mxfp8_grad(
@@ -140,8 +153,9 @@ def cross_entropy_with_mxfp8_grad(
                 logits_rows, target_rows, float(label_smoothing), int(ignore_index), process_group
             )
             shard = vocab_shard(logits_rows.shape[1], process_group)
-        loss = reduce_row_losses(loss_rows, target, reduction, ignore_index)
-        grad_rows = _grad_rows(grad_loss, loss, target_rows, reduction, ignore_index)
+        count = valid_rows(target_rows, ignore_index) if reduction == "mean" else None
+        loss = reduce_row_losses(loss_rows, target, reduction, ignore_index, count)
+        grad_rows = _grad_rows(grad_loss, loss, target_rows, reduction, ignore_index, count)
         row_data, row_scale, col_data, col_scale = torch.ops.lowp.cross_entropy_bwd_mxfp8(
             logits_rows,
             target_rows,

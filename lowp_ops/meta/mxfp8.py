@@ -76,22 +76,29 @@ def mxfp8_quantize_outputs(
 
     Data have x's shape (contiguous) and hold FP8 bit patterns as uint8 (``opcheck`` cannot compare
     float8 tensors; the public API views them as float8_e4m3fn / float8_e5m2). Scales are uint8 E8M0
-    codes, zero-filled so that the padding is zero whatever the kernel writes.
+    codes; a scale tensor with padding is zero-filled (the kernels and the reference write every code
+    of a real block, none of the padding), one without is left for the kernel to fill: a fill of both
+    scale tensors at 4096 x 129280 cost 12 us, 2% of the fused CE backward.
     """
     check_quantize_args(x, fp8_dtype, rowwise, columnwise, scale_layout)
     rows, cols = flat_2d_dims(x.shape)
+    row_blocks = (rows + MXFP8_BLOCK_SIZE - 1) // MXFP8_BLOCK_SIZE
+    col_blocks = (cols + MXFP8_BLOCK_SIZE - 1) // MXFP8_BLOCK_SIZE
 
     def data(wanted: bool) -> torch.Tensor:
         return x.new_empty(x.shape if wanted else (0,), dtype=torch.uint8)
 
-    def scale(wanted: bool, shape) -> torch.Tensor:
-        return x.new_zeros(shape if wanted else (0, 0), dtype=torch.uint8)
+    def scale(wanted: bool, shape, codes) -> torch.Tensor:
+        if not wanted:
+            return x.new_empty((0, 0), dtype=torch.uint8)
+        padded = tuple(shape) != codes
+        return x.new_zeros(shape, dtype=torch.uint8) if padded else x.new_empty(shape, dtype=torch.uint8)
 
     return (
         data(rowwise),
-        scale(rowwise, row_scale_shape(rows, cols)),
+        scale(rowwise, row_scale_shape(rows, cols), (rows, col_blocks)),
         data(columnwise),
-        scale(columnwise, col_scale_shape(rows, cols)),
+        scale(columnwise, col_scale_shape(rows, cols), (row_blocks, cols)),
     )
 
 
