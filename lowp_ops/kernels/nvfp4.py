@@ -294,11 +294,13 @@ def quantize_columnwise_tile(
     BC: tl.constexpr,
     STOCHASTIC: tl.constexpr,
     EVEN: tl.constexpr,
+    ROW_BYTES_MULTIPLE: tl.constexpr,
 ):
     """16x1 blocks along the rows of ``y`` [R, BC] (block maxima ``vec_max`` [R/16, BC]), stored
     transposed: data at ``data_ptr[col, row / 2]`` of a (cols, n_rows / 2) matrix, E4M3 codes at
     ``scale_ptr[col, row / 16]``. ``local_row0``: the tile's first row within that matrix; ``tile_row0``:
-    its first row in x of ``total_rows`` (stochastic rounding indices ``col * total_rows + row``)."""
+    its first row in x of ``total_rows`` (stochastic rounding indices ``col * total_rows + row``);
+    ROW_BYTES_MULTIPLE: a divisor of ``n_rows / 2``."""
     RB: tl.constexpr = R // 16
     encode = global_encode_scale(amax)
     decode = tl.math.div_rn(1.0, encode)
@@ -321,10 +323,8 @@ def quantize_columnwise_tile(
     keep = not_nan_mask(factor)
     data = tl.reshape(tl.reshape(data, [RB, 8, BC]) & keep[:, None, :], [R // 2, BC]).to(tl.uint8)
     byte_idx = local_row0 // 2 + tl.arange(0, R // 2)
-    row_bytes = n_rows // 2
-    if EVEN:
-        # n_rows is a multiple of R: each column's R/2 bytes start 8-byte aligned.
-        row_bytes = tl.multiple_of(row_bytes, 8)
+    # Aligned column starts let the stores be vectorized (16 bytes when n_rows is a multiple of R = 64).
+    row_bytes = tl.multiple_of(n_rows // 2, ROW_BYTES_MULTIPLE)
     data_ptrs = data_ptr + cols_idx[None, :].to(tl.int64) * row_bytes + byte_idx[:, None]
     block_idx = local_row0 // 16 + tl.arange(0, RB)
     scale_ptrs = scale_ptr + cols_idx[None, :].to(tl.int64) * scale_cols + block_idx[:, None]
@@ -536,9 +536,11 @@ def quantize_tile(
     BLOCK_2D: tl.constexpr,
     STOCHASTIC: tl.constexpr,
     EVEN: tl.constexpr,
+    ROW_BYTES_MULTIPLE: tl.constexpr,
 ):
     """Quantize rows ``[local_row0, local_row0 + TILE_ROWS)`` of one expert (``n_rows`` rows from row
-    ``row0`` of x) in the columns of ``col_tile``; EVEN: the tile is wholly in bounds (no masks)."""
+    ``row0`` of x) in the columns of ``col_tile``; EVEN: the tile is wholly in bounds (no masks);
+    ROW_BYTES_MULTIPLE: a divisor of ``n_rows / 2``."""
     local_rows = local_row0 + tl.arange(0, TILE_ROWS)
     rows_ok = local_rows < n_rows
     grows = row0 + local_rows
@@ -602,6 +604,7 @@ def quantize_tile(
             BLOCK_COLS,
             STOCHASTIC,
             EVEN,
+            ROW_BYTES_MULTIPLE,
         )
 
 
@@ -678,6 +681,8 @@ def nvfp4_quantize_kernel(
             BLOCK_2D,
             STOCHASTIC,
             True,
+            # An expert's rows are a multiple of 16 with the RHT, of 2 otherwise (the op's contract).
+            8 if RHT else 1,
         )
     else:
         quantize_tile(
@@ -709,6 +714,7 @@ def nvfp4_quantize_kernel(
             BLOCK_2D,
             STOCHASTIC,
             EVEN,
+            TILE_ROWS // 2 if EVEN else 1,
         )
 
 
