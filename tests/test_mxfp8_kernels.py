@@ -286,6 +286,25 @@ def test_dequantize_kernel_round_trips_kernel_quantize(suite, kernel_device, use
     assert_same_floats(got, expected)
 
 
+@pytest.mark.parametrize("suite", SUITES)
+def test_dequantize_into_a_given_buffer_writes_it_whole_and_checks_it(suite, kernel_device):
+    shape = (70, 97) if suite == "interp" else (3000, 2049)
+    x = make_input(shape, torch.bfloat16, seed=3, n_special=2, layout="contiguous").to(kernel_device)
+    data, scale = kernels.launch_mxfp8_quantize(x, "e4m3", True, False, "compact")[:2]
+    expected = kernels.launch_mxfp8_dequantize(data, scale, "e4m3", "rowwise", "compact", torch.bfloat16)
+    buffer = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=kernel_device)
+    got = kernels.launch_mxfp8_dequantize(
+        data, scale, "e4m3", "rowwise", "compact", torch.bfloat16, out=buffer
+    )
+    assert got.data_ptr() == buffer.data_ptr()
+    assert_same_floats(got, expected)
+    for wrong in (buffer[:, :-1], buffer.float(), buffer.t().contiguous().t()):
+        with pytest.raises(ValueError, match="out must be"):
+            kernels.launch_mxfp8_dequantize(
+                data, scale, "e4m3", "rowwise", "compact", torch.bfloat16, out=wrong
+            )
+
+
 # ---------------------------------------------------------------------------------- through the ops
 
 

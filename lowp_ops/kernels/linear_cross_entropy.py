@@ -33,12 +33,16 @@ def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate
 
 
 def dequantize_then_mm_into(
-    out, a_data, a_scale, a_use, a_fp8_dtype, b, b_scale, b_fp8_dtype, accumulate
+    out, a_data, a_scale, a_use, a_fp8_dtype, b, b_scale, b_fp8_dtype, accumulate, scratch=None
 ) -> None:
     """``out = bf16(op(A) @ B [+ out])`` through bf16 copies of the MXFP8 operands and cuBLAS. The copies
     are exact (an FP8 value times a power of two fits bf16 unless it falls below 2^-133), products
-    accumulate in fp32 and round once: the Triton MXFP8 GEMM's numerics, up to summation order."""
-    a = launch_mxfp8_dequantize(a_data, a_scale, a_fp8_dtype, a_use, "compact", torch.bfloat16)
+    accumulate in fp32 and round once: the Triton MXFP8 GEMM's numerics, up to summation order.
+    ``scratch``: a dead bf16 buffer of A's shape (the chunk's logits) to dequantize A into."""
+    fits = scratch is not None and scratch.shape == a_data.shape and scratch.dtype == torch.bfloat16
+    a = launch_mxfp8_dequantize(
+        a_data, a_scale, a_fp8_dtype, a_use, "compact", torch.bfloat16, out=scratch if fits else None
+    )
     a = a.t() if a_use == "columnwise" else a
     if b_scale is not None:
         b = launch_mxfp8_dequantize(b, b_scale, b_fp8_dtype, "columnwise", "compact", torch.bfloat16)
@@ -54,9 +58,14 @@ def _cublas_after_dequantize_is_faster(out: torch.Tensor, b: torch.Tensor, b_sca
     return torch.cuda.get_device_capability(out.device)[0] < 10
 
 
-def _mxfp8_gemm_into(out, a_data, a_scale, a_use, a_fp8_dtype, b, b_scale, b_fp8_dtype, accumulate) -> None:
-    gemm = dequantize_then_mm_into if _cublas_after_dequantize_is_faster(out, b, b_scale) else mxfp8_gemm_into
-    gemm(out, a_data, a_scale, a_use, a_fp8_dtype, b, b_scale, b_fp8_dtype, accumulate)
+def _mxfp8_gemm_into(
+    out, a_data, a_scale, a_use, a_fp8_dtype, b, b_scale, b_fp8_dtype, accumulate, scratch=None
+) -> None:
+    args = (out, a_data, a_scale, a_use, a_fp8_dtype, b, b_scale, b_fp8_dtype, accumulate)
+    if _cublas_after_dequantize_is_faster(out, b, b_scale):
+        dequantize_then_mm_into(*args, scratch=scratch)
+    else:
+        mxfp8_gemm_into(*args)
 
 
 def _quantize_columnwise(x: torch.Tensor, fp8_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,8 @@ import triton
 import triton.language as tl
 
 from ..formats import FP8_DTYPES, FP8_MAX, FP8_MAX_RCP, MXFP8_BLOCK_SIZE
-from ..meta.mxfp8 import flat_2d_dims, mxfp8_dequantize_output, mxfp8_quantize_outputs
+from ..meta.checks import require
+from ..meta.mxfp8 import check_dequantize_args, flat_2d_dims, mxfp8_dequantize_output, mxfp8_quantize_outputs
 
 TILE_ROWS = MXFP8_BLOCK_SIZE
 SOFTWARE_FP8_CAST = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
@@ -420,10 +421,25 @@ def launch_mxfp8_quantize(
 
 
 def launch_mxfp8_dequantize(
-    data: torch.Tensor, scale: torch.Tensor, fp8_dtype: str, use: str, scale_layout: str, dtype: torch.dtype
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: str,
+    use: str,
+    scale_layout: str,
+    dtype: torch.dtype,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``lowp::mxfp8_dequantize`` on a CUDA (or interpreted CPU) tensor."""
-    out = mxfp8_dequantize_output(data, scale, fp8_dtype, use, scale_layout, dtype)
+    """``lowp::mxfp8_dequantize`` on a CUDA (or interpreted CPU) tensor; ``out``: a contiguous buffer of
+    data's shape and ``dtype`` to write into instead of a new one (the LM head reuses a dead chunk)."""
+    if out is None:
+        out = mxfp8_dequantize_output(data, scale, fp8_dtype, use, scale_layout, dtype)
+    else:
+        check_dequantize_args(data, scale, fp8_dtype, use, scale_layout, dtype)
+        require(
+            out.shape == data.shape and out.dtype == dtype and out.is_contiguous(),
+            lambda: f"out must be a contiguous {dtype} tensor of shape {tuple(data.shape)}",
+        )
     rows, cols = flat_2d_dims(data.shape)
     if rows == 0 or cols == 0:
         return out

@@ -48,7 +48,7 @@ class Steps:
     ce_bwd: Callable  # lowp::cross_entropy_bwd; may write dlogits over its (chunk's own) logits
     ce_bwd_mxfp8: Callable  # lowp::cross_entropy_bwd_mxfp8
     matmul_into: Callable  # (out, a, b, accumulate): out = dtype(a @ b [+ out])
-    mxfp8_gemm_into: Callable  # (out, *lowp::mxfp8_gemm args without out_dtype, accumulate)
+    mxfp8_gemm_into: Callable  # (out, *lowp::mxfp8_gemm args without out_dtype, accumulate, scratch=)
     quantize_columnwise: Callable  # (x, fp8_dtype) -> (col_data uint8, col_scale)
 
 
@@ -61,7 +61,10 @@ def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate
     out.copy_(product + out.float() if accumulate else product)
 
 
-def _mxfp8_gemm_into(out, a_data, a_scale, a_use, a_fp8_dtype, b, b_scale, b_fp8_dtype, accumulate) -> None:
+def _mxfp8_gemm_into(
+    out, a_data, a_scale, a_use, a_fp8_dtype, b, b_scale, b_fp8_dtype, accumulate, scratch=None
+) -> None:
+    """``out = op(A) @ B [+ out]`` in fp32 from the dequantized operands; ``scratch`` is unused here."""
     a, b32 = dequantized_operands(a_data, a_scale, a_use, a_fp8_dtype, b, b_scale, b_fp8_dtype)
     product = a @ b32
     out.copy_(product + out.float() if accumulate else product)
@@ -121,7 +124,8 @@ class GradientWriter:
             )
             if self.on_dlogits is not None:
                 self.on_dlogits(start, end, payload)
-            self._mxfp8_gemms(start, end, hidden_c, fp8_dtype, *payload)
+            # The logits are dead once the payload exists: the GEMMs may dequantize into their buffer.
+            self._mxfp8_gemms(start, end, hidden_c, fp8_dtype, *payload, scratch=logits_c)
 
     def _bf16_gemms(self, start, end, hidden_c, dlogits) -> None:
         if self.compute_dhidden:
@@ -136,7 +140,9 @@ class GradientWriter:
             return x, None
         return self.steps.quantize_columnwise(x, OTHER_FP8_DTYPE)
 
-    def _mxfp8_gemms(self, start, end, hidden_c, fp8_dtype, row_data, row_scale, col_data, col_scale) -> None:
+    def _mxfp8_gemms(
+        self, start, end, hidden_c, fp8_dtype, row_data, row_scale, col_data, col_scale, scratch=None
+    ) -> None:
         if self.compute_dhidden:
             if self.weight_mxfp8 is None:
                 self.weight_mxfp8 = self._other(self.weight)
@@ -151,6 +157,7 @@ class GradientWriter:
                 w_scale,
                 OTHER_FP8_DTYPE,
                 False,
+                scratch=scratch,
             )
         if self.compute_dweight:
             x, x_scale = self._other(hidden_c)
@@ -164,6 +171,7 @@ class GradientWriter:
                 x_scale,
                 OTHER_FP8_DTYPE,
                 self.dweight_written,
+                scratch=scratch,
             )
             self.dweight_written = True
 
