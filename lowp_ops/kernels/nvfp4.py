@@ -8,13 +8,16 @@ sync). The grouped form maps programs to (expert, tile) from the device cumsum o
 no block straddles two experts and each expert uses its own amaxes.
 
 Bit-exact with the reference: fp32 steps in the reference's order, IEEE divisions (``div_rn``), no FMA
-contraction, the RHT as the same butterfly (not ``tl.dot``: the order of its fp32 additions is the
-hardware's), E2M1 rounding by integer/float-add steps (sm_90 has no ``cvt.*.e2m1``). The interpreter's
-own fp32 -> bf16 / fp8 casts truncate, so there those roundings are done on the bits first.
+contraction (the explicit ``fma`` calls add exact products: one rounding, as the reference's add), the
+RHT as the same butterfly (not ``tl.dot``: the order of its fp32 additions is the hardware's), E2M1
+rounding by integer/float-add steps (sm_90 has no ``cvt.*.e2m1``). The interpreter's own fp32 -> bf16 /
+fp8 casts truncate, so there those roundings are done on the bits first. On the GPU a few conversions
+are inline PTX (bf16 pairs unpacked by a shift and an and, ``cvt.rn.bf16x2.f32``); the interpreter
+runs their plain Triton forms.
 
-Cost (sm_90 SASS per thread and element, 16 x 128 tile on one warp): row-wise 20, column-wise 24,
-column-wise with RHT 28, both with RHT 44 (E2M1 rounding of one copy ~11 of it), the amax pass 12 with
-the RHT. The kernel is issue-bound at these counts on the H200, not memory-bound.
+Cost (sm_90 SASS per thread and element): row-wise 17.2 (16 x 128 on one warp), column-wise with RHT
+24.5 and both with RHT 37.2 (64 x 64 on two warps; E2M1 rounding ~8.5 per copy), the RHT amax pass
+9.6. The kernel is issue-bound at these counts on the H200, not memory-bound.
 """
 
 from __future__ import annotations
@@ -714,7 +717,8 @@ def nvfp4_quantize_kernel(
             BLOCK_2D,
             STOCHASTIC,
             EVEN,
-            TILE_ROWS // 2 if EVEN else 1,
+            # 16-byte column stores need the column-owned layout of the RHT (else a layout round trip).
+            (TILE_ROWS // 2 if RHT else 8) if EVEN else 1,
         )
 
 
