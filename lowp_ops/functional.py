@@ -26,25 +26,17 @@ def _rows(
 
 
 def reduce_row_losses(
-    loss_rows: torch.Tensor,
-    target: torch.Tensor,
-    reduction: str,
-    ignore_index: int,
-    count: torch.Tensor | None = None,
+    loss_rows: torch.Tensor, target: torch.Tensor, reduction: str, ignore_index: int
 ) -> torch.Tensor:
     """As ``F.cross_entropy``'s reductions of per-row fp32 losses (N,) for ``target`` (any shape, N
     elements): ``"none"`` in ``target``'s shape, the sum, or the mean over non-ignored rows (NaN when
-    every row is ignored, as PyTorch); the count stays on the device (``count``: already counted)."""
+    every row is ignored, as PyTorch); one ``lowp::cross_entropy_reduce``, the count on the device."""
     if reduction == "none":
         return loss_rows.view(target.shape)
-    if reduction == "sum":
-        return loss_rows.sum()
-    return loss_rows.sum() / (valid_rows(target, ignore_index) if count is None else count)
-
-
-def valid_rows(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """The number of non-ignored targets, as a 0-d device tensor."""
-    return (target != ignore_index).sum()
+    loss, _ = torch.ops.lowp.cross_entropy_reduce(
+        loss_rows, target.reshape(-1), int(ignore_index), reduction == "mean"
+    )
+    return loss
 
 
 def cross_entropy(
@@ -84,30 +76,30 @@ def cross_entropy(
     return reduce_row_losses(loss_rows, target, reduction, ignore_index)
 
 
-def _grad_rows(
+def _loss_and_grad_rows(
+    loss_rows: torch.Tensor,
+    target: torch.Tensor,
     grad_loss: torch.Tensor | None,
-    loss: torch.Tensor,
-    target_rows: torch.Tensor,
     reduction: str,
     ignore_index: int,
-    count: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """dloss per row (N,) fp32 from the gradient of the reduced loss (``count``: the non-ignored rows,
-    if already counted)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reduced loss and dloss per row (N,) fp32 for the gradient ``grad_loss`` of that loss (ones
+    when None): one reduction kernel, plus one multiply when ``grad_loss`` is given."""
+    if reduction == "none":
+        loss = loss_rows.view(target.shape)
+    else:
+        loss, grad_scale = torch.ops.lowp.cross_entropy_reduce(
+            loss_rows, target.reshape(-1), int(ignore_index), reduction == "mean"
+        )
     if grad_loss is not None:
         require(
             grad_loss.shape == loss.shape,
             lambda: f"grad_loss must have the loss's shape {tuple(loss.shape)}, got {tuple(grad_loss.shape)}",
         )
     if reduction == "none":
-        return (torch.ones_like(loss) if grad_loss is None else grad_loss.float()).reshape(-1)
-    if reduction == "mean":
-        count = valid_rows(target_rows, ignore_index) if count is None else count
-        # 1 / count is what ones / count gives, in one kernel.
-        scale = count.float().reciprocal() if grad_loss is None else grad_loss.float() / count
-    else:
-        scale = torch.ones_like(loss) if grad_loss is None else grad_loss.float()
-    return scale.expand(target_rows.shape)
+        return loss, (torch.ones_like(loss) if grad_loss is None else grad_loss.float()).reshape(-1)
+    scale = grad_scale if grad_loss is None else grad_loss.float() * grad_scale
+    return loss, scale.expand(loss_rows.shape)
 
 
 def cross_entropy_with_mxfp8_grad(
@@ -153,9 +145,7 @@ def cross_entropy_with_mxfp8_grad(
                 logits_rows, target_rows, float(label_smoothing), int(ignore_index), process_group
             )
             shard = vocab_shard(logits_rows.shape[1], process_group)
-        count = valid_rows(target_rows, ignore_index) if reduction == "mean" else None
-        loss = reduce_row_losses(loss_rows, target, reduction, ignore_index, count)
-        grad_rows = _grad_rows(grad_loss, loss, target_rows, reduction, ignore_index, count)
+        loss, grad_rows = _loss_and_grad_rows(loss_rows, target, grad_loss, reduction, ignore_index)
         row_data, row_scale, col_data, col_scale = torch.ops.lowp.cross_entropy_bwd_mxfp8(
             logits_rows,
             target_rows,

@@ -253,6 +253,30 @@ def _cross_entropy_backward(ctx, grad_loss, _grad_lse):
 
 cross_entropy_fwd.register_autograd(_cross_entropy_backward, setup_context=_cross_entropy_setup)
 
+cross_entropy_reduce = _define(
+    "cross_entropy_reduce",
+    "(Tensor loss_rows, Tensor target, SymInt ignore_index, bool mean) -> (Tensor, Tensor)",
+    ce_ref.cross_entropy_reduce,
+    "cross_entropy.launch_cross_entropy_reduce",
+    ce_meta.cross_entropy_reduce_outputs,
+)
+
+
+def _cross_entropy_reduce_setup(ctx, inputs, output):
+    ctx.rows = inputs[0].shape[0]
+    ctx.save_for_backward(output[1])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _cross_entropy_reduce_backward(ctx, grad_loss, _grad_scale):
+    (grad_scale,) = ctx.saved_tensors
+    return (grad_loss.float() * grad_scale).expand(ctx.rows), None, None, None
+
+
+cross_entropy_reduce.register_autograd(
+    _cross_entropy_reduce_backward, setup_context=_cross_entropy_reduce_setup
+)
+
 # ------------------------------------------------------------------------------- grouped MoE SwiGLU MLP
 # grouped_mm runs torch._grouped_mm on CUDA. grouped_linear and grouped_fc1_swiglu are composite: their
 # one implementation calls the lowp:: ops on every device, and their backward formulas (plain functions

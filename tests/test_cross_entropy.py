@@ -774,3 +774,62 @@ def test_inductor_compiled_forward_backward_matches_eager():
         torch.testing.assert_close(loss.detach(), want_loss, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(x.grad, want_grad, rtol=1e-6, atol=1e-7)
     assert not counters["graph_break"]
+
+
+# ----------------------------------------------------------------------------- the loss reduction op
+
+
+def reduce_inputs(n_rows, n_ignored, seed=21):
+    gen = torch.Generator().manual_seed(seed)
+    loss_rows = torch.rand(n_rows, generator=gen) * 10
+    target = torch.randint(0, 100, (n_rows,), generator=gen)
+    target[torch.randperm(n_rows, generator=gen)[:n_ignored]] = -100
+    loss_rows[target == -100] = 0.0  # as the forward writes them
+    return loss_rows, target
+
+
+@pytest.mark.parametrize("mean", [True, False])
+@pytest.mark.parametrize(("n_rows", "n_ignored"), [(40, 0), (40, 7), (40, 40), (0, 0), (1, 0)])
+def test_cross_entropy_reduce_against_float64(mean, n_rows, n_ignored):
+    loss_rows, target = reduce_inputs(n_rows, n_ignored)
+    loss, grad_scale = torch.ops.lowp.cross_entropy_reduce(loss_rows, target, -100, mean)
+    assert loss.shape == () and grad_scale.shape == () and loss.dtype == grad_scale.dtype == torch.float32
+    count = n_rows - n_ignored
+    if not mean:
+        torch.testing.assert_close(loss.double(), loss_rows.double().sum(), rtol=1e-6, atol=0.0)
+        assert grad_scale.item() == 1.0
+    elif count == 0:  # PyTorch's mean over no rows
+        assert math.isnan(loss.item()) and grad_scale.item() == math.inf
+    else:
+        torch.testing.assert_close(loss.double(), loss_rows.double().sum() / count, rtol=1e-6, atol=0.0)
+        assert grad_scale.item() == torch.tensor(1.0 / count, dtype=torch.float32).item()
+
+
+@pytest.mark.parametrize("mean", [True, False])
+def test_opcheck_cross_entropy_reduce(mean):
+    loss_rows, target = reduce_inputs(37, 5)
+    torch.library.opcheck(
+        torch.ops.lowp.cross_entropy_reduce.default, (loss_rows.requires_grad_(), target.int(), -100, mean)
+    )
+
+
+def test_cross_entropy_reduce_gradient_is_the_scale_per_row():
+    loss_rows, target = reduce_inputs(37, 5)
+    leaf = loss_rows.clone().requires_grad_()
+    loss, _ = torch.ops.lowp.cross_entropy_reduce(leaf, target, -100, True)
+    (grad,) = torch.autograd.grad(loss, leaf, grad_outputs=torch.tensor(3.0))
+    assert torch.equal(grad, torch.full((37,), 3.0 * torch.tensor(1.0 / 32, dtype=torch.float32).item()))
+
+
+@pytest.mark.parametrize(
+    ("loss_rows", "target", "message"),
+    [
+        (torch.zeros(4, dtype=torch.float16), torch.zeros(4, dtype=torch.int64), "loss_rows must be"),
+        (torch.zeros(4, 2), torch.zeros(4, dtype=torch.int64), "loss_rows must be"),
+        (torch.zeros(4), torch.zeros(4), "target must be int64 or int32"),
+        (torch.zeros(4), torch.zeros(5, dtype=torch.int64), "target must have loss_rows' shape"),
+    ],
+)
+def test_cross_entropy_reduce_rejects_bad_inputs(loss_rows, target, message):
+    with pytest.raises(ValueError, match=message):
+        torch.ops.lowp.cross_entropy_reduce(loss_rows, target, -100, True)

@@ -495,3 +495,32 @@ def test_interp_opcheck_through_the_kernels():
     x = softmax_inputs(37, 75, torch.float32, "cpu")
     torch.library.opcheck(torch.ops.lowp.softmax_fwd.default, (x.requires_grad_(), True, "zero"))
     torch.library.opcheck(torch.ops.lowp.logsumexp.default, (x.t().contiguous().t().nan_to_num(neginf=-5.0),))
+
+
+# ----------------------------------------------------------------------------- the loss reduction kernel
+
+
+@pytest.mark.parametrize(
+    "device", [pytest.param("cpu", marks=pytest.mark.interp), pytest.param("cuda", marks=pytest.mark.gpu)]
+)
+@pytest.mark.parametrize("mean", [True, False])
+@pytest.mark.parametrize(
+    "n_rows", [0, 1, 4097, 3 * ce_kernels.REDUCE_BLOCK + 5, ce_kernels.REDUCE_MAX_ROWS + 1]
+)
+def test_cross_entropy_reduce_kernel_matches_reference(device, mean, n_rows):
+    if device == "cpu" and n_rows > ce_kernels.REDUCE_BLOCK + 1:
+        pytest.skip("the interpreter runs the loop; two blocks are enough there")
+    gen = torch.Generator().manual_seed(n_rows)
+    loss_rows = torch.rand(n_rows, generator=gen) * 10
+    target = torch.randint(0, 100, (n_rows,), generator=gen)
+    target[::3] = IGNORE
+    loss_rows[target == IGNORE] = 0.0  # as the forward writes them
+    loss_rows, target = loss_rows.to(device), target.to(device)
+    loss, grad_scale = ce_kernels.launch_cross_entropy_reduce(loss_rows, target, IGNORE, mean)
+    want_loss, want_scale = ce_ref.cross_entropy_reduce(loss_rows, target, IGNORE, mean)
+    # Same count, IEEE divisions: the scale is exact; the sums differ in order only.
+    assert torch.equal(bits(grad_scale), bits(want_scale))
+    if n_rows == 0 and mean:
+        assert loss.isnan().item()
+    else:
+        torch.testing.assert_close(loss, want_loss, rtol=2e-6, atol=0.0)

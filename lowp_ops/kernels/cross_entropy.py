@@ -20,7 +20,9 @@ from ..meta.cross_entropy import (
     cross_entropy_bwd_mxfp8_outputs,
     cross_entropy_bwd_output,
     cross_entropy_fwd_outputs,
+    cross_entropy_reduce_outputs,
 )
+from ..reference.cross_entropy import cross_entropy_reduce
 from .mxfp8 import TRITON_FP8, quantize_tile, store_tile, tile_cols, tile_coords
 from .softmax import row_logsumexp_and_sum, rows_with_unit_stride
 
@@ -491,3 +493,62 @@ def launch_cross_entropy_bwd_mxfp8(
         num_warps=num_warps,
     )
     return outputs
+
+
+REDUCE_BLOCK = 4096
+# One program loops over the rows: fine for the per-GPU token counts of a training step (16 loads of
+# 4096 rows at most); longer inputs go to the multi-block PyTorch reduction of the reference.
+REDUCE_MAX_ROWS = 16 * REDUCE_BLOCK
+
+
+@triton.jit
+def cross_entropy_reduce_kernel(
+    loss_rows_ptr,
+    target_ptr,
+    n_rows,
+    ignore_index,
+    loss_ptr,
+    grad_scale_ptr,
+    MEAN: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program: the fp32 sum of the row losses (fixed order: deterministic) and, for the mean, the
+    non-ignored count, then ``loss`` and ``grad_scale`` with IEEE divisions."""
+    total = tl.zeros([BLOCK], tl.float32)
+    count = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, n_rows, BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        in_bounds = idx < n_rows
+        total += tl.load(loss_rows_ptr + idx, mask=in_bounds, other=0.0)
+        if MEAN:
+            target = tl.load(target_ptr + idx, mask=in_bounds, other=ignore_index)
+            count += (target != ignore_index).to(tl.int32)
+    loss = tl.sum(total, 0)
+    scale = 1.0
+    if MEAN:
+        rows = tl.sum(count, 0).to(tl.float32)
+        loss = tl.math.div_rn(loss, rows)
+        scale = tl.math.div_rn(1.0, rows)
+    tl.store(loss_ptr, loss)
+    tl.store(grad_scale_ptr, scale)
+
+
+def launch_cross_entropy_reduce(
+    loss_rows: torch.Tensor, target: torch.Tensor, ignore_index: int, mean: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lowp::cross_entropy_reduce``: one launch for what took five to eight small PyTorch kernels."""
+    if loss_rows.shape[0] > REDUCE_MAX_ROWS:
+        return cross_entropy_reduce(loss_rows, target, ignore_index, mean)
+    loss, grad_scale = cross_entropy_reduce_outputs(loss_rows, target, ignore_index, mean)
+    cross_entropy_reduce_kernel[(1,)](
+        loss_rows.contiguous(),
+        target.contiguous(),
+        loss_rows.shape[0],
+        ignore_index,
+        loss,
+        grad_scale,
+        MEAN=mean,
+        BLOCK=REDUCE_BLOCK,
+        num_warps=8,
+    )
+    return loss, grad_scale

@@ -126,3 +126,19 @@ def cross_entropy_bwd_mxfp8_outputs(
     """The MXFP8 payload of dlogits, as :func:`lowp_ops.meta.mxfp8.mxfp8_quantize_outputs` of logits."""
     _check_bwd_inputs(logits, target, lse, grad_rows, vocab_start, vocab_total)
     return mxfp8_quantize_outputs(logits, fp8_dtype, rowwise, columnwise, scale_layout)
+
+
+def cross_entropy_reduce_outputs(
+    loss_rows: torch.Tensor, target: torch.Tensor, ignore_index: int, mean: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, grad_scale)``: two 0-d float32 tensors."""
+    require(
+        loss_rows.dtype == torch.float32 and loss_rows.dim() == 1,
+        lambda: f"loss_rows must be a 1-D float32 tensor, got {loss_rows.dtype} {tuple(loss_rows.shape)}",
+    )
+    require(target.dtype in TARGET_DTYPES, lambda: f"target must be int64 or int32, got {target.dtype}")
+    require(
+        target.shape == loss_rows.shape,
+        lambda: f"target must have loss_rows' shape {tuple(loss_rows.shape)}, got {tuple(target.shape)}",
+    )
+    return loss_rows.new_empty(()), loss_rows.new_empty(())

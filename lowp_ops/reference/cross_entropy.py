@@ -21,7 +21,11 @@ from __future__ import annotations
 import torch
 
 from ..formats import round_to_fp32
-from ..meta.cross_entropy import cross_entropy_bwd_output, cross_entropy_fwd_outputs
+from ..meta.cross_entropy import (
+    cross_entropy_bwd_output,
+    cross_entropy_fwd_outputs,
+    cross_entropy_reduce_outputs,
+)
 from ..meta.mxfp8 import check_quantize_args
 from .mxfp8 import mxfp8_quantize
 from .softmax import masked_safe_logsumexp
@@ -117,3 +121,23 @@ def cross_entropy_bwd_mxfp8(
         logits, target, lse, grad_rows, label_smoothing, ignore_index, vocab_start, vocab_total
     )
     return mxfp8_quantize(dlogits, fp8_dtype, rowwise, columnwise, scale_layout)
+
+
+def cross_entropy_reduce(
+    loss_rows: torch.Tensor, target: torch.Tensor, ignore_index: int, mean: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of ``lowp::cross_entropy_reduce``: ``(loss, grad_scale)`` of per-row fp32 losses (N,).
+
+    ``loss`` is their fp32 sum, divided by the number of rows whose target is not ``ignore_index``
+    when ``mean`` (NaN when every row is ignored, as PyTorch); ``grad_scale`` is ``dloss / dloss_row``:
+    ``1 / count`` for the mean (inf when every row is ignored), 1 for the sum."""
+    loss, grad_scale = cross_entropy_reduce_outputs(loss_rows, target, ignore_index, mean)
+    total = loss_rows.sum()
+    if mean:
+        count = (target != ignore_index).sum().float()
+        loss.copy_(total / count)
+        grad_scale.copy_(1.0 / count)
+    else:
+        loss.copy_(total)
+        grad_scale.fill_(1.0)
+    return loss, grad_scale
