@@ -24,20 +24,17 @@ from lowp_ops.kernels.cross_entropy import (
 from lowp_ops.kernels.mxfp8 import launch_mxfp8_quantize
 from lowp_ops.kernels.nvfp4 import launch_nvfp4_quantize, quantize_config
 
-NVFP4_CONFIGS = [  # (TILE_ROWS, BLOCK_COLS, num_warps, grid along rows)
+NVFP4_CONFIGS = [  # (TILE_ROWS, BLOCK_COLS, num_warps, grid along rows[, register cap])
     (16, 128, 1, True),
-    (16, 128, 1, False),
-    (16, 64, 1, False),
     (32, 64, 1, False),
     (32, 128, 2, False),
-    (32, 64, 1, True),
     (64, 32, 1, False),
-    (64, 32, 1, True),
     (64, 64, 2, False),
-    (64, 64, 2, True),
+    (64, 64, 2, False, 96),
+    (64, 64, 2, False, 112),
+    (64, 64, 2, False, 128),
     (64, 64, 4, False),
     (64, 128, 4, False),
-    (128, 32, 2, False),
 ]
 
 
@@ -88,9 +85,9 @@ def tune_nvfp4(copy_tbs: float, results: list) -> None:
                 print(f"nvfp4 {mode} {config}: failed {type(error).__name__}: {str(error)[:200]}", flush=True)
                 continue
             differ = sum(int((g != w).sum()) for g, w in zip(got[:4], want[:4], strict=True))
-            label = (
-                f"R={config[0]} C={config[1]} w={config[2]} {'rows' if config[3] else 'strips'} d={differ}"
-            )
+            order = "rows" if config[3] else "strips"
+            cap = f" regs<={config[4]}" if len(config) > 4 else ""
+            label = f"R={config[0]} C={config[1]} w={config[2]} {order}{cap} d={differ}"
             cases[label] = lambda c=config, r=rowwise: launch_nvfp4_quantize(
                 x, r, True, True, amax, amax_rht, False, config=c
             )

@@ -762,7 +762,8 @@ def _launch(
     """Fill the amaxes (given ones copied, missing ones by the amax kernel), then quantize."""
     rows, cols = x2d.shape
     row_data, row_scale, col_data, col_scale = outputs
-    tile_rows, block_cols, num_warps, along_rows = (*config, True)[:4]
+    # (TILE_ROWS, BLOCK_COLS, num_warps[, grid along rows[, register cap]]); defaults: along rows, no cap.
+    tile_rows, block_cols, num_warps, along_rows, maxnreg = (*config, *(True, None)[len(config) - 3 :])
     experts = amax_row.shape[0]
     need_abs = given_row is None or (columnwise and not rht and given_col is None)
     need_rht = columnwise and rht and given_col is None
@@ -776,6 +777,7 @@ def _launch(
         "EVEN_COLS": cols % block_cols == 0,
         "EVEN": not grouped and rows % tile_rows == 0 and cols % block_cols == 0,
         "num_warps": num_warps,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
         "enable_fp_fusion": False,
     }
     n_col_tiles = triton.cdiv(cols, block_cols)
@@ -847,7 +849,7 @@ def launch_nvfp4_quantize(
 ) -> tuple[torch.Tensor, ...]:
     """``lowp::nvfp4_quantize`` on a CUDA (or interpreted CPU) tensor; outputs as
     ``meta.nvfp4.nvfp4_quantize_outputs``. ``config`` = (TILE_ROWS, BLOCK_COLS, num_warps[, grid
-    along rows]) overrides the launch configuration (benchmarks, tests)."""
+    along rows[, register cap]]) overrides the launch configuration (benchmarks, tests)."""
     outputs = nvfp4_quantize_outputs(
         x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d, sr_seed
     )
