@@ -165,9 +165,6 @@ def test_quantize_kernel_matches_reference_under_other_launch_configs(suite, ker
 def test_nan_input_gives_nan_amax_and_zero_data_like_the_reference(suite, kernel_device):
     x = make_input(32, 48, seed=4)
     x[5, 7] = float("nan")
-    # Infinities in the NaN's row block and column block (their blocks' data must be 0 too).
-    x[5, 8] = float("inf")
-    x[6, 7] = float("-inf")
     check_quantize(x, kernel_device, True, True, True, False, "computed")
     check_quantize(x, kernel_device, True, True, False, False, "given")
 
@@ -197,9 +194,9 @@ def test_quantize_kernel_matches_reference_at_large_shapes(kernel_device, shape,
 
 @pytest.mark.parametrize("suite", SUITES)
 def test_kernel_e2m1_rounding_matches_the_reference_rule(suite, kernel_device):
-    """The kernel's shifter form of RNE onto the E2M1 grid (packed as the kernels pack, each value in both
-    nibbles) against the reference's comparisons: every grid point and tie with its fp32 neighbours,
-    random values and random fp32 bit patterns below 8, Inf, NaN, subnormals and signed zeros."""
+    """The kernel's shifter form of RNE onto the E2M1 grid against the reference's comparisons: every grid
+    point and tie with its fp32 neighbours, random values and random fp32 bit patterns below 8, Inf, NaN,
+    subnormals and signed zeros."""
     import triton
     import triton.language as tl
 
@@ -207,9 +204,7 @@ def test_kernel_e2m1_rounding_matches_the_reference_rule(suite, kernel_device):
     def e2m1_kernel(v_ptr, code_ptr, n, BLOCK: tl.constexpr):
         index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         v = tl.load(v_ptr + index, mask=index < n, other=0.0)
-        # The kernels zero the bytes of blocks holding a NaN (their encode factor is NaN).
-        byte = kernels.e2m1_bytes(v, v, 0, 0, False) & kernels.not_nan_mask(v)
-        tl.store(code_ptr + index, byte.to(tl.uint8), mask=index < n)
+        tl.store(code_ptr + index, kernels.e2m1_code_rn(v), mask=index < n)
 
     gen = torch.Generator().manual_seed(0)
     points = torch.tensor([0.0, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6])
@@ -226,13 +221,13 @@ def test_kernel_e2m1_rounding_matches_the_reference_rule(suite, kernel_device):
         ]
     )
     values = torch.cat([values, -values])
-    codes = torch.empty(values.shape, dtype=torch.uint8, device=kernel_device)
+    codes = torch.empty(values.shape, dtype=torch.int32, device=kernel_device)
     block = 4096
     e2m1_kernel[(triton.cdiv(values.numel(), block),)](
         values.to(kernel_device), codes, values.numel(), BLOCK=block
     )
-    expected = reference.e2m1_codes(torch.clamp(values, -6, 6))
-    assert_same("codes", codes, expected | (expected << 4))
+    expected = reference.e2m1_codes(torch.clamp(values, -6, 6)).int()
+    assert_same("codes", codes, expected)
 
 
 # ------------------------------------------------------------------------------------------- grouped
