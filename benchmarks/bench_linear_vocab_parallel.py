@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from _common import copy_bandwidth_tbs, environment, write_json
-from bench_vocab_parallel import NCCL_ENV, WORLD, graph_timed_ms, timed_ms
+from bench_vocab_parallel import NCCL_ENV, WORLD, graph_timed_ms, report_graph_errors, run_ranks, timed_ms
 
 import lowp_ops
 
@@ -136,9 +134,7 @@ def report(args, single: dict, parallel: dict, copy_tbs: float) -> None:
             cells.append(f"{speedup:.2f}x" if speedup else "-")
             print("| " + " | ".join(cells) + " |")
         print()
-    for name, row in [*(("1 GPU " + k, v) for k, v in single.items()), *parallel.items()]:
-        if "graph_error" in row:
-            print(f"CUDA-graph capture failed, {name}: {row['graph_error']}")
+    report_graph_errors(single, parallel)
 
 
 def main() -> None:
@@ -152,11 +148,7 @@ def main() -> None:
     if torch.cuda.device_count() < WORLD:
         print(f"bench_linear_vocab_parallel: needs {WORLD} GPUs, found {torch.cuda.device_count()}; skipped")
         return
-    os.environ.update(NCCL_ENV)
-    with tempfile.TemporaryDirectory() as tmp:
-        store_path, result_path = os.path.join(tmp, "store"), os.path.join(tmp, "result.pt")
-        mp.start_processes(worker, args=(args, store_path, result_path), nprocs=WORLD, start_method="spawn")
-        result = torch.load(result_path)
+    result = run_ranks(worker, args)
     report(args, result["single"], result["parallel"], result["copy_tbs"])
     payload = {"environment": environment(), "world": WORLD, **vars(args), **result}
     write_json("bench_linear_vocab_parallel.json", payload)

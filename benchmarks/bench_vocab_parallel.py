@@ -136,6 +136,22 @@ def worker(rank: int, args: argparse.Namespace, store_path: str, result_path: st
     dist.destroy_process_group()
 
 
+def run_ranks(worker, args: argparse.Namespace) -> dict:
+    """Spawn WORLD NCCL ranks of ``worker(rank, args, store_path, result_path)``; rank 0 saves its
+    result there, which is returned."""
+    os.environ.update(NCCL_ENV)
+    with tempfile.TemporaryDirectory() as tmp:
+        store_path, result_path = os.path.join(tmp, "store"), os.path.join(tmp, "result.pt")
+        mp.start_processes(worker, args=(args, store_path, result_path), nprocs=WORLD, start_method="spawn")
+        return torch.load(result_path)
+
+
+def report_graph_errors(single: dict, parallel: dict) -> None:
+    for name, row in [*(("1 GPU " + k, v) for k, v in single.items()), *parallel.items()]:
+        if "graph_error" in row:
+            print(f"CUDA-graph capture failed, {name}: {row['graph_error']}")
+
+
 def report(args, single: dict, parallel: dict, copy_tbs: float) -> None:
     shard = args.vocab // WORLD
     print(f"\ncopy ceiling (GPU 0, 2 GiB): {copy_tbs:.3f} TB/s; {args.rows} x {args.vocab} bf16 on one GPU,")
@@ -158,9 +174,7 @@ def report(args, single: dict, parallel: dict, copy_tbs: float) -> None:
             cells.append(f"{speedup:.2f}x" if speedup else "-")
             print("| " + " | ".join(cells) + " |")
         print()
-    for name, row in [*(("1 GPU " + k, v) for k, v in single.items()), *parallel.items()]:
-        if "graph_error" in row:
-            print(f"CUDA-graph capture failed, {name}: {row['graph_error']}")
+    report_graph_errors(single, parallel)
 
 
 def main() -> None:
@@ -173,11 +187,7 @@ def main() -> None:
     if torch.cuda.device_count() < WORLD:
         print(f"bench_vocab_parallel: needs {WORLD} GPUs, found {torch.cuda.device_count()}; skipped")
         return
-    os.environ.update(NCCL_ENV)
-    with tempfile.TemporaryDirectory() as tmp:
-        store_path, result_path = os.path.join(tmp, "store"), os.path.join(tmp, "result.pt")
-        mp.start_processes(worker, args=(args, store_path, result_path), nprocs=WORLD, start_method="spawn")
-        result = torch.load(result_path)
+    result = run_ranks(worker, args)
     report(args, result["single"], result["parallel"], result["copy_tbs"])
     write_json(
         "bench_vocab_parallel.json",
