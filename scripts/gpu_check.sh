@@ -67,23 +67,13 @@ if [ "$run_cudagraph" -eq 1 ]; then
     log="$OUT/cudagraph_tests.log"
     echo "== cudagraph tests, one process each -> $log"
     : > "$log"
-    mapfile -t test_ids < <(python3 -m pytest --collect-only -q -m cudagraph 2>>"$log" | grep "::")
-    passed=0 skipped=0 failed_cg=0
-    for test_id in "${test_ids[@]}"; do
-        echo "---- $test_id" >> "$log"
-        timeout 300 python3 -m pytest -q "$test_id" >> "$log" 2>&1
-        status=$?
-        if [ "$status" -eq 0 ] && tail -n 1 "$log" | grep -q "passed"; then
-            verdict=PASS passed=$((passed + 1))
-        elif [ "$status" -eq 0 ]; then
-            verdict=SKIP skipped=$((skipped + 1))
-        else
-            verdict="FAIL (exit $status)" failed_cg=$((failed_cg + 1))
-        fi
-        echo "$verdict $test_id" | tee -a "$log"
-    done
-    [ "$failed_cg" -gt 0 ] && failed=1
-    summary+=("cudagraph tests: ${#test_ids[@]} collected, $passed passed, $skipped skipped, $failed_cg failed")
+    verdicts="$(CUDAGRAPH_LOG="$log" bash scripts/cudagraph_each.sh)"
+    status=$?
+    echo "$verdicts" | tee -a "$log"
+    passed=$(grep -c "^PASS" <<< "$verdicts") skipped=$(grep -c "^SKIP" <<< "$verdicts")
+    failed_cg=$(grep -c "^FAIL" <<< "$verdicts")
+    [ "$status" -ne 0 ] && failed=1
+    summary+=("cudagraph tests: $passed passed, $skipped skipped, $failed_cg failed")
 fi
 
 if [ "${#benches[@]}" -gt 0 ]; then
