@@ -31,12 +31,18 @@ def reduce_row_losses(
     """As ``F.cross_entropy``'s reductions of per-row fp32 losses (N,) for ``target`` (any shape, N
     elements): ``"none"`` in ``target``'s shape, the sum, or the mean over non-ignored rows (NaN when
     every row is ignored, as PyTorch); one ``lowp::cross_entropy_reduce``, the count on the device."""
+    return _reduce(loss_rows, target, reduction, ignore_index)[0]
+
+
+def _reduce(
+    loss_rows: torch.Tensor, target: torch.Tensor, reduction: str, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(reduced loss, dloss/dloss_row as a 0-d tensor; None for ``"none"``)."""
     if reduction == "none":
-        return loss_rows.view(target.shape)
-    loss, _ = torch.ops.lowp.cross_entropy_reduce(
+        return loss_rows.view(target.shape), None
+    return torch.ops.lowp.cross_entropy_reduce(
         loss_rows, target.reshape(-1), int(ignore_index), reduction == "mean"
     )
-    return loss
 
 
 def cross_entropy(
@@ -85,18 +91,13 @@ def _loss_and_grad_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reduced loss and dloss per row (N,) fp32 for the gradient ``grad_loss`` of that loss (ones
     when None): one reduction kernel, plus one multiply when ``grad_loss`` is given."""
-    if reduction == "none":
-        loss = loss_rows.view(target.shape)
-    else:
-        loss, grad_scale = torch.ops.lowp.cross_entropy_reduce(
-            loss_rows, target.reshape(-1), int(ignore_index), reduction == "mean"
-        )
+    loss, grad_scale = _reduce(loss_rows, target, reduction, ignore_index)
     if grad_loss is not None:
         require(
             grad_loss.shape == loss.shape,
             lambda: f"grad_loss must have the loss's shape {tuple(loss.shape)}, got {tuple(grad_loss.shape)}",
         )
-    if reduction == "none":
+    if grad_scale is None:
         return loss, (torch.ones_like(loss) if grad_loss is None else grad_loss.float()).reshape(-1)
     scale = grad_scale if grad_loss is None else grad_loss.float() * grad_scale
     return loss, scale.expand(loss_rows.shape)

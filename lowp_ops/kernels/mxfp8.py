@@ -16,8 +16,7 @@ import triton
 import triton.language as tl
 
 from ..formats import FP8_DTYPES, FP8_MAX, FP8_MAX_RCP, MXFP8_BLOCK_SIZE
-from ..meta.checks import require
-from ..meta.mxfp8 import check_dequantize_args, flat_2d_dims, mxfp8_dequantize_output, mxfp8_quantize_outputs
+from ..meta.mxfp8 import flat_2d_dims, mxfp8_dequantize_output, mxfp8_quantize_outputs
 
 TILE_ROWS = MXFP8_BLOCK_SIZE
 SOFTWARE_FP8_CAST = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
@@ -432,14 +431,7 @@ def launch_mxfp8_dequantize(
 ) -> torch.Tensor:
     """``lowp::mxfp8_dequantize`` on a CUDA (or interpreted CPU) tensor; ``out``: a contiguous buffer of
     data's shape and ``dtype`` to write into instead of a new one (the LM head reuses a dead chunk)."""
-    if out is None:
-        out = mxfp8_dequantize_output(data, scale, fp8_dtype, use, scale_layout, dtype)
-    else:
-        check_dequantize_args(data, scale, fp8_dtype, use, scale_layout, dtype)
-        require(
-            out.shape == data.shape and out.dtype == dtype and out.is_contiguous(),
-            lambda: f"out must be a contiguous {dtype} tensor of shape {tuple(data.shape)}",
-        )
+    out = mxfp8_dequantize_output(data, scale, fp8_dtype, use, scale_layout, dtype, out)
     rows, cols = flat_2d_dims(data.shape)
     if rows == 0 or cols == 0:
         return out

@@ -126,8 +126,21 @@ def check_dequantize_args(
 
 
 def mxfp8_dequantize_output(
-    data: torch.Tensor, scale: torch.Tensor, fp8_dtype: str, use: str, scale_layout: str, dtype: torch.dtype
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: str,
+    use: str,
+    scale_layout: str,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Allocate the dequantized tensor: data's shape, contiguous, ``dtype``."""
+    """The dequantized tensor: data's shape, contiguous, ``dtype``; ``out`` (launchers only), when given,
+    is checked and returned instead of a new allocation."""
     check_dequantize_args(data, scale, fp8_dtype, use, scale_layout, dtype)
-    return data.new_empty(data.shape, dtype=dtype)
+    if out is None:
+        return data.new_empty(data.shape, dtype=dtype)
+    require(
+        out.shape == data.shape and out.dtype == dtype and out.is_contiguous(),
+        lambda: f"out must be a contiguous {dtype} tensor of shape {tuple(data.shape)}",
+    )
+    return out
