@@ -26,7 +26,7 @@ import traceback
 import torch
 import torch.distributed as dist
 from _common import copy_bandwidth_tbs, environment, write_json
-from bench_vocab_parallel import NCCL_ENV, WORLD, graph_timed_ms, report_graph_errors, run_ranks, timed_ms
+from bench_vocab_parallel import NCCL_ENV, WORLD, graph_timed_ms, print_tables, run_ranks, timed_ms
 
 import lowp_ops
 
@@ -117,24 +117,12 @@ def report(args, single: dict, parallel: dict, copy_tbs: float) -> None:
     shard = args.vocab // WORLD
     print(f"\ncopy ceiling (GPU 0, 2 GiB): {copy_tbs:.3f} TB/s; hidden {args.rows} x {args.hidden}, weight")
     print(f"{args.vocab} x {args.hidden} bf16 on one GPU, {shard} rows per rank on {WORLD} GPUs (NCCL)\n")
-    for mode in ("eager", "graph"):
-        key = f"{mode}_ms"
-        what = "host launches included" if mode == "eager" else "CUDA-graph replay, GPU time"
-        print(f"### {mode} ({what})\n")
-        print("| case | 1 GPU ms | TFLOP/s | 2 GPUs ms per rank | TFLOP/s per rank | speedup |")
-        print("|---|---|---|---|---|---|")
-        for name, row in parallel.items():
-            one = single.get(name, {})
-            cells = [name]
-            for value, vocab in ((one.get(key), args.vocab), (row.get(key), shard)):
-                cells.append(f"{value:.3f}" if value else "-")
-                flops = 2 * args.rows * args.hidden * vocab * GEMMS.get(name, 0)
-                cells.append(f"{flops / value / 1e9:.0f}" if value and flops else "-")
-            speedup = one.get(key) / row[key] if one.get(key) and row.get(key) else None
-            cells.append(f"{speedup:.2f}x" if speedup else "-")
-            print("| " + " | ".join(cells) + " |")
-        print()
-    report_graph_errors(single, parallel)
+
+    def tflops(name: str, ms: float, vocab: int) -> str:
+        flops = 2 * args.rows * args.hidden * vocab * GEMMS.get(name, 0)
+        return f"{flops / ms / 1e9:.0f}" if flops else "-"
+
+    print_tables(single, parallel, "TFLOP/s", tflops, args.vocab, shard, ms_digits=3)
 
 
 def main() -> None:

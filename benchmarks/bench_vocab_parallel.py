@@ -146,6 +146,30 @@ def run_ranks(worker, args: argparse.Namespace) -> dict:
         return torch.load(result_path)
 
 
+def print_tables(
+    single: dict, parallel: dict, metric: str, cell, vocab: int, shard: int, ms_digits: int
+) -> None:
+    """Eager and graph tables of the cases in ``parallel``: 1-GPU and per-rank ms, each with
+    ``cell(case, ms, vocab width)`` under ``metric``, and the speedup; then any capture errors."""
+    for mode in ("eager", "graph"):
+        key = f"{mode}_ms"
+        what = "host launches included" if mode == "eager" else "CUDA-graph replay, GPU time"
+        print(f"### {mode} ({what})\n")
+        print(f"| case | 1 GPU ms | {metric} | 2 GPUs ms per rank | {metric} per rank | speedup |")
+        print("|---|---|---|---|---|---|")
+        for name, row in parallel.items():
+            one = single.get(name, {})
+            cells = [name]
+            for value, width in ((one.get(key), vocab), (row.get(key), shard)):
+                cells.append(f"{value:.{ms_digits}f}" if value else "-")
+                cells.append(cell(name, value, width) if value else "-")
+            speedup = one.get(key) / row[key] if one.get(key) and row.get(key) else None
+            cells.append(f"{speedup:.2f}x" if speedup else "-")
+            print("| " + " | ".join(cells) + " |")
+        print()
+    report_graph_errors(single, parallel)
+
+
 def report_graph_errors(single: dict, parallel: dict) -> None:
     for name, row in [*(("1 GPU " + k, v) for k, v in single.items()), *parallel.items()]:
         if "graph_error" in row:
@@ -156,25 +180,12 @@ def report(args, single: dict, parallel: dict, copy_tbs: float) -> None:
     shard = args.vocab // WORLD
     print(f"\ncopy ceiling (GPU 0, 2 GiB): {copy_tbs:.3f} TB/s; {args.rows} x {args.vocab} bf16 on one GPU,")
     print(f"{args.rows} x {shard} per rank on {WORLD} GPUs (NCCL); times of the slowest rank\n")
-    for mode in ("eager", "graph"):
-        key = f"{mode}_ms"
-        what = "host launches included" if mode == "eager" else "CUDA-graph replay, GPU time"
-        print(f"### {mode} ({what})\n")
-        print("| case | 1 GPU ms | % copy | 2 GPUs ms per rank | % copy per rank | speedup |")
-        print("|---|---|---|---|---|---|")
-        for name, row in parallel.items():
-            one = single.get(name, {})
-            floor = FLOORS.get(name)
-            cells = [name]
-            for value, elems in ((one.get(key), args.rows * args.vocab), (row.get(key), args.rows * shard)):
-                cells.append(f"{value:.4f}" if value else "-")
-                pct = floor * elems / value / 1e9 / copy_tbs * 100 if value and floor else None
-                cells.append(f"{pct:.1f}" if pct else "-")
-            speedup = one.get(key) / row[key] if one.get(key) and row.get(key) else None
-            cells.append(f"{speedup:.2f}x" if speedup else "-")
-            print("| " + " | ".join(cells) + " |")
-        print()
-    report_graph_errors(single, parallel)
+
+    def pct_of_copy(name: str, ms: float, vocab: int) -> str:
+        floor = FLOORS.get(name)
+        return f"{floor * args.rows * vocab / ms / 1e9 / copy_tbs * 100:.1f}" if floor else "-"
+
+    print_tables(single, parallel, "% copy", pct_of_copy, args.vocab, shard, ms_digits=4)
 
 
 def main() -> None:
