@@ -4,7 +4,8 @@
 - ``nvfp4``: the NVFP4 quantizer at 16384 x 16384 bf16 (given amaxes), row+col with RHT and col only
   with RHT, over tile heights (the transposed column-wise bytes per column and program are
   TILE_ROWS / 2), widths, warps and grid order; outputs checked byte-identical to the default's;
-- ``ce``: the cross-entropy forward and fused MXFP8 backward at 4096 x 129280.
+- ``ce``: the cross-entropy forward and fused MXFP8 backward (the Gluon kernel, then Triton's
+  configurations) at 4096 x 129280.
 
     python benchmarks/tune_kernels.py [mxfp8] [nvfp4] [ce]     # none: all
 """
@@ -106,14 +107,18 @@ def tune_cross_entropy(copy_tbs: float, results: list) -> None:
     _, lse = launch_cross_entropy_fwd(logits, target, 0.0, -100)
     grad_rows = torch.full((n_rows,), 1.0 / n_rows, device="cuda")
     args = (logits, target, lse, grad_rows, 0.0, -100, "e4m3", True, True, "compact")
-    want = launch_cross_entropy_bwd_mxfp8(*args)
-    backward = {}
+    want = launch_cross_entropy_bwd_mxfp8(*args, gluon=False)
+    got = launch_cross_entropy_bwd_mxfp8(*args)
+    differ = sum(
+        int((g.view(torch.uint8) != h.view(torch.uint8)).sum()) for g, h in zip(got, want, strict=True)
+    )
+    backward = {f"gluon (default) d={differ}": lambda: launch_cross_entropy_bwd_mxfp8(*args)}
     for b, w in [(64, 1), (128, 1), (128, 2), (256, 2)]:
-        got = launch_cross_entropy_bwd_mxfp8(*args, block_cols=b, num_warps=w)
+        got = launch_cross_entropy_bwd_mxfp8(*args, gluon=False, block_cols=b, num_warps=w)
         pairs = zip(got, want, strict=True)
         differ = sum(int((g.view(torch.uint8) != h.view(torch.uint8)).sum()) for g, h in pairs)
-        backward[f"cols={b} warps={w} d={differ}"] = lambda b=b, w=w: launch_cross_entropy_bwd_mxfp8(
-            *args, block_cols=b, num_warps=w
+        backward[f"triton cols={b} warps={w} d={differ}"] = lambda b=b, w=w: launch_cross_entropy_bwd_mxfp8(
+            *args, gluon=False, block_cols=b, num_warps=w
         )
     sweep("ce bwd mxfp8", 4.0625, logits.numel(), copy_tbs, backward, results)
     bf16 = {"default": lambda: launch_cross_entropy_bwd(logits, target, lse, grad_rows, 0.0, -100)}

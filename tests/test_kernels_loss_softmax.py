@@ -115,11 +115,22 @@ def check_ce_backward(logits, target, lse, grad_rows, label_smoothing):
 
 
 def check_mxfp8_contract(
-    logits, target, lse, grad_rows, label_smoothing, fp8_dtype, rowwise, columnwise, scale_layout
+    logits, target, lse, grad_rows, label_smoothing, fp8_dtype, rowwise, columnwise, scale_layout, gluon=None
 ):
-    """launch_cross_entropy_bwd_mxfp8 == launch_mxfp8_quantize(launch_cross_entropy_bwd), byte for byte."""
+    """launch_cross_entropy_bwd_mxfp8 == launch_mxfp8_quantize(launch_cross_entropy_bwd), byte for byte.
+    ``gluon``: which fused kernel (None: the launcher's choice, Gluon on CUDA)."""
     fused = ce_kernels.launch_cross_entropy_bwd_mxfp8(
-        logits, target, lse, grad_rows, label_smoothing, IGNORE, fp8_dtype, rowwise, columnwise, scale_layout
+        logits,
+        target,
+        lse,
+        grad_rows,
+        label_smoothing,
+        IGNORE,
+        fp8_dtype,
+        rowwise,
+        columnwise,
+        scale_layout,
+        gluon=gluon,
     )
     grad = ce_kernels.launch_cross_entropy_bwd(logits, target, lse, grad_rows, label_smoothing, IGNORE)
     quantized = mxfp8_kernels.launch_mxfp8_quantize(grad, fp8_dtype, rowwise, columnwise, scale_layout)
@@ -132,6 +143,26 @@ def check_mxfp8_contract(
         assert fused[0].numel() == logits.numel()
     if columnwise:
         assert fused[2].numel() == logits.numel()
+
+
+def check_select_free_tiles(n_cols: int, dtype: torch.dtype, device: str, label_smoothing: float) -> None:
+    """Tiles whose rows are neither ignored nor hold their target column skip the per-element selects
+    (a tile-uniform branch). Their gradient must be bit-identical to the full formula's: rows 0-30 are
+    computed once in a block that takes that path (no ignored row, targets in columns 0-127 only) and
+    once with row 31 ignored, which sends the whole block down the full path."""
+    logits, target = ce_inputs(64, n_cols, dtype, device, special_rows=False)
+    gen = torch.Generator(device=device).manual_seed(3)
+    target[:32] = torch.randint(0, 128, (32,), generator=gen, device=device)
+    lse = ce_kernels.launch_cross_entropy_fwd(logits, target, label_smoothing, IGNORE)[1]
+    grad_rows = grad_rows_for(64, device, "dense")
+    check_ce_backward(logits, target, lse, grad_rows, label_smoothing)
+    check_mxfp8_contract(logits, target, lse, grad_rows, label_smoothing, "e4m3", True, True, "compact")
+    fast = ce_kernels.launch_cross_entropy_bwd(logits, target, lse, grad_rows, label_smoothing, IGNORE)
+    target[31] = IGNORE
+    full = ce_kernels.launch_cross_entropy_bwd(logits, target, lse, grad_rows, label_smoothing, IGNORE)
+    assert torch.equal(bits(fast[:31]), bits(full[:31])), "select-free tiles differ from the full formula"
+    assert (full[31] == 0).all()
+    check_mxfp8_contract(logits, target, lse, grad_rows, label_smoothing, "e5m2", True, True, "swizzled")
 
 
 # interp ----------------------------------------------------------------------------------------------
@@ -234,6 +265,13 @@ def test_interp_mxfp8_grad_kernel_contract_property(data, fp8_layout, copies, gr
     )
 
 
+@pytest.mark.interp
+@pytest.mark.parametrize(("n_cols", "dtype"), [(1024, torch.bfloat16), (1000, torch.float16)])
+def test_interp_select_free_tiles_equal_the_full_formula(n_cols, dtype):
+    for label_smoothing in (0.0, 0.1):
+        check_select_free_tiles(n_cols, dtype, "cpu", label_smoothing)
+
+
 # gpu -------------------------------------------------------------------------------------------------
 
 GPU_CE_SHAPES = [
@@ -257,13 +295,19 @@ def test_gpu_cross_entropy_kernels_match_reference(n_rows, n_cols, dtype, label_
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gluon", [True, False], ids=["gluon", "triton"])
 @pytest.mark.parametrize(("fp8_dtype", "scale_layout"), FP8_LAYOUTS)
 @pytest.mark.parametrize(
     ("n_rows", "n_cols", "label_smoothing", "grad_kind"),
-    [(4096, 129280, 0.0, "expanded"), (1000, 50257, 0.1, "dense"), (77, 333, 0.1, "dense")],
+    [
+        (4096, 129280, 0.0, "expanded"),
+        (1000, 50257, 0.1, "dense"),
+        (77, 333, 0.1, "dense"),
+        (40, 256, 0.0, "dense"),
+    ],
 )
 def test_gpu_mxfp8_grad_kernel_is_bytes_of_quantized_grad(
-    fp8_dtype, scale_layout, n_rows, n_cols, label_smoothing, grad_kind
+    fp8_dtype, scale_layout, n_rows, n_cols, label_smoothing, grad_kind, gluon
 ):
     logits, target = ce_inputs(n_rows, n_cols, torch.bfloat16, "cuda")
     lse = ce_kernels.launch_cross_entropy_fwd(logits, target, label_smoothing, IGNORE)[1]
@@ -277,13 +321,47 @@ def test_gpu_mxfp8_grad_kernel_is_bytes_of_quantized_grad(
         True,
         True,
         scale_layout,
+        gluon=gluon,
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("scale_layout", "n_cols", "gluon_runs"),
+    [("compact", 3000, True), ("swizzled", 3000, False), ("compact", 100, False)],
+)
+def test_gpu_launcher_picks_the_gluon_kernel_for_compact_scales(
+    scale_layout, n_cols, gluon_runs, monkeypatch
+):
+    """On CUDA the launcher runs the Gluon kernel (spied) for compact scales and >= 128 columns, the
+    Triton one otherwise; the two write the same bytes."""
+    from lowp_ops.kernels import cross_entropy_gluon
+
+    launches = []
+    kernel = cross_entropy_gluon.cross_entropy_bwd_mxfp8_gluon_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(cross_entropy_gluon, "cross_entropy_bwd_mxfp8_gluon_kernel", Spy())
+    logits, target = ce_inputs(100, n_cols, torch.bfloat16, "cuda", seed=5)
+    lse = ce_kernels.launch_cross_entropy_fwd(logits, target, 0.1, IGNORE)[1]
+    grad_rows = grad_rows_for(100, "cuda", "dense")
+    args = (logits, target, lse, grad_rows, 0.1, IGNORE, "e4m3", True, True, scale_layout)
+    got = ce_kernels.launch_cross_entropy_bwd_mxfp8(*args)
+    assert launches == ([(4 * math.ceil(n_cols / 128),)] if gluon_runs else [])
+    want = ce_kernels.launch_cross_entropy_bwd_mxfp8(*args, gluon=False)
+    for name, g, w in zip(("row_data", "row_scale", "col_data", "col_scale"), got, want, strict=True):
+        assert torch.equal(g, w), f"{name}: {int((g != w).sum())} bytes differ"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("rowwise", "columnwise"), COPIES[1:])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_gpu_mxfp8_grad_kernel_contract_one_copy_other_dtypes(rowwise, columnwise, dtype):
+@pytest.mark.parametrize("gluon", [True, False], ids=["gluon", "triton"])
+def test_gpu_mxfp8_grad_kernel_contract_one_copy_other_dtypes(rowwise, columnwise, dtype, gluon):
     logits, target = ce_inputs(1000, 50257, dtype, "cuda", seed=3)
     lse = ce_kernels.launch_cross_entropy_fwd(logits, target, 0.1, IGNORE)[1]
     check_mxfp8_contract(
@@ -296,6 +374,7 @@ def test_gpu_mxfp8_grad_kernel_contract_one_copy_other_dtypes(rowwise, columnwis
         rowwise,
         columnwise,
         "swizzled",
+        gluon=gluon,
     )
 
 
@@ -522,3 +601,12 @@ def test_cross_entropy_reduce_kernel_matches_reference(device, mean, n_rows):
     assert torch.equal(bits(grad_scale), bits(want_scale))
     # Every row ignored (n_rows 0 or 1 here): 0 / 0, NaN in both.
     torch.testing.assert_close(loss, want_loss, rtol=2e-6, atol=0.0, equal_nan=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("n_cols", "dtype"), [(4096, torch.bfloat16), (1000, torch.float16), (333, torch.float32)]
+)
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_gpu_select_free_tiles_equal_the_full_formula(n_cols, dtype, label_smoothing):
+    check_select_free_tiles(n_cols, dtype, "cuda", label_smoothing)
