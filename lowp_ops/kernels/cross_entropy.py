@@ -459,6 +459,7 @@ def launch_cross_entropy_bwd_mxfp8(
             and cross_entropy_gluon.gluon is not None
             and scale_layout == "compact"
             and n_cols >= cross_entropy_gluon.BLOCK_COLS
+            and 32 * max(n_cols, logits.stride(0)) < 2**31  # its in-tile offsets are int32
         )
     if gluon:
         kernel = cross_entropy_gluon.cross_entropy_bwd_mxfp8_gluon_kernel

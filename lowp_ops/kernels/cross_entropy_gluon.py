@@ -87,8 +87,12 @@ if gluon is not None:
         in_block = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, tile)))
         cols = blocks[None, :, None] * 32 + in_block[None, None, :]  # [1, 4, 32]
         rows3 = rows_idx[:, None, None]
-        offsets = rows3.to(gl.int64) * n_cols + cols
-        ptrs = logits_ptr + rows3.to(gl.int64) * stride_row + cols
+        # 64-bit tile origins, 32-bit offsets inside the tile (the launcher checks 32 rows fit in int32).
+        tile_row0 = (row_block * 32).to(gl.int64)
+        in_tile_rows = rows3 - row_block * 32
+        out_origin = tile_row0 * n_cols
+        offsets = in_tile_rows * n_cols + cols
+        ptrs = logits_ptr + tile_row0 * stride_row + (in_tile_rows * stride_row + cols)
         in_bounds = (rows3 < rows) & (cols < n_cols)
         x = gl.load(ptrs) if EVEN else gl.load(ptrs, mask=in_bounds, other=0.0)
 
@@ -132,13 +136,14 @@ if gluon is not None:
 
         if ROWWISE:
             code = e8m0_from_amax(_block_amax(grad, 2), MAX_RCP)
-            data = cast_satfinite(grad * quantize_multiplier(code)[:, :, None], FP8_MAX, OUT_DTYPE)
-            if EVEN:
-                gl.store(row_data_ptr + offsets, data)
-            else:
-                gl.store(row_data_ptr + offsets, data, mask=in_bounds)
+            multiplier = quantize_multiplier(code)
             scale_row = rows_idx[:, None]
             scale_col = blocks[None, :]
+            data = cast_satfinite(grad * multiplier[:, :, None], FP8_MAX, OUT_DTYPE)
+            if EVEN:
+                gl.store(row_data_ptr + out_origin + offsets, data)
+            else:
+                gl.store(row_data_ptr + out_origin + offsets, data, mask=in_bounds)
             if SWIZZLED:
                 offset = swizzled_scale_offset(scale_row, scale_col, row_scale_cols // 4)
             else:
@@ -148,13 +153,14 @@ if gluon is not None:
             gl.store(row_scale_ptr + offset, code.to(gl.uint8), mask=mask)
         if COLWISE:
             code = e8m0_from_amax(_block_amax(grad, 0), MAX_RCP)
-            data = cast_satfinite(grad * quantize_multiplier(code)[None, :, :], FP8_MAX, OUT_DTYPE)
-            if EVEN:
-                gl.store(col_data_ptr + offsets, data)
-            else:
-                gl.store(col_data_ptr + offsets, data, mask=in_bounds)
+            multiplier = quantize_multiplier(code)
             col_blocks = tile_col0 // 32 + gl.arange(0, 4, layout=gl.SliceLayout(1, by_col))
             col_in_block = gl.arange(0, 32, layout=gl.SliceLayout(0, by_col))
+            data = cast_satfinite(grad * multiplier[None, :, :], FP8_MAX, OUT_DTYPE)
+            if EVEN:
+                gl.store(col_data_ptr + out_origin + offsets, data)
+            else:
+                gl.store(col_data_ptr + out_origin + offsets, data, mask=in_bounds)
             scale_cols_idx = col_blocks[:, None] * 32 + col_in_block[None, :]
             if SWIZZLED:
                 offset = swizzled_scale_offset(scale_cols_idx, row_block, col_scale_rows // 4)
