@@ -16,10 +16,8 @@ and Triton builds without Gluon. GPU tests hold the two kernels to the same byte
 
 from __future__ import annotations
 
-import triton.language as tl
-
 from .cross_entropy import cross_entropy_grad, load_row_stats, round_to_dtype, softmax_minus_eps
-from .mxfp8 import cast_satfinite, e8m0_from_amax, quantize_multiplier, swizzled_scale_offset
+from .mxfp8 import block_amax, cast_satfinite, e8m0_from_amax, quantize_multiplier, swizzled_scale_offset
 
 try:
     from triton.experimental import gluon
@@ -32,15 +30,6 @@ NUM_WARPS = 2
 
 
 if gluon is not None:
-
-    @gluon.jit
-    def _max_keep_nan(a, b):
-        return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-    @gluon.jit
-    def _block_amax(values, axis: gl.constexpr):
-        """max |values| along ``axis``, NaN if the block holds one (as ``mxfp8.block_amax``)."""
-        return gl.reduce(gl.abs(values), axis, _max_keep_nan)
 
     @gluon.jit
     def cross_entropy_bwd_mxfp8_gluon_kernel(
@@ -135,7 +124,7 @@ if gluon is not None:
             grad = gl.where(in_bounds, grad, 0.0)
 
         if ROWWISE:
-            code = e8m0_from_amax(_block_amax(grad, 2), MAX_RCP)
+            code = e8m0_from_amax(block_amax(grad, 2), MAX_RCP)
             multiplier = quantize_multiplier(code)
             scale_row = rows_idx[:, None]
             scale_col = blocks[None, :]
@@ -152,7 +141,7 @@ if gluon is not None:
             mask = (scale_row < rows) & (scale_col < row_scale_cols)
             gl.store(row_scale_ptr + offset, code.to(gl.uint8), mask=mask)
         if COLWISE:
-            code = e8m0_from_amax(_block_amax(grad, 0), MAX_RCP)
+            code = e8m0_from_amax(block_amax(grad, 0), MAX_RCP)
             multiplier = quantize_multiplier(code)
             col_blocks = tile_col0 // 32 + gl.arange(0, 4, layout=gl.SliceLayout(1, by_col))
             col_in_block = gl.arange(0, 32, layout=gl.SliceLayout(0, by_col))
