@@ -2,9 +2,10 @@
 backward that recomputes the gradient from the saved logits and writes it either in the logits' dtype
 or directly as MXFP8 (row- and column-wise) from registers.
 
-Both backward kernels compute the fp32 gradient with the same element-wise ``cross_entropy_grad``, and
-the MXFP8 one rounds it to the logits' dtype before quantizing: its bytes equal
-``mxfp8_quantize(<the other kernel's output>)`` by construction.
+Both backward kernels compute the fp32 gradient with the same element-wise ``softmax_minus_eps`` and
+``cross_entropy_grad`` (``program_tile_grad``), and the MXFP8 one rounds it to the logits' dtype before
+quantizing: its bytes equal ``mxfp8_quantize(<the other kernel's output>)`` by construction. On CUDA the
+MXFP8 one is usually ``cross_entropy_gluon``'s, the same helpers in an explicit layout.
 """
 
 from __future__ import annotations

@@ -1,16 +1,18 @@
 """The fused cross-entropy backward to MXFP8 (row- and column-wise) in Gluon, for CUDA GPUs.
 
-Same math and bytes as ``cross_entropy.cross_entropy_bwd_mxfp8_kernel``: it calls the same element-wise
-``@triton.jit`` helpers (gradient, bf16 rounding, E8M0 code, FP8 cast). What Gluon adds is the layout,
-which Triton picks on its own: a [32, 4, 32] tile (rows, 32-column blocks, columns in a block), 8
-consecutive columns per thread, 4 lanes along the columns and 4 along the blocks of a row, 2 along the
-rows, and the 2 warps stacked along the rows. Each warp then writes whole 128-byte lines, and the E8M0
-scales are stored straight from the layouts their reductions leave, where Triton's kernel re-lays both
-scale tensors out through shared memory (with a barrier each) before storing them.
+Same math and bytes as ``cross_entropy.cross_entropy_bwd_mxfp8_kernel``: it calls the same
+element-wise ``@triton.jit`` helpers (gradient, bf16 rounding, block maximum, E8M0 code, FP8 cast).
+What Gluon adds is the layout, which Triton picks on its own: a [32, 4, 32] tile (rows, 32-column
+blocks, columns in a block), 8 consecutive columns per thread, 4 lanes along the columns and 4 along
+the blocks of a row, 2 along the rows, and the 2 warps stacked along the rows. Each warp then writes
+whole 128-byte lines, and the E8M0 scales are stored straight from the layouts their reductions leave,
+where Triton's kernel re-lays both scale tensors out through shared memory (with a barrier each)
+before storing them.
 
-H200, bf16, compact scales, % of a device copy (S5-7): 4096 x 129280 83.3 -> 86.7, 8192 x 32768
-80.2 -> 85.7, 16384 x 131072 80.5 -> 86.8; with swizzled scales 79.0 against Triton's 80.3, so the
-launcher keeps Triton's kernel there. Also Triton's: the CPU interpreter, thin inputs (< 128 columns)
+H200, bf16, compact scales, % of a device copy (benchmarks/RESULTS.md, run S5-8): 4096 x 129280
+83.3 -> 86.7, 8192 x 32768 80.2 -> 85.7, 16384 x 131072 80.5 -> 86.8 (both kernels swing by several
+points from run to run there); with swizzled scales 79.0 against Triton's 80.3, so the launcher keeps
+Triton's kernel there. Also Triton's: the CPU interpreter, thin inputs (< 128 columns)
 and Triton builds without Gluon. GPU tests hold the two kernels to the same bytes.
 """
 
