@@ -327,14 +327,20 @@ def test_gpu_mxfp8_grad_kernel_is_bytes_of_quantized_grad(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("scale_layout", "n_cols", "gluon_runs"),
-    [("compact", 3000, True), ("swizzled", 3000, False), ("compact", 100, False)],
+    ("scale_layout", "n_cols", "shard_start", "gluon_runs"),
+    [
+        ("compact", 3000, 0, True),
+        ("swizzled", 3000, 0, False),
+        ("compact", 100, 0, False),
+        ("compact", 3000, 64, False),
+    ],
 )
 def test_gpu_launcher_picks_the_gluon_kernel_for_compact_scales(
-    scale_layout, n_cols, gluon_runs, monkeypatch
+    scale_layout, n_cols, shard_start, gluon_runs, monkeypatch
 ):
-    """On CUDA the launcher runs the Gluon kernel (spied) for compact scales and >= 128 columns, the
-    Triton one otherwise; the two write the same bytes."""
+    """On CUDA the launcher runs the Gluon kernel (spied) for compact scales, >= 128 columns and the
+    whole vocabulary, the Triton one otherwise (a vocabulary shard starting at ``shard_start``); the two
+    write the same bytes."""
     from lowp_ops.kernels import cross_entropy_gluon
 
     launches = []
@@ -349,7 +355,8 @@ def test_gpu_launcher_picks_the_gluon_kernel_for_compact_scales(
     logits, target = ce_inputs(100, n_cols, torch.bfloat16, "cuda", seed=5)
     lse = ce_kernels.launch_cross_entropy_fwd(logits, target, 0.1, IGNORE)[1]
     grad_rows = grad_rows_for(100, "cuda", "dense")
-    args = (logits, target, lse, grad_rows, 0.1, IGNORE, "e4m3", True, True, scale_layout)
+    shard = (shard_start, n_cols + 2 * shard_start) if shard_start else (0, 0)
+    args = (logits, target, lse, grad_rows, 0.1, IGNORE, "e4m3", True, True, scale_layout, *shard)
     got = ce_kernels.launch_cross_entropy_bwd_mxfp8(*args)
     assert launches == ([(4 * math.ceil(n_cols / 128),)] if gluon_runs else [])
     want = ce_kernels.launch_cross_entropy_bwd_mxfp8(*args, gluon=False)
