@@ -8,13 +8,17 @@ sync). The grouped form maps programs to (expert, tile) from the device cumsum o
 no block straddles two experts and each expert uses its own amaxes.
 
 Bit-exact with the reference: fp32 steps in the reference's order, IEEE divisions (``div_rn``), no FMA
-contraction, the RHT as the same butterfly (not ``tl.dot``: the order of its fp32 additions is the
-hardware's), E2M1 rounding by integer/float-add steps (sm_90 has no ``cvt.*.e2m1``). The interpreter's
-own fp32 -> bf16 / fp8 casts truncate, so there those roundings are done on the bits first.
+contraction (the explicit ``fma`` calls add exact products: one rounding, as the reference's add), the
+RHT as the same butterfly (not ``tl.dot``: the order of its fp32 additions is the hardware's), E2M1
+rounding by integer/float-add steps (sm_90 has no ``cvt.*.e2m1``). The interpreter's own fp32 -> bf16 /
+fp8 casts truncate, so there those roundings are done on the bits first. On the GPU a few conversions
+are inline PTX (bf16 pairs unpacked by a shift and an and, ``cvt.rn.bf16x2.f32``); the interpreter
+runs their plain Triton forms.
 
-Cost (sm_90 SASS per thread and element, 16 x 128 tile on one warp): row-wise 20, column-wise 24,
-column-wise with RHT 28, both with RHT 44 (E2M1 rounding of one copy ~11 of it), the amax pass 12 with
-the RHT. The kernel is issue-bound at these counts on the H200, not memory-bound.
+Cost (sm_90 SASS per thread and element): row-wise 17.6 (16 x 128 on one warp), column-wise with RHT
+24.9 and both with RHT 37.1 (64 x 64 on two warps; E2M1 rounding ~8.5 per copy), the RHT amax pass
+9.6. The kernel is issue-bound at these counts on the H200, not memory-bound (H200, 16384^2 bf16,
+row+col with RHT: 43.8% of a copy; benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ FLT_MAX = tl.constexpr(3.4028234663852886e38)
 ONE_SIXTH = tl.constexpr(round_to_fp32(1.0 / 6.0))
 SIGN_MASK = tl.constexpr(RHT_SIGN_MASK)
 SCALE_COLS_MULTIPLE = tl.constexpr(SCALE_TILE_COLS)
-# e2m1_code_rn: steps_bits - (e + 127 + 22) << 23 + 2 e = steps_bits - (e + 127) (2^23 - 2) - this.
-SHIFTER_OFFSET = tl.constexpr(22 * 8388608 + 254)
+EXPONENT_MASK = tl.constexpr(0x7F800000)
+# e2m1_magnitude_rn: the shifter is binade * (2^22 + 1).
+SHIFTER_FACTOR = tl.constexpr(4194305.0)
 
 
 # ------------------------------------------------------------------------------------------ numerics
@@ -63,6 +68,24 @@ def round_to_bf16(x):
 
 
 @triton.jit
+def round_to_bf16_packed(x):
+    """``round_to_bf16`` of a tensor whose elements pair up within a thread: on the GPU one
+    ``cvt.rn.bf16x2.f32`` per pair (half the conversions of one F2F per element)."""
+    if INTERPRETING:
+        out = round_to_bf16(x)
+    else:
+        out = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; cvt.rn.bf16x2.f32 t, $3, $2; shl.b32 $0, t, 16; and.b32 $1, t, 0xffff0000; }",
+            "=r,=r,r,r",
+            [x],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=2,
+        )
+    return out
+
+
+@triton.jit
 def hadamard_stage(v, A: tl.constexpr, B: tl.constexpr):
     """``v`` viewed as [A, 2, B] (the middle axis is one bit of the row index): ``(a + b, a - b)``."""
     pairs = tl.reshape(v, [A, 2, B])
@@ -80,8 +103,12 @@ def hadamard16_rows(x, R: tl.constexpr, BC: tl.constexpr):
     row = tl.arange(0, R) % 16
     negate = (tl.full([R], SIGN_MASK, tl.int32) >> row) & 1
     signs = tl.where(negate == 1, -0.25, 0.25)
-    v = tl.reshape(x * signs[:, None], [R * BC])
-    v = hadamard_stage(v, R // 2, BC)
+    # Row bit 0 with the sign products fused: x0 s0 +- x1 s1 as fma(x0, s0, +-(x1 s1)) (exact products).
+    x0, x1 = tl.split(tl.permute(tl.reshape(x, [R // 2, 2, BC]), (0, 2, 1)))
+    s0, s1 = tl.split(tl.reshape(signs, [R // 2, 2]))
+    p1 = x1 * s1[:, None]
+    pair = tl.join(tl.fma(x0, s0[:, None], p1), tl.fma(x0, s0[:, None], -p1))
+    v = tl.reshape(tl.permute(pair, (0, 2, 1)), [R * BC])
     v = hadamard_stage(v, R // 4, 2 * BC)
     v = hadamard_stage(v, R // 8, 4 * BC)
     v = hadamard_stage(v, R // 16, 8 * BC)
@@ -97,7 +124,10 @@ def global_encode_scale(amax):
 
 @triton.jit
 def e4m3_block_scale(vec_max, encode):
-    """(fp32 value, uint8 code) of ``e4m3_rn(min(vec_max * (S_enc * fp32(1/6)), 448))``; NaN -> 0x7F."""
+    """(fp32 value, uint8 code, fp32 unrounded scale) of ``e4m3_rn(min(vec_max * (S_enc * fp32(1/6)),
+    448))``; NaN -> 0x7F. The unrounded scale is NaN exactly where the value (and so the block's encode
+    factor) is NaN: callers take the per-block NaN mask from it, never from the fp8 scale (see
+    ``quantize_rowwise_tile``)."""
     v = _min_keep_nan(vec_max * (encode * ONE_SIXTH), 448.0)
     if INTERPRETING:
         # Round to 3 mantissa bits (subnormal ulp 2^-9) in fp32; the cast then only sees exact values.
@@ -109,7 +139,7 @@ def e4m3_block_scale(vec_max, encode):
         fp8 = v.to(tl.float8e4nv)
         value = fp8.to(tl.float32)
         code = fp8.to(tl.uint8, bitcast=True)
-    return value, code.to(tl.uint8)
+    return value, code.to(tl.uint8), v
 
 
 @triton.jit
@@ -119,19 +149,20 @@ def block_encode_factor(scale_value, decode):
 
 
 @triton.jit
-def e2m1_code_rn(v):
-    """E2M1 code (int32, 0..15) of fp32 ``v``: ties to even, saturating at 6; negative values keep the
-    sign bit even when they round to 0, -0.0 gives 0 (the reference's ``v < 0``), NaN gives 0."""
-    # maximum/minimum without NaN propagation return the other operand: NaN -> 0 (GPU and interpreter).
-    magnitude = tl.minimum(tl.maximum(tl.abs(v), 0.0), 6.0)
-    # Add 2^(e + 22) for the binade 2^e of |v| (e >= 0; e = 0 below 1): the sum rounds |v| to its E2M1
-    # step (0.5, 1 or 2) with ties to even, and its low bits count the steps; code = steps + 2e.
-    exponent = tl.maximum(magnitude.to(tl.int32, bitcast=True) >> 23, 127)
-    shifter_bits = (exponent + 22) << 23
-    steps_bits = (magnitude + shifter_bits.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
-    code = steps_bits - exponent * (8388608 - 2) - SHIFTER_OFFSET
-    # A select of code | 8 compiles to one predicated instruction (a select + add takes two more).
-    return tl.where(v < 0, code | 8, code)
+def e2m1_magnitude_rn(v):
+    """E2M1 code of ``|v|`` (fp32) in the low 8 bits of the int32 result, 0..7 (bits 8+ are junk):
+    ties to even, saturating at 6. NaN gives 7: the callers zero the bytes of blocks whose encode factor
+    is NaN, the only blocks holding a NaN (one saves a max(|v|, 0) per element)."""
+    magnitude = tl.minimum(tl.abs(v), 6.0)
+    # binade = 2^e, the power of two at or below max(|v|, 1) (e = 0, 1 or 2); step = 2^(e - 1).
+    binade_bits = tl.maximum(magnitude, 1.0).to(tl.int32, bitcast=True) & EXPONENT_MASK
+    binade = binade_bits.to(tl.float32, bitcast=True)
+    # |v| + (2^22 + 1) 2^e (an exact product, one rounding) lands in the binade of 2^(e + 22), whose ulp is
+    # the E2M1 step: the sum rounds |v| to the grid with ties to even (the shifter is 2^23 + 2 steps, an
+    # even count), and its low bits are 2 + steps.
+    steps_bits = tl.fma(binade, SHIFTER_FACTOR, magnitude).to(tl.int32, bitcast=True)
+    # code = steps + 2e = (2 + steps) + (binade_bits >> 22) mod 256, as binade_bits >> 22 = 2e + 254.
+    return steps_bits + (binade_bits >> 22)
 
 
 @triton.jit
@@ -155,32 +186,40 @@ def sr_pair_bits(sr_ptr, STREAM: tl.constexpr, pair_index):
 
 
 @triton.jit
-def e2m1_code_sr(v, random_bits):
-    """E2M1 code with stochastic rounding, as ``reference.nvfp4.e2m1_codes_stochastic``: up to the next
-    grid value with probability (|v| - lower) / step, from 16 random bits (NaN: as above)."""
+def e2m1_magnitude_sr(v, random_bits):
+    """E2M1 code (0..7) of ``|v|`` with stochastic rounding, as ``reference.nvfp4.e2m1_codes_stochastic``:
+    up to the next grid value with probability (|v| - lower) / step, from 16 random bits (NaN: 0)."""
     magnitude = tl.minimum(tl.maximum(tl.abs(v), 0.0), 6.0)
     step_unit = tl.where(magnitude < 2.0, 2.0**-17, tl.where(magnitude < 4.0, 2.0**-16, 2.0**-15))
     shifted = magnitude + random_bits.to(tl.float32) * step_unit
     low = (shifted * 2.0).to(tl.int32)
     high = (shifted.to(tl.int32, bitcast=True) >> 22) - 252
-    code = tl.minimum(tl.where(shifted < 2.0, low, high), 7)
-    return tl.where(v < 0, code | 8, code)
+    return tl.minimum(tl.where(shifted < 2.0, low, high), 7)
 
 
 @triton.jit
-def e2m1_code(v, random_bits, STOCHASTIC: tl.constexpr):
-    if STOCHASTIC:  # noqa: SIM108 (a constexpr branch: the other one is never compiled)
-        code = e2m1_code_sr(v, random_bits)
+def not_nan_mask(v):
+    """int32 -1 where fp32 ``v`` is not NaN, 0 where it is (integer steps: no predicates to keep live)."""
+    return ((v.to(tl.int32, bitcast=True) & 0x7FFFFFFF) - 0x7F800001) >> 31
+
+
+@triton.jit
+def e2m1_bytes(low, high, low_bits, high_bits, STOCHASTIC: tl.constexpr):
+    """int32 whose low 8 bits hold the E2M1 codes of fp32 ``low`` (bits 0-3) and ``high`` (bits 4-7), with
+    round to nearest (ties to even) or stochastic rounding from 16 random bits each. A negative value
+    keeps its sign bit even when it rounds to 0; -0.0 gives code 0 (the reference's ``v < 0``); NaN
+    gives 0 with stochastic rounding, junk with round to nearest (see ``e2m1_magnitude_rn``)."""
+    if STOCHASTIC:
+        low_code = e2m1_magnitude_sr(low, low_bits)
+        high_code = e2m1_magnitude_sr(high, high_bits)
     else:
-        code = e2m1_code_rn(v)
-    return code
-
-
-@triton.jit
-def pack_pairs(codes, N: tl.constexpr, M: tl.constexpr):
-    """[N, M] int32 codes -> [N, M/2] uint8, element 2i in the low nibble."""
-    low, high = tl.split(tl.reshape(codes, [N, M // 2, 2]))
-    return (low | (high << 4)).to(tl.uint8)
+        low_code = e2m1_magnitude_rn(low)
+        high_code = e2m1_magnitude_rn(high)
+    low_code = tl.where(low < 0, low_code | 8, low_code)
+    # The high sign after the shift-add: one instruction for the add, one predicated or per sign.
+    byte = low_code + (high_code << 4)
+    byte = tl.where(high < 0, byte | 128, byte)
+    return byte
 
 
 # --------------------------------------------------------------------------------------------- tiles
@@ -210,16 +249,29 @@ def quantize_rowwise_tile(
     NB: tl.constexpr = BC // 16
     encode = global_encode_scale(amax)
     decode = tl.math.div_rn(1.0, encode)
-    scale_value, scale_code = e4m3_block_scale(vec_max, encode)
+    scale_value, scale_code, unrounded = e4m3_block_scale(vec_max, encode)
     factor = block_encode_factor(scale_value, decode)
     scaled = tl.reshape(tl.reshape(x, [R, NB, 16]) * factor[:, :, None], [R, BC])
-    random_bits = 0
+    # Elements 2i and 2i + 1 of a row: the low and high nibble of output byte i.
+    low, high = tl.split(tl.reshape(scaled, [R, BC // 2, 2]))
+    low_bits = 0
+    high_bits = 0
     if STOCHASTIC:
-        # One hash per output byte: elements 2i and 2i + 1 of a row take its low and high 16 bits.
+        # One hash per output byte: its low and high 16 bits round the low and high element.
         pairs = grows[:, None].to(tl.int64) * (cols // 2) + (col0 // 2 + tl.arange(0, BC // 2))[None, :]
         bits = sr_pair_bits(sr_ptr, 0, pairs)
-        random_bits = tl.reshape(tl.join(bits & 0xFFFF, bits >> 16), [R, BC])
-    data = pack_pairs(e2m1_code(scaled, random_bits, STOCHASTIC), R, BC)
+        low_bits = bits & 0xFFFF
+        high_bits = bits >> 16
+    data = e2m1_bytes(low, high, low_bits, high_bits, STOCHASTIC)
+    # A NaN makes its block's factor NaN, and only a NaN factor makes NaN data: those blocks encode as 0.
+    # The mask comes from the unrounded fp32 scale (NaN exactly where the factor is), not from the factor:
+    # the factor descends from the fp8 scale, and when the mask needs another layout than the data's
+    # factor (2-D blocks in masked tiles), the compiler converts that fp8 tensor, whose e4m3x2 registers
+    # then feed both a 16-bit pack / store and an in-register cvt.rn.f16x2.e4m3x2. ptxas (12.8 and 12.9,
+    # sm_90) compiles that unpack to read the wrong register (the stack pointer or S_dec merged into the
+    # pack's upper half): the data were scaled by garbage on the H200 while the stored codes were right.
+    keep = not_nan_mask(unrounded)
+    data = tl.reshape(tl.reshape(data, [R, NB, 8]) & keep[:, :, None], [R, BC // 2]).to(tl.uint8)
     byte_idx = col0 // 2 + tl.arange(0, BC // 2)
     row_bytes = cols // 2
     if EVEN:
@@ -255,33 +307,37 @@ def quantize_columnwise_tile(
     BC: tl.constexpr,
     STOCHASTIC: tl.constexpr,
     EVEN: tl.constexpr,
+    ROW_BYTES_MULTIPLE: tl.constexpr,
 ):
     """16x1 blocks along the rows of ``y`` [R, BC] (block maxima ``vec_max`` [R/16, BC]), stored
     transposed: data at ``data_ptr[col, row / 2]`` of a (cols, n_rows / 2) matrix, E4M3 codes at
     ``scale_ptr[col, row / 16]``. ``local_row0``: the tile's first row within that matrix; ``tile_row0``:
-    its first row in x of ``total_rows`` (stochastic rounding indices ``col * total_rows + row``)."""
+    its first row in x of ``total_rows`` (stochastic rounding indices ``col * total_rows + row``);
+    ROW_BYTES_MULTIPLE: a divisor of ``n_rows / 2``."""
     RB: tl.constexpr = R // 16
     encode = global_encode_scale(amax)
     decode = tl.math.div_rn(1.0, encode)
-    scale_value, scale_code = e4m3_block_scale(vec_max, encode)
+    scale_value, scale_code, unrounded = e4m3_block_scale(vec_max, encode)
     factor = block_encode_factor(scale_value, decode)
     scaled = tl.reshape(tl.reshape(y, [RB, 16, BC]) * factor[:, None, :], [R, BC])
-    random_bits = 0
+    # Rows 2i and 2i + 1 of a column: the low and high nibble of its output byte i.
+    low, high = tl.split(tl.permute(tl.reshape(scaled, [R // 2, 2, BC]), (0, 2, 1)))
+    low_bits = 0
+    high_bits = 0
     if STOCHASTIC:
-        # One hash per output byte: rows 2i and 2i + 1 of a column take its low and high 16 bits.
+        # One hash per output byte: its low and high 16 bits round the low and high row.
         row_pairs = tile_row0 // 2 + tl.arange(0, R // 2)
         pairs = cols_idx[None, :].to(tl.int64) * (total_rows // 2) + row_pairs[:, None]
         bits = sr_pair_bits(sr_ptr, 1, pairs)
-        random_bits = tl.reshape(tl.permute(tl.join(bits & 0xFFFF, bits >> 16), (0, 2, 1)), [R, BC])
-    codes = e2m1_code(scaled, random_bits, STOCHASTIC)
-    pairs = tl.permute(tl.reshape(codes, [R // 2, 2, BC]), (0, 2, 1))
-    low, high = tl.split(pairs)
-    data = (low | (high << 4)).to(tl.uint8)
+        low_bits = bits & 0xFFFF
+        high_bits = bits >> 16
+    data = e2m1_bytes(low, high, low_bits, high_bits, STOCHASTIC)
+    # A NaN makes its block's factor NaN, and only a NaN factor makes NaN data: those blocks encode as 0.
+    keep = not_nan_mask(unrounded)  # not from the factor: see quantize_rowwise_tile
+    data = tl.reshape(tl.reshape(data, [RB, 8, BC]) & keep[:, None, :], [R // 2, BC]).to(tl.uint8)
     byte_idx = local_row0 // 2 + tl.arange(0, R // 2)
-    row_bytes = n_rows // 2
-    if EVEN:
-        # n_rows is a multiple of R: each column's R/2 bytes start 8-byte aligned.
-        row_bytes = tl.multiple_of(row_bytes, 8)
+    # Aligned column starts let the stores be vectorized (16 bytes when n_rows is a multiple of R = 64).
+    row_bytes = tl.multiple_of(n_rows // 2, ROW_BYTES_MULTIPLE)
     data_ptrs = data_ptr + cols_idx[None, :].to(tl.int64) * row_bytes + byte_idx[:, None]
     block_idx = local_row0 // 16 + tl.arange(0, RB)
     scale_ptrs = scale_ptr + cols_idx[None, :].to(tl.int64) * scale_cols + block_idx[:, None]
@@ -316,6 +372,24 @@ def expert_of_tile(split_ptr, experts, tile, TILE_ROWS: tl.constexpr, EXPERTS_PO
 
 
 @triton.jit
+def to_fp32(x):
+    """``x`` (bf16, fp16 or fp32) as fp32. bf16 on the GPU: one shift or one and per element of a pair
+    held in one register (the generic conversion spends a byte permute more on the high one)."""
+    if INTERPRETING or x.dtype != tl.bfloat16:
+        out = x.to(tl.float32)
+    else:
+        out = tl.inline_asm_elementwise(
+            "{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000; }",
+            "=r,=r,r",
+            [x],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=2,
+        )
+    return out
+
+
+@triton.jit
 def load_tile(
     x_ptr,
     stride_row,
@@ -337,13 +411,13 @@ def load_tile(
         ptrs = x_ptr + grows[:, None, None].to(tl.int64) * stride_row + first_half[None, :, :]
         # Upcast right after the load (bf16 math is wrong in the Triton interpreter).
         if EVEN:
-            low = tl.load(ptrs).to(tl.float32)
-            high = tl.load(ptrs + 8).to(tl.float32)
+            low = to_fp32(tl.load(ptrs))
+            high = to_fp32(tl.load(ptrs + 8))
         else:
             row_ok = rows_ok[:, None, None]
-            low = tl.load(ptrs, mask=row_ok & (first_half < cols)[None, :, :], other=0.0).to(tl.float32)
+            low = to_fp32(tl.load(ptrs, mask=row_ok & (first_half < cols)[None, :, :], other=0.0))
             high = tl.load(ptrs + 8, mask=row_ok & (first_half + 8 < cols)[None, :, :], other=0.0)
-            high = high.to(tl.float32)
+            high = to_fp32(high)
         x = tl.reshape(tl.permute(tl.join(low, high), (0, 1, 3, 2)), [R, BC])
     else:
         cols_idx = col0 + tl.arange(0, BC)
@@ -475,9 +549,11 @@ def quantize_tile(
     BLOCK_2D: tl.constexpr,
     STOCHASTIC: tl.constexpr,
     EVEN: tl.constexpr,
+    ROW_BYTES_MULTIPLE: tl.constexpr,
 ):
     """Quantize rows ``[local_row0, local_row0 + TILE_ROWS)`` of one expert (``n_rows`` rows from row
-    ``row0`` of x) in the columns of ``col_tile``; EVEN: the tile is wholly in bounds (no masks)."""
+    ``row0`` of x) in the columns of ``col_tile``; EVEN: the tile is wholly in bounds (no masks);
+    ROW_BYTES_MULTIPLE: a divisor of ``n_rows / 2``."""
     local_rows = local_row0 + tl.arange(0, TILE_ROWS)
     rows_ok = local_rows < n_rows
     grows = row0 + local_rows
@@ -516,7 +592,7 @@ def quantize_tile(
     if COLWISE:
         y = x
         if RHT:
-            y = round_to_bf16(hadamard16_rows(x, TILE_ROWS, BLOCK_COLS))
+            y = round_to_bf16_packed(hadamard16_rows(x, TILE_ROWS, BLOCK_COLS))
         if BLOCK_2D:
             col_max = tl.broadcast_to(tile_max[:, :, None], [TILE_ROWS // 16, BLOCK_COLS // 16, 16])
             col_max = tl.reshape(col_max, [TILE_ROWS // 16, BLOCK_COLS])
@@ -541,6 +617,7 @@ def quantize_tile(
             BLOCK_COLS,
             STOCHASTIC,
             EVEN,
+            ROW_BYTES_MULTIPLE,
         )
 
 
@@ -617,6 +694,8 @@ def nvfp4_quantize_kernel(
             BLOCK_2D,
             STOCHASTIC,
             True,
+            # An expert's rows are a multiple of 16 with the RHT, of 2 otherwise (the op's contract).
+            8 if RHT else 1,
         )
     else:
         quantize_tile(
@@ -648,6 +727,8 @@ def nvfp4_quantize_kernel(
             BLOCK_2D,
             STOCHASTIC,
             EVEN,
+            # 16-byte column stores need the column-owned layout of the RHT (else a layout round trip).
+            (TILE_ROWS // 2 if RHT else 8) if EVEN else 1,
         )
 
 
