@@ -332,15 +332,15 @@ def test_gpu_mxfp8_grad_kernel_is_bytes_of_quantized_grad(
         ("compact", 3000, 0, True),
         ("swizzled", 3000, 0, False),
         ("compact", 100, 0, False),
-        ("compact", 3000, 64, False),
+        ("compact", 3000, 64, True),
     ],
 )
 def test_gpu_launcher_picks_the_gluon_kernel_for_compact_scales(
     scale_layout, n_cols, shard_start, gluon_runs, monkeypatch
 ):
-    """On CUDA the launcher runs the Gluon kernel (spied) for compact scales, >= 128 columns and the
-    whole vocabulary, the Triton one otherwise (a vocabulary shard starting at ``shard_start``); the two
-    write the same bytes."""
+    """On CUDA the launcher runs the Gluon kernel (spied) for compact scales and >= 128 columns, also
+    for a vocabulary shard (starting at ``shard_start``), the Triton one otherwise; the two write the
+    same bytes."""
     from lowp_ops.kernels import cross_entropy_gluon
 
     launches = []

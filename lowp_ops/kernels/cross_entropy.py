@@ -424,9 +424,9 @@ def launch_cross_entropy_bwd_mxfp8(
     block_cols: int | None = None,
     num_warps: int | None = None,
 ):
-    """``lowp::cross_entropy_bwd_mxfp8``. On CUDA, with compact scales, >= 128 columns, the whole
-    vocabulary and a Triton with Gluon, the Gluon kernel runs (``cross_entropy_gluon``); ``gluon=False``
-    forces the Triton one, whose launch config ``block_cols`` / ``num_warps`` override."""
+    """``lowp::cross_entropy_bwd_mxfp8``. On CUDA, with compact scales, >= 128 columns (a whole
+    vocabulary or a shard of it) and a Triton with Gluon, the Gluon kernel runs (``cross_entropy_gluon``);
+    ``gluon=False`` forces the Triton one, whose launch config ``block_cols`` / ``num_warps`` override."""
     outputs = cross_entropy_bwd_mxfp8_outputs(
         logits,
         target,
@@ -458,10 +458,6 @@ def launch_cross_entropy_bwd_mxfp8(
             and scale_layout == "compact"
             and n_cols >= cross_entropy_gluon.BLOCK_COLS
             and 32 * max(n_cols, logits.stride(0)) < 2**31  # its in-tile offsets are int32
-            # Vocabulary shards keep the kernel their multi-GPU tests ran with (the Gluon one takes
-            # the same arguments but has not run sharded on a GPU yet).
-            and vocab_start == 0
-            and vocab_total == n_cols
         )
     if gluon:
         kernel = cross_entropy_gluon.cross_entropy_bwd_mxfp8_gluon_kernel
