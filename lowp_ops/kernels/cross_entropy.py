@@ -24,6 +24,7 @@ from ..meta.cross_entropy import (
     cross_entropy_reduce_outputs,
 )
 from ..reference.cross_entropy import cross_entropy_reduce
+from .bf16_pairs import round_pairs_to_bf16
 from .mxfp8 import TRITON_FP8, quantize_tile, store_tile, tile_cols, tile_coords
 from .softmax import row_logsumexp_and_sum, rows_with_unit_stride
 
@@ -95,21 +96,10 @@ def cross_entropy_grad(p, cols, target, row_scale, ignored, target_weight):
 def round_to_dtype(x, DTYPE: tl.constexpr):
     """fp32 ``x`` rounded to ``DTYPE`` (RNE, as the bf16 kernel's store) and widened back to fp32.
 
-    bf16 on the GPU: one packed ``cvt.rn.bf16x2.f32`` per two elements and two ALU ops to widen them,
-    instead of Triton's F2F per element on the quarter-rate conversion pipe that the exp also uses
-    (H200, fused MXFP8 backward at 4096 x 129280: 78.5% -> 81.4% of copy, same bytes)."""
-    if DTYPE == tl.bfloat16 and not INTERPRETING:  # noqa: SIM300 (DTYPE is a constexpr)
-        out = tl.inline_asm_elementwise(
-            "{ .reg .b32 p; cvt.rn.bf16x2.f32 p, $3, $2; shl.b32 $0, p, 16; and.b32 $1, p, 0xffff0000; }",
-            "=r,=r,r,r",
-            [x],
-            dtype=tl.float32,
-            is_pure=True,
-            pack=2,
-        )
-    else:
-        out = x.to(DTYPE).to(tl.float32)
-    return out
+    bf16 on the GPU: ``round_pairs_to_bf16`` (H200, fused MXFP8 backward at 4096 x 129280: 78.5% ->
+    81.4% of copy against Triton's per-element conversion, same bytes)."""
+    bf16_on_gpu = DTYPE == tl.bfloat16 and not INTERPRETING  # noqa: SIM300 (DTYPE is a constexpr)
+    return round_pairs_to_bf16(x) if bf16_on_gpu else x.to(DTYPE).to(tl.float32)
 
 
 @triton.jit

@@ -32,6 +32,7 @@ import triton.language as tl
 from ..formats import RHT_SIGN_MASK, SCALE_TILE_COLS, round_to_fp32
 from ..meta.mxfp8 import flat_2d_dims
 from ..meta.nvfp4 import nvfp4_group_quantize_outputs, nvfp4_quantize_outputs
+from .bf16_pairs import round_pairs_to_bf16
 
 INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
@@ -71,18 +72,7 @@ def round_to_bf16(x):
 def round_to_bf16_packed(x):
     """``round_to_bf16`` of a tensor whose elements pair up within a thread: on the GPU one
     ``cvt.rn.bf16x2.f32`` per pair (half the conversions of one F2F per element)."""
-    if INTERPRETING:
-        out = round_to_bf16(x)
-    else:
-        out = tl.inline_asm_elementwise(
-            "{ .reg .b32 t; cvt.rn.bf16x2.f32 t, $3, $2; shl.b32 $0, t, 16; and.b32 $1, t, 0xffff0000; }",
-            "=r,=r,r,r",
-            [x],
-            dtype=tl.float32,
-            is_pure=True,
-            pack=2,
-        )
-    return out
+    return round_to_bf16(x) if INTERPRETING else round_pairs_to_bf16(x)
 
 
 @triton.jit

@@ -1,0 +1,25 @@
+"""bf16 rounding of fp32 element pairs that share a thread, as inline PTX (GPU only).
+
+Triton's own fp32 -> bf16 -> fp32 round trip costs one F2F per element on the quarter-rate conversion
+pipe (which the exp also uses); ``cvt.rn.bf16x2.f32`` rounds two elements at once and two ALU ops widen
+them back. The Triton interpreter cannot run inline PTX: callers keep a plain form for it.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def round_pairs_to_bf16(x):
+    """fp32 ``x`` rounded to bf16 (RNE) and widened back to fp32, one packed conversion per two elements
+    (``pack=2``: elements paired within a thread's registers). GPU only."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 p; cvt.rn.bf16x2.f32 p, $3, $2; shl.b32 $0, p, 16; and.b32 $1, p, 0xffff0000; }",
+        "=r,=r,r,r",
+        [x],
+        dtype=tl.float32,
+        is_pure=True,
+        pack=2,
+    )
