@@ -6,6 +6,7 @@ import importlib
 import json
 import os
 import platform
+import subprocess
 import sys
 
 import torch
@@ -46,6 +47,59 @@ def copy_bandwidth_tbs(device: str = "cuda", gib: float = 2.0) -> tuple[float, f
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src))
     return ms, 2 * src.numel() * 2 / ms / 1e9
+
+
+POWER_CAP_REASONS = 0x4 | 0x80  # nvidia-smi clocks_event_reasons: software and hardware power cap
+
+
+class ClockWatch:
+    """Samples the SM clock with nvidia-smi every 100 ms while its block runs. Afterwards ``min_mhz``
+    (lowest sample) and ``power_capped`` (any sample with a power-cap reason) say whether the clock was
+    pulled down during the measurement; both stay None where nvidia-smi is missing or gave no sample.
+
+    The fused MXFP8 backward loses 4-7 points of copy bandwidth when the power cap throttles the SMs
+    (RESULTS.md, S6-5): a time without its clock cannot be read."""
+
+    def __init__(self) -> None:
+        self.min_mhz: int | None = None
+        self.power_capped: bool | None = None
+        self._proc = None
+
+    def __enter__(self) -> ClockWatch:
+        # NVML numbers GPUs without CUDA_VISIBLE_DEVICES: the first visible one is what torch calls 0.
+        gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+        query = "--query-gpu=clocks.sm,clocks_throttle_reasons.active"
+        command = ["nvidia-smi", "-i", gpu, query, "--format=csv,noheader,nounits", "-lms", "100"]
+        try:
+            pipe, quiet = subprocess.PIPE, subprocess.DEVNULL
+            self._proc = subprocess.Popen(command, stdout=pipe, stderr=quiet, text=True)
+        except OSError:
+            self._proc = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        try:
+            out = self._proc.communicate(timeout=5)[0]
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            return
+        samples = []
+        for line in out.splitlines():
+            fields = [f.strip() for f in line.split(",")]
+            if len(fields) == 2 and fields[0].isdigit():
+                samples.append((int(fields[0]), int(fields[1], 16)))
+        if samples:
+            self.min_mhz = min(mhz for mhz, _ in samples)
+            self.power_capped = any(reasons & POWER_CAP_REASONS for _, reasons in samples)
+
+    def note(self) -> str:
+        """E.g. ``1650 MHz capped``; empty without samples."""
+        if self.min_mhz is None:
+            return ""
+        return f"{self.min_mhz} MHz{' capped' if self.power_capped else ''}"
 
 
 def environment() -> dict:

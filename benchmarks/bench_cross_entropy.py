@@ -16,7 +16,7 @@ import traceback
 
 import torch
 import torch.nn.functional as F
-from _common import copy_bandwidth_tbs, environment, graph_ms, import_liger, median_ms, write_json
+from _common import ClockWatch, copy_bandwidth_tbs, environment, graph_ms, import_liger, median_ms, write_json
 
 import lowp_ops
 
@@ -37,14 +37,15 @@ def run_shape(n_rows: int, vocab: int, copy_tbs: float, liger) -> list[dict]:
 
     def record(impl: str, phase: str, fn, floor_bytes: float, capturable: bool = True):
         try:
-            ms = median_ms(fn)
+            with ClockWatch() as clock:
+                ms = median_ms(fn)
+                # A failed capture poisons the process (the H200 run died on the next randn after
+                # Liger's), so only cases known to be capturable are captured.
+                gpu_ms = graph_ms(fn) if capturable else float("nan")
         except Exception as error:
             print(f"{impl} {phase} failed: {type(error).__name__}: {str(error)[:300]}")
             traceback.print_exc(limit=2)
             return
-        # A failed capture poisons the process (the H200 run died on the next randn after Liger's), so
-        # only cases known to be capturable are captured.
-        gpu_ms = graph_ms(fn) if capturable else float("nan")
         tbs = floor_bytes * elems / ms / 1e9
         gpu_pct = 100 * floor_bytes * elems / gpu_ms / 1e9 / copy_tbs
         rows.append(
@@ -58,12 +59,14 @@ def run_shape(n_rows: int, vocab: int, copy_tbs: float, liger) -> list[dict]:
                 "TBps": round(tbs, 3),
                 "pct_copy": round(100 * tbs / copy_tbs, 1),
                 "graph_pct_copy": round(gpu_pct, 1),
+                "sm_clock_min_mhz": clock.min_mhz,
+                "power_capped": clock.power_capped,
             }
         )
         pct = 100 * tbs / copy_tbs
         print(
             f"{n_rows}x{vocab} {impl:14s} {phase:20s} eager {ms:7.3f} ms {tbs:5.2f} TB/s {pct:5.1f}%"
-            f" | graph {gpu_ms:7.3f} ms {gpu_pct:5.1f}%"
+            f" | graph {gpu_ms:7.3f} ms {gpu_pct:5.1f}% | {clock.note()}"
         )
 
     # ours, op level (no autograd overhead)
@@ -154,13 +157,16 @@ def main() -> None:
         rows += run_shape(n_rows, vocab, copy_tbs, liger)
         torch.cuda.empty_cache()
     print(
-        "\n| shape | impl | phase | eager ms | eager % copy | CUDA-graph ms | graph % copy (floor B/elem) |"
-        "\n|---|---|---|---:|---:|---:|---:|"
+        "\n| shape | impl | phase | eager ms | eager % copy | CUDA-graph ms | graph % copy (floor B/elem) "
+        "| lowest SM clock |"
+        "\n|---|---|---|---:|---:|---:|---:|---|"
     )
     for r in rows:
+        clock = "" if r["sm_clock_min_mhz"] is None else f"{r['sm_clock_min_mhz']} MHz"
+        clock += " capped" if r["power_capped"] else ""
         print(
             f"| {r['shape']} | {r['impl']} | {r['phase']} | {r['ms']:.3f} | {r['pct_copy']:.1f} "
-            f"| {r['graph_ms']:.3f} | {r['graph_pct_copy']:.1f} ({r['floor_B_per_elem']}) |"
+            f"| {r['graph_ms']:.3f} | {r['graph_pct_copy']:.1f} ({r['floor_B_per_elem']}) | {clock} |"
         )
     write_json(
         "bench_cross_entropy.json",
