@@ -71,8 +71,8 @@ def end_to_end(copy_ms: float, quick: bool) -> list:
     def lowp(**kwargs):
         return lambda h, w, t: lowp_ops.linear_cross_entropy(h, w, t, **kwargs)
 
-    measure("lowp bf16 grad (default chunk)", lowp(), h, w, target, copy_ms, rows)
-    for chunk in (4096,) if quick else (1024, 4096):
+    measure("lowp bf16 grad (default: logits in dweight)", lowp(), h, w, target, copy_ms, rows)
+    for chunk in (2048, 4096) if quick else (1024, 2048, 4096):
         measure(f"lowp bf16 grad chunk={chunk}", lowp(chunk_size=chunk), h, w, target, copy_ms, rows)
     if not quick:
         measure(

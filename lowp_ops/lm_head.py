@@ -64,7 +64,10 @@ def linear_cross_entropy(
         chunk_size: tokens per chunk (None: the largest multiple of 256 with at most 2^28 logits).
             Peak extra memory beyond the gradients, on CUDA: ``chunk·V·b`` (bf16 gradient, written over
             its logits chunk) or ``chunk·V·(b + 2.06)`` bytes (MXFP8; plus ``2·chunk·V`` on sm90), b the
-            inputs' element size; see :mod:`lowp_ops.meta.linear_cross_entropy`.
+            inputs' element size; see :mod:`lowp_ops.meta.linear_cross_entropy`. With None, a reduced
+            loss, a bf16 gradient that ``weight`` needs and at most H tokens, the logits are not chunked
+            at all: they live in ``weight``'s gradient until the wgrad GEMMs overwrite them, and the peak
+            is ``3072·N·b`` bytes beyond the gradients (on CUDA and under the Triton interpreter).
         label_smoothing, ignore_index, reduction: as ``F.cross_entropy``.
         process_group: vocabulary-parallel LM head (:mod:`lowp_ops.distributed`). Each rank passes the
             same ``hidden`` and global ``target`` and the weight rows of its vocabulary shard: equal
@@ -82,10 +85,11 @@ def linear_cross_entropy(
     inputs' dtypes. Logits are ``dtype(hidden @ weight^T)`` with fp32 accumulation, per chunk.
 
     When a gradient is needed and the loss is reduced (``mean``/``sum``), the forward also computes the
-    gradients chunk by chunk (three GEMMs per chunk, like Liger's fused linear cross entropy) and the
-    backward only scales them by the upstream gradient, in fp32. With ``reduction="none"`` the forward
-    keeps ``hidden``, ``weight``, ``target`` and the per-row log-sum-exp, and the backward recomputes each
-    chunk's logits (four GEMMs per chunk). No host synchronization either way.
+    gradients (three GEMMs per chunk, like Liger's fused linear cross entropy; or the in-gradient schedule
+    above) and the backward only scales them by the upstream gradient, in fp32.
+    With ``reduction="none"`` the forward keeps ``hidden``, ``weight``, ``target`` and the per-row
+    log-sum-exp, and the backward recomputes each chunk's logits (four GEMMs per chunk). No host
+    synchronization either way.
     """
     _check_process_group(process_group, reduce_hidden_grad)
     check_hidden_weight_target(hidden, weight, target)

@@ -4,6 +4,11 @@ Triton MXFP8 GEMM or (sm90, where it is faster) a dequantize to bf16 followed by
 
 bf16 GEMMs stay on cuBLAS (fp32 accumulation): ``addmm_`` accumulates ``dweight`` in place with one
 rounding per chunk, as the reference specifies.
+
+The reduced bf16-gradient loss with the automatic chunk and ``N <= H`` takes another schedule,
+:func:`fwd_bwd_in_gradient_buffer`: the logits live inside ``dweight``'s own storage (``V x N`` fits in
+``V x H``) until the wgrad GEMM overwrites them chunk by chunk, so no token chunking and no ``dweight``
+accumulation are needed, and the peak is ``dweight + dhidden + 3072 x N`` elements.
 """
 
 from __future__ import annotations
@@ -15,10 +20,15 @@ import triton.language as tl
 from ..meta.linear_cross_entropy import check_scale_by_args
 from ..reference.linear_cross_entropy import Steps, backward_chunks, forward_chunks, fwd_bwd_chunks, scale_by_
 from .cross_entropy import launch_cross_entropy_bwd, launch_cross_entropy_bwd_mxfp8, launch_cross_entropy_fwd
+from .cross_entropy_columns import column_cross_entropy_bwd_in_place, column_cross_entropy_fwd
 from .mxfp8 import launch_mxfp8_dequantize, launch_mxfp8_quantize
 from .mxfp8_gemm import mxfp8_gemm_into
 
 SCALE_BLOCK = 4096
+LOGITS_OUTSIDE_ROWS = 3072
+"""Vocabulary rows of ``logits^T`` kept in a buffer of their own by the in-gradient schedule; also the
+rows of each wgrad GEMM (fewer, larger GEMMs: H200, N = H = 4096, V = 129280, 2048 rows: 20.70 ms per
+step; 3072: 20.39). 3072 x N bf16 is 24 MiB at N = 4096."""
 
 
 def _logits(hidden_c: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -101,8 +111,67 @@ def launch_linear_cross_entropy_bwd(*args):
     return backward_chunks(*args, steps=KERNEL_STEPS)
 
 
+def in_gradient_buffer_applies(hidden, weight, grad_format, chunk_size, compute_dweight) -> bool:
+    """Whether :func:`fwd_bwd_in_gradient_buffer` serves a ``linear_cross_entropy_fwd_bwd`` call: bf16
+    (input-dtype) gradient, automatic chunk, ``dweight`` wanted, and ``0 < N <= H`` so that the logits fit
+    in ``dweight``'s storage."""
+    return (
+        grad_format == "none"
+        and chunk_size == 0
+        and compute_dweight
+        and 0 < hidden.shape[0] <= hidden.shape[1]
+    )
+
+
+def fwd_bwd_in_gradient_buffer(
+    hidden, weight, target, row_weight, label_smoothing, ignore_index, compute_dhidden
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``lowp::linear_cross_entropy_fwd_bwd`` (bf16 gradient) with the logits inside ``dweight``.
+
+    ``logits^T (V, N)`` is computed by cuBLAS in two pieces: the last ``R = min(V, 3072)`` vocabulary rows
+    in a buffer of their own, the first ``V - R`` at the end of ``dweight``'s storage, contiguous with row
+    stride ``N``. The cross entropy reads them along tokens (:mod:`.cross_entropy_columns`) and writes
+    dlogits over them; ``dhidden = dlogits @ W`` reads both pieces (two GEMMs, one rounding each); then
+    ``dweight`` rows ``[a, a + R)`` are computed from dlogits rows ``[a, a + R)``. Those rows sit at
+    element ``V·H - (V-R)·N + a·N`` onwards, past the written range ``[0, (a + R)·H)`` whenever
+    ``N <= H``, so no GEMM overwrites logits it or a later GEMM still reads. ``dweight`` is rounded
+    once. Peak memory beyond the gradients: ``R·N`` elements, plus at most 2 MiB of partial row statistics
+    during the forward (before ``dhidden`` exists)."""
+    n_tokens, n_hidden = hidden.shape
+    n_vocab = weight.shape[0]
+    outside = min(n_vocab, LOGITS_OUTSIDE_ROWS)
+    inside = n_vocab - outside
+    dweight = weight.new_empty((n_vocab, n_hidden))
+    offset = n_vocab * n_hidden - inside * n_tokens
+    logits_inside = dweight.view(-1)[offset:].view(inside, n_tokens)
+    logits_outside = hidden.new_empty((outside, n_tokens))
+    torch.mm(weight[:inside], hidden.t(), out=logits_inside)
+    torch.mm(weight[inside:], hidden.t(), out=logits_outside)
+    pieces = [logits_inside, logits_outside]
+    target = target.contiguous()
+    loss_rows, lse = column_cross_entropy_fwd(pieces, target, label_smoothing, ignore_index)
+    column_cross_entropy_bwd_in_place(pieces, target, lse, row_weight, label_smoothing, ignore_index)
+    dhidden = hidden.new_empty((0,))
+    if compute_dhidden:
+        dhidden = torch.mm(logits_outside.t(), weight[inside:])
+        if inside > 0:
+            dhidden.addmm_(logits_inside.t(), weight[:inside])
+    for start in range(0, inside, outside):
+        end = min(start + outside, inside)
+        torch.mm(logits_inside[start:end], hidden, out=dweight[start:end])
+    torch.mm(logits_outside, hidden, out=dweight[inside:])
+    return (loss_rows * row_weight).sum(), dhidden, dweight
+
+
 def launch_linear_cross_entropy_fwd_bwd(*args):
-    """``lowp::linear_cross_entropy_fwd_bwd``."""
+    """``lowp::linear_cross_entropy_fwd_bwd``: :func:`fwd_bwd_in_gradient_buffer` where it applies,
+    else the chunk schedule."""
+    hidden, weight, target, row_weight, label_smoothing, ignore_index, grad_format, _, chunk_size = args[:9]
+    compute_dhidden, compute_dweight = args[9:11]
+    if in_gradient_buffer_applies(hidden, weight, grad_format, chunk_size, compute_dweight):
+        return fwd_bwd_in_gradient_buffer(
+            hidden, weight, target, row_weight, label_smoothing, ignore_index, compute_dhidden
+        )
     return fwd_bwd_chunks(*args, steps=KERNEL_STEPS)
 
 

@@ -14,8 +14,13 @@ Peak extra memory (beyond inputs and the ``dhidden (N, H)`` / ``dweight (V, H)``
   ``other_operand="mxfp8"`` adds the quantized weight ``1.03·V·H`` and one ``1.03·C·H`` hidden chunk.
 
 The reduced losses (mean, sum) compute the gradients in the forward and scale them in place in the
-backward, so ``dhidden`` and ``dweight`` exist once. The default chunk keeps a logits chunk near 512 MiB
-of bf16: at V = 129280 that is 2048 tokens, half the size of ``dweight`` at H = 4096.
+backward, so ``dhidden`` and ``dweight`` exist once. With the automatic chunk, a bf16 gradient that
+``weight`` needs and ``N <= H`` tokens, the CUDA (and interpreted) op keeps the whole ``V x N`` logits
+inside ``dweight``'s storage instead (``lowp_ops.kernels.linear_cross_entropy.fwd_bwd_in_gradient_buffer``):
+peak extra ``min(V, 3072)·N·b`` bytes plus at most 2 MiB of row statistics.
+
+The default chunk keeps a logits chunk near 512 MiB of bf16: at V = 129280 that is 2048 tokens, half
+the size of ``dweight`` at H = 4096.
 """
 
 from __future__ import annotations

@@ -1,0 +1,293 @@
+"""Cross entropy over transposed logits ``(V, N)`` (Triton): the LM head's in-gradient schedule keeps
+``logits^T`` inside ``dweight``'s storage (:mod:`lowp_ops.kernels.linear_cross_entropy`), so its loss
+reads tokens along the contiguous dimension.
+
+Same math as :mod:`lowp_ops.kernels.cross_entropy`, with tokens as columns:
+
+- statistics: each program folds a slice of the vocabulary for a block of tokens into a partial
+  masked-safe log-sum-exp (``online_softmax_update`` along axis 0) and the sum of its logits; the
+  partials of every slice are then combined by the same online update, which gives the loss and lse;
+- gradient: ``softmax_minus_eps`` and ``cross_entropy_grad``, the helpers of the row kernels, written
+  over the logits in place in the logits' dtype.
+
+The logits may come in pieces (row ranges of the vocabulary held in separate buffers); each call names
+the piece's first vocabulary row.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .cross_entropy import _bwd_scalars, cross_entropy_grad, load_row_stats, softmax_minus_eps
+from .softmax import finish_logsumexp, online_softmax_update
+
+STATS_BLOCK_V = 16
+STATS_BLOCK_T = 256  # 8 bf16 per thread x 32 lanes: one warp spans the tokens, the vocabulary stays in-thread
+STATS_PROGRAMS = 1024  # H200, 129280 x 4096: 81% of copy, as 2048 programs of 8 rows, with half the partials
+GRAD_BLOCK_V = 16
+GRAD_BLOCK_T = 256
+GRAD_WARPS = 4
+COMBINE_BLOCK_S = 16
+COMBINE_BLOCK_T = 128
+
+
+@triton.jit
+def column_partial_stats_kernel(
+    logits_ptr,
+    n_rows,
+    n_tokens,
+    rows_per_slice,
+    partial_lse_ptr,
+    partial_sum_ptr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    WITH_SUM: tl.constexpr,
+    EVEN_T: tl.constexpr,
+):
+    """Partial (lse, sum) of rows ``[s·rows_per_slice, (s+1)·rows_per_slice)`` of a ``(n_rows, n_tokens)``
+    piece for ``BLOCK_T`` tokens; written at row ``s`` of this piece's ``(slices, n_tokens)`` partials."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    token_ok = tokens < n_tokens
+    v0 = tl.program_id(1) * rows_per_slice
+    v_end = tl.minimum(v0 + rows_per_slice, n_rows)
+    whole_end = v0 + (v_end - v0) // BLOCK_V * BLOCK_V
+    m = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    d = tl.zeros([BLOCK_T], tl.float32)
+    total = tl.zeros([BLOCK_T], tl.float32)
+    for start in range(v0, whole_end, BLOCK_V):
+        ptrs = logits_ptr + (start + tl.arange(0, BLOCK_V))[:, None].to(tl.int64) * n_tokens + tokens[None, :]
+        if EVEN_T:
+            block = tl.load(ptrs).to(tl.float32)
+        else:
+            block = tl.load(ptrs, mask=token_ok[None, :], other=float("-inf")).to(tl.float32)
+        m, d = online_softmax_update(m, d, block)
+        if WITH_SUM:
+            total += tl.sum(tl.where(token_ok[None, :], block, 0.0), 0)
+    if whole_end < v_end:
+        rows = whole_end + tl.arange(0, BLOCK_V)
+        mask = (rows[:, None] < v_end) & token_ok[None, :]
+        ptrs = logits_ptr + rows[:, None].to(tl.int64) * n_tokens + tokens[None, :]
+        block = tl.load(ptrs, mask=mask, other=float("-inf")).to(tl.float32)
+        m, d = online_softmax_update(m, d, block)
+        if WITH_SUM:
+            total += tl.sum(tl.where(mask, block, 0.0), 0)
+    out = tl.program_id(1).to(tl.int64) * n_tokens + tokens
+    tl.store(partial_lse_ptr + out, finish_logsumexp(m, d), mask=token_ok)
+    if WITH_SUM:
+        tl.store(partial_sum_ptr + out, total, mask=token_ok)
+
+
+@triton.jit
+def column_combine_kernel(
+    partial_lse_ptr,
+    partial_sum_ptr,
+    n_slices,
+    first_ptr,
+    first_rows,
+    last_ptr,
+    n_tokens,
+    n_vocab,
+    target_ptr,
+    loss_ptr,
+    lse_ptr,
+    ignore_index,
+    label_smoothing,
+    BLOCK_S: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+):
+    """lse = log-sum-exp of the slices' partial lse (the same masked-safe online update), and the loss
+    of ``cross_entropy_fwd_kernel``. The target logit is read from the piece that holds its row:
+    ``first`` (rows ``[0, first_rows)``) or ``last`` (the rest)."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    token_ok = tokens < n_tokens
+    m = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    d = tl.zeros([BLOCK_T], tl.float32)
+    total = tl.zeros([BLOCK_T], tl.float32)
+    for start in range(0, n_slices, BLOCK_S):
+        slices = start + tl.arange(0, BLOCK_S)
+        mask = (slices[:, None] < n_slices) & token_ok[None, :]
+        offsets = slices[:, None].to(tl.int64) * n_tokens + tokens[None, :]
+        block = tl.load(partial_lse_ptr + offsets, mask=mask, other=float("-inf"))
+        m, d = online_softmax_update(m, d, block)
+        if HAS_SMOOTHING:
+            total += tl.sum(tl.load(partial_sum_ptr + offsets, mask=mask, other=0.0), 0)
+    lse = finish_logsumexp(m, d)
+
+    target = tl.load(target_ptr + tokens, mask=token_ok, other=ignore_index).to(tl.int64)
+    is_valid = target != ignore_index
+    in_range = (target >= 0) & (target < n_vocab)
+    in_first = target < first_rows
+    first_logit = tl.load(
+        first_ptr + target * n_tokens + tokens, mask=token_ok & in_range & in_first, other=0.0
+    )
+    last_logit = tl.load(
+        last_ptr + (target - first_rows) * n_tokens + tokens,
+        mask=token_ok & in_range & (~in_first),
+        other=0.0,
+    )
+    target_logit = tl.where(in_first, first_logit.to(tl.float32), last_logit.to(tl.float32))
+    # An out-of-range target gives a NaN loss (no host sync can check it), as the row kernel.
+    target_logit = tl.where(in_range, target_logit, float("nan"))
+    loss = lse - target_logit
+    if HAS_SMOOTHING:
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - total / n_vocab)
+    tl.store(loss_ptr + tokens, tl.where(is_valid, loss, 0.0), mask=token_ok)
+    tl.store(lse_ptr + tokens, lse, mask=token_ok)
+
+
+@triton.jit
+def column_grad_in_place_kernel(
+    logits_ptr,
+    n_rows,
+    n_tokens,
+    vocab_start,
+    n_vocab,
+    target_ptr,
+    lse_ptr,
+    grad_ptr,
+    grad_stride,
+    ignore_index,
+    smoothing_eps,
+    target_weight,
+    BLOCK_V: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+):
+    """dlogits of a ``(n_rows, n_tokens)`` piece holding vocabulary rows ``[vocab_start, +n_rows)``,
+    written over the logits: each program reads its tile before writing it."""
+    rows = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
+    tokens = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    lse, target, row_scale, ignored = load_row_stats(
+        target_ptr,
+        lse_ptr,
+        grad_ptr,
+        grad_stride,
+        tokens,
+        n_tokens,
+        n_rows,
+        ignore_index,
+        vocab_start,
+        n_vocab,
+    )
+    mask = (rows[:, None] < n_rows) & (tokens[None, :] < n_tokens)
+    ptrs = logits_ptr + rows[:, None].to(tl.int64) * n_tokens + tokens[None, :]
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    p = softmax_minus_eps(x.to(tl.float32), lse[None, :], smoothing_eps, HAS_SMOOTHING)
+    row0 = tl.program_id(0) * BLOCK_V
+    special = ignored | ((target >= row0) & (target < row0 + BLOCK_V))
+    if tl.max(special.to(tl.int32), 0) > 0:
+        grad = cross_entropy_grad(
+            p, rows[:, None], target[None, :], row_scale[None, :], ignored[None, :], target_weight
+        )
+    else:
+        grad = p * row_scale[None, :]
+    tl.store(ptrs, grad.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+def rows_per_slice(n_vocab: int, token_blocks: int) -> int:
+    """Vocabulary rows per statistics program: about ``STATS_PROGRAMS`` programs in all, so the fp32
+    partials take at most about ``4 · STATS_PROGRAMS · STATS_BLOCK_T`` bytes (1 MiB; twice that with
+    label smoothing, which adds the partial sums) whatever the shape."""
+    want = max(1, STATS_PROGRAMS // max(token_blocks, 1))
+    return triton.cdiv(triton.cdiv(n_vocab, want), STATS_BLOCK_V) * STATS_BLOCK_V
+
+
+def column_cross_entropy_fwd(
+    pieces: list[torch.Tensor], target: torch.Tensor, label_smoothing: float, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token fp32 (loss, lse) of the logits ``cat(pieces)^T``: ``pieces`` are contiguous ``(V_i, N)``
+    row ranges of the vocabulary, at most two non-empty ones, in order."""
+    pieces = [p for p in pieces if p.shape[0] > 0]
+    if len(pieces) > 2:
+        raise ValueError(f"column_cross_entropy_fwd takes at most two non-empty pieces, got {len(pieces)}")
+    n_tokens = target.shape[0]
+    n_vocab = sum(p.shape[0] for p in pieces)
+    device = target.device
+    loss = torch.empty(n_tokens, dtype=torch.float32, device=device)
+    lse = torch.empty(n_tokens, dtype=torch.float32, device=device)
+    if n_tokens == 0:
+        return loss, lse
+    token_blocks = triton.cdiv(n_tokens, STATS_BLOCK_T)
+    slice_rows = rows_per_slice(n_vocab, token_blocks)
+    counts = [triton.cdiv(p.shape[0], slice_rows) for p in pieces]
+    n_slices = sum(counts)
+    partial_lse = torch.empty((n_slices, n_tokens), dtype=torch.float32, device=device)
+    partial_sum = torch.empty_like(partial_lse) if label_smoothing > 0 else partial_lse
+    first = 0
+    for piece, count in zip(pieces, counts, strict=True):
+        column_partial_stats_kernel[(token_blocks, count)](
+            piece,
+            piece.shape[0],
+            n_tokens,
+            slice_rows,
+            partial_lse[first:],
+            partial_sum[first:],
+            BLOCK_V=STATS_BLOCK_V,
+            BLOCK_T=STATS_BLOCK_T,
+            WITH_SUM=label_smoothing > 0,
+            EVEN_T=n_tokens % STATS_BLOCK_T == 0,
+            num_warps=1,
+        )
+        first += count
+    head, tail = (pieces + pieces)[:2] if len(pieces) == 1 else pieces
+    column_combine_kernel[(triton.cdiv(n_tokens, COMBINE_BLOCK_T),)](
+        partial_lse,
+        partial_sum,
+        n_slices,
+        head,
+        head.shape[0] if len(pieces) == 2 else n_vocab,
+        tail,
+        n_tokens,
+        n_vocab,
+        target,
+        loss,
+        lse,
+        ignore_index,
+        label_smoothing,
+        BLOCK_S=COMBINE_BLOCK_S,
+        BLOCK_T=COMBINE_BLOCK_T,
+        HAS_SMOOTHING=label_smoothing > 0,
+        num_warps=4,
+    )
+    return loss, lse
+
+
+def column_cross_entropy_bwd_in_place(
+    pieces: list[torch.Tensor],
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    grad_rows: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+) -> None:
+    """Overwrite each piece of ``cat(pieces)^T`` with its dlogits (the logits' dtype), for the per-token
+    loss gradient ``grad_rows`` (fp32 ``(N,)``, any stride: an expanded scalar is fine)."""
+    n_tokens = target.shape[0]
+    n_vocab = sum(p.shape[0] for p in pieces)
+    eps, target_weight = _bwd_scalars(label_smoothing, n_vocab)
+    vocab_start = 0
+    for piece in pieces:
+        if piece.shape[0] > 0 and n_tokens > 0:
+            grid = (triton.cdiv(piece.shape[0], GRAD_BLOCK_V), triton.cdiv(n_tokens, GRAD_BLOCK_T))
+            column_grad_in_place_kernel[grid](
+                piece,
+                piece.shape[0],
+                n_tokens,
+                vocab_start,
+                n_vocab,
+                target,
+                lse,
+                grad_rows,
+                grad_rows.stride(0),
+                ignore_index,
+                eps,
+                target_weight,
+                BLOCK_V=GRAD_BLOCK_V,
+                BLOCK_T=GRAD_BLOCK_T,
+                HAS_SMOOTHING=label_smoothing > 0,
+                num_warps=GRAD_WARPS,
+            )
+        vocab_start += piece.shape[0]
