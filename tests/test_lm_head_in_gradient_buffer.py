@@ -280,3 +280,34 @@ def test_manual_capture_of_the_schedule_replays_like_eager():
         torch.cuda.synchronize()
         assert torch.equal(static_loss.detach(), eager_loss.detach())
         assert torch.equal(static_h.grad, eager_h.grad) and torch.equal(static_w.grad, eager_w.grad)
+
+
+@pytest.mark.cudagraph
+def test_reduce_overhead_of_the_schedule_never_skips_cudagraphs(monkeypatch):
+    from torch._dynamo.utils import counters
+
+    calls = []
+    original = lce_kernels.fwd_bwd_in_gradient_buffer
+    monkeypatch.setattr(lce_kernels, "fwd_bwd_in_gradient_buffer", lambda *a: calls.append(1) or original(*a))
+
+    def loss_fn(h, w, target):
+        return lowp_ops.linear_cross_entropy(h, w, target, label_smoothing=0.1)
+
+    def run(fn, h, w, target):
+        h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = fn(h, w, target)
+        loss.backward()
+        return loss.detach().clone(), h.grad.clone(), w.grad.clone()  # cudagraph outputs are reused
+
+    counters.clear()
+    with torch._inductor.config.patch({"triton.cudagraph_or_error": True}):
+        compiled = torch.compile(loss_fn, mode="reduce-overhead", fullgraph=True)
+        for seed in range(3):
+            inputs = lm_inputs(256, 512, 5000, torch.bfloat16, "cuda", seed=seed)
+            torch.compiler.cudagraph_mark_step_begin()
+            got = run(compiled, *inputs)
+            want = run(loss_fn, *inputs)
+            for got_tensor, want_tensor in zip(got, want, strict=True):
+                torch.testing.assert_close(got_tensor, want_tensor)
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert len(calls) >= 4  # compiled and eager steps both took the schedule

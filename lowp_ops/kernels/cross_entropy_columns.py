@@ -34,28 +34,22 @@ COMBINE_BLOCK_T = 128
 
 
 @triton.jit
-def column_partial_stats_kernel(
+def slice_partial_stats(
     logits_ptr,
-    n_rows,
     n_tokens,
-    rows_per_slice,
-    partial_lse_ptr,
-    partial_sum_ptr,
+    v0,
+    v_end,
+    tokens,
+    token_ok,
     BLOCK_V: tl.constexpr,
-    BLOCK_T: tl.constexpr,
     WITH_SUM: tl.constexpr,
     EVEN_T: tl.constexpr,
 ):
-    """Partial (lse, sum) of rows ``[s·rows_per_slice, (s+1)·rows_per_slice)`` of a ``(n_rows, n_tokens)``
-    piece for ``BLOCK_T`` tokens; written at row ``s`` of this piece's ``(slices, n_tokens)`` partials."""
-    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    token_ok = tokens < n_tokens
-    v0 = tl.program_id(1) * rows_per_slice
-    v_end = tl.minimum(v0 + rows_per_slice, n_rows)
+    """(masked-safe lse, sum) over rows ``[v0, v_end)`` of a ``(rows, n_tokens)`` piece, per token."""
     whole_end = v0 + (v_end - v0) // BLOCK_V * BLOCK_V
-    m = tl.full([BLOCK_T], float("-inf"), tl.float32)
-    d = tl.zeros([BLOCK_T], tl.float32)
-    total = tl.zeros([BLOCK_T], tl.float32)
+    m = tl.full(tokens.shape, float("-inf"), tl.float32)
+    d = tl.zeros(tokens.shape, tl.float32)
+    total = tl.zeros(tokens.shape, tl.float32)
     for start in range(v0, whole_end, BLOCK_V):
         ptrs = logits_ptr + (start + tl.arange(0, BLOCK_V))[:, None].to(tl.int64) * n_tokens + tokens[None, :]
         if EVEN_T:
@@ -73,8 +67,45 @@ def column_partial_stats_kernel(
         m, d = online_softmax_update(m, d, block)
         if WITH_SUM:
             total += tl.sum(tl.where(mask, block, 0.0), 0)
-    out = tl.program_id(1).to(tl.int64) * n_tokens + tokens
-    tl.store(partial_lse_ptr + out, finish_logsumexp(m, d), mask=token_ok)
+    return finish_logsumexp(m, d), total
+
+
+@triton.jit
+def column_partial_stats_kernel(
+    first_ptr,
+    first_rows,
+    first_slices,
+    last_ptr,
+    last_rows,
+    n_tokens,
+    rows_per_slice,
+    partial_lse_ptr,
+    partial_sum_ptr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    WITH_SUM: tl.constexpr,
+    EVEN_T: tl.constexpr,
+):
+    """Partial (lse, sum) of one slice of ``rows_per_slice`` vocabulary rows for ``BLOCK_T`` tokens,
+    written at row ``s`` of the ``(slices, n_tokens)`` partials. Slices ``[0, first_slices)`` cover the
+    ``first`` piece, the rest the ``last``: one launch, so a small piece does not run alone."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    token_ok = tokens < n_tokens
+    s = tl.program_id(1)
+    if s < first_slices:
+        v0 = s * rows_per_slice
+        lse, total = slice_partial_stats(
+            first_ptr, n_tokens, v0, tl.minimum(v0 + rows_per_slice, first_rows), tokens, token_ok,
+            BLOCK_V, WITH_SUM, EVEN_T,
+        )  # fmt: skip
+    else:
+        v0 = (s - first_slices) * rows_per_slice
+        lse, total = slice_partial_stats(
+            last_ptr, n_tokens, v0, tl.minimum(v0 + rows_per_slice, last_rows), tokens, token_ok,
+            BLOCK_V, WITH_SUM, EVEN_T,
+        )  # fmt: skip
+    out = s.to(tl.int64) * n_tokens + tokens
+    tl.store(partial_lse_ptr + out, lse, mask=token_ok)
     if WITH_SUM:
         tl.store(partial_sum_ptr + out, total, mask=token_ok)
 
@@ -216,23 +247,23 @@ def column_cross_entropy_fwd(
     n_slices = sum(counts)
     partial_lse = torch.empty((n_slices, n_tokens), dtype=torch.float32, device=device)
     partial_sum = torch.empty_like(partial_lse) if label_smoothing > 0 else partial_lse
-    first = 0
-    for piece, count in zip(pieces, counts, strict=True):
-        column_partial_stats_kernel[(token_blocks, count)](
-            piece,
-            piece.shape[0],
-            n_tokens,
-            slice_rows,
-            partial_lse[first:],
-            partial_sum[first:],
-            BLOCK_V=STATS_BLOCK_V,
-            BLOCK_T=STATS_BLOCK_T,
-            WITH_SUM=label_smoothing > 0,
-            EVEN_T=n_tokens % STATS_BLOCK_T == 0,
-            num_warps=1,
-        )
-        first += count
     head, tail = (pieces + pieces)[:2] if len(pieces) == 1 else pieces
+    column_partial_stats_kernel[(token_blocks, n_slices)](
+        head,
+        head.shape[0],
+        counts[0],
+        tail,
+        tail.shape[0] if len(pieces) == 2 else 0,
+        n_tokens,
+        slice_rows,
+        partial_lse,
+        partial_sum,
+        BLOCK_V=STATS_BLOCK_V,
+        BLOCK_T=STATS_BLOCK_T,
+        WITH_SUM=label_smoothing > 0,
+        EVEN_T=n_tokens % STATS_BLOCK_T == 0,
+        num_warps=1,
+    )
     column_combine_kernel[(triton.cdiv(n_tokens, COMBINE_BLOCK_T),)](
         partial_lse,
         partial_sum,
