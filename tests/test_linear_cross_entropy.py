@@ -542,21 +542,40 @@ def test_gpu_loss_and_grads_match_float64(grad_format, other_operand):
     assert relative_error(dw.cpu(), want[2]) < rtol
 
 
-def cuda_inputs(seed):
-    h, w, target = make_inputs(n_rows=512, hidden=128, vocab=3000, seed=seed, device="cuda")
-    return h, w, target
+def cuda_inputs(seed, shape=(512, 128, 3000)):
+    n_rows, hidden, vocab = shape
+    return make_inputs(n_rows=n_rows, hidden=hidden, vocab=vocab, seed=seed, device="cuda")
+
+
+IN_GRADIENT_SHAPE = (256, 512, 5000)  # N <= H: the default chunk keeps the logits inside dweight
+
+
+def spy_in_gradient_schedule(monkeypatch) -> list:
+    """Calls of ``fwd_bwd_in_gradient_buffer`` get recorded in the returned list."""
+    calls = []
+    original = lce_kernels.fwd_bwd_in_gradient_buffer
+    monkeypatch.setattr(lce_kernels, "fwd_bwd_in_gradient_buffer", lambda *a: calls.append(1) or original(*a))
+    return calls
 
 
 @pytest.mark.cudagraph
-@pytest.mark.parametrize("grad_format", [None, "mxfp8_e4m3"])
-def test_manual_capture_of_forward_backward_replays_like_eager(grad_format):
+@pytest.mark.parametrize(
+    ("grad_format", "chunk_size", "shape"),
+    [(None, 256, (512, 128, 3000)), ("mxfp8_e4m3", 256, (512, 128, 3000)), (None, None, IN_GRADIENT_SHAPE)],
+    ids=["bf16-chunks", "mxfp8-chunks", "bf16-in-gradient"],
+)
+def test_manual_capture_of_forward_backward_replays_like_eager(grad_format, chunk_size, shape, monkeypatch):
+    calls = spy_in_gradient_schedule(monkeypatch)
+
     def step(h, w, target):
         h.grad = w.grad = None
-        loss = lowp_ops.linear_cross_entropy(h, w, target, grad_format=grad_format, chunk_size=256)
+        loss = lowp_ops.linear_cross_entropy(
+            h, w, target, grad_format=grad_format, chunk_size=chunk_size, label_smoothing=0.1
+        )
         loss.backward()
         return loss
 
-    static_h, static_w, static_target = cuda_inputs(0)
+    static_h, static_w, static_target = cuda_inputs(0, shape)
     static_h.requires_grad_()
     static_w.requires_grad_()
     side = torch.cuda.Stream()
@@ -570,7 +589,7 @@ def test_manual_capture_of_forward_backward_replays_like_eager(grad_format):
     with torch.cuda.graph(graph):
         static_loss = step(static_h, static_w, static_target)
     for seed in (1, 2):
-        h, w, target = cuda_inputs(seed)
+        h, w, target = cuda_inputs(seed, shape)
         with torch.no_grad():
             static_h.copy_(h)
             static_w.copy_(w)
@@ -581,15 +600,24 @@ def test_manual_capture_of_forward_backward_replays_like_eager(grad_format):
         torch.cuda.synchronize()
         assert torch.equal(static_loss.detach(), eager_loss.detach())
         assert torch.equal(static_h.grad, eager_h.grad) and torch.equal(static_w.grad, eager_w.grad)
+    assert bool(calls) == (shape == IN_GRADIENT_SHAPE)
 
 
 @pytest.mark.cudagraph
-@pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_reduce_overhead_never_skips_cudagraphs(reduction):
+@pytest.mark.parametrize(
+    ("grad_format", "reduction", "shape"),
+    [
+        ("mxfp8_e4m3", "mean", (512, 128, 3000)),
+        ("mxfp8_e4m3", "none", (512, 128, 3000)),
+        (None, "mean", IN_GRADIENT_SHAPE),
+    ],
+    ids=["mxfp8-mean", "mxfp8-none", "bf16-in-gradient"],
+)
+def test_reduce_overhead_never_skips_cudagraphs(grad_format, reduction, shape, monkeypatch):
+    calls = spy_in_gradient_schedule(monkeypatch)
+
     def loss_fn(h, w, target):
-        return lowp_ops.linear_cross_entropy(
-            h, w, target, grad_format="mxfp8_e4m3", reduction=reduction
-        ).sum()
+        return lowp_ops.linear_cross_entropy(h, w, target, grad_format=grad_format, reduction=reduction).sum()
 
     def run(fn, h, w, target):
         h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
@@ -601,10 +629,12 @@ def test_reduce_overhead_never_skips_cudagraphs(reduction):
     with torch._inductor.config.patch({"triton.cudagraph_or_error": True}):
         compiled = torch.compile(loss_fn, mode="reduce-overhead", fullgraph=True)
         for seed in range(3):
-            inputs = cuda_inputs(seed)
+            inputs = cuda_inputs(seed, shape)
             torch.compiler.cudagraph_mark_step_begin()
             got = run(compiled, *inputs)
             want = run(loss_fn, *inputs)
             for got_tensor, want_tensor in zip(got, want, strict=True):
                 torch.testing.assert_close(got_tensor, want_tensor)
     assert counters["inductor"]["cudagraph_skips"] == 0
+    # The eager steps alone take the schedule three times (cudagraph replays run no Python).
+    assert len(calls) >= 3 if shape == IN_GRADIENT_SHAPE else not calls

@@ -1,14 +1,15 @@
 """The LM head's in-gradient schedule (``N <= H``, bf16 gradient, automatic chunk): the logits live in
 ``dweight``'s storage. Checked: the cross entropy over transposed logits against the row kernels, the
 schedule's loss and gradients against float64 and against the chunk schedule, that it allocates no
-logits-sized tensor besides ``dweight``, its peak memory on the GPU, and CUDA-graph replay.
+logits-sized tensor besides ``dweight``, and its peak memory on the GPU. Its CUDA-graph capture and
+``reduce-overhead`` runs are cases of test_linear_cross_entropy's.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
+from test_linear_cross_entropy import float64_loss_and_grads, make_inputs, relative_error
 
 import lowp_ops
 from lowp_ops.kernels import cross_entropy as ce_kernels
@@ -79,32 +80,6 @@ def test_columns_match_row_kernels_gpu(n_tokens, vocab, split, label_smoothing, 
     check_columns_match_rows("cuda", n_tokens, vocab, split, label_smoothing, dtype)
 
 
-def lm_inputs(n_tokens, hidden, vocab, dtype, device, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    h = torch.randn(n_tokens, hidden, generator=gen)
-    w = torch.randn(vocab, hidden, generator=gen) * (3 / hidden**0.5)
-    target = torch.randint(0, vocab, (n_tokens,), generator=gen)
-    target[::7] = IGNORE
-    return h.to(dtype).to(device), w.to(dtype).to(device), target.to(device)
-
-
-def float64_grads(h, w, target, reduction, label_smoothing):
-    h64, w64 = h.cpu().double().requires_grad_(), w.cpu().double().requires_grad_()
-    loss = F.cross_entropy(
-        F.linear(h64, w64),
-        target.cpu(),
-        ignore_index=IGNORE,
-        reduction=reduction,
-        label_smoothing=label_smoothing,
-    )
-    loss.backward()
-    return loss.detach(), h64.grad, w64.grad
-
-
-def relative_error(got, want):
-    return ((got.cpu().double() - want).norm() / want.norm()).item()
-
-
 def check_schedule(
     device, n_tokens, hidden, vocab, dtype, reduction, label_smoothing, hidden_grad, outside_rows, monkeypatch
 ):
@@ -112,21 +87,23 @@ def check_schedule(
     calls = []
     original = lce_kernels.fwd_bwd_in_gradient_buffer
     monkeypatch.setattr(lce_kernels, "fwd_bwd_in_gradient_buffer", lambda *a: calls.append(1) or original(*a))
-    h, w, target = lm_inputs(n_tokens, hidden, vocab, dtype, device)
+    h, w, target = make_inputs(n_tokens, hidden, vocab, dtype, device=device)
     h.requires_grad_(hidden_grad)
     w.requires_grad_()
     loss = lowp_ops.linear_cross_entropy(h, w, target, reduction=reduction, label_smoothing=label_smoothing)
     loss.backward()
     assert calls == [1]
-    want_loss, want_dh, want_dw = float64_grads(h.detach(), w.detach(), target, reduction, label_smoothing)
+    want_loss, want_dh, want_dw = float64_loss_and_grads(
+        h.detach().cpu(), w.detach().cpu(), target.cpu(), torch.tensor(1.0), reduction, label_smoothing
+    )
     rtol = 0.01 if dtype != torch.float32 else 1e-5
     torch.testing.assert_close(
         loss.cpu().double(), want_loss, rtol=2e-3 if dtype != torch.float32 else 1e-6, atol=0
     )
-    assert relative_error(w.grad, want_dw) < rtol
+    assert relative_error(w.grad.cpu(), want_dw) < rtol
     assert (h.grad is not None) == hidden_grad
     if hidden_grad:
-        assert relative_error(h.grad, want_dh) < rtol
+        assert relative_error(h.grad.cpu(), want_dh) < rtol
     # The chunk schedule (explicit chunk) on the same inputs: same loss to fp32, gradients within bf16.
     h2, w2 = h.detach().clone().requires_grad_(hidden_grad), w.detach().clone().requires_grad_()
     chunked = lowp_ops.linear_cross_entropy(
@@ -181,7 +158,7 @@ def test_schedule_matches_float64_and_chunks_gpu(
 
 
 def test_schedule_applies_only_where_the_logits_fit():
-    h, w, _ = lm_inputs(64, 64, 300, torch.bfloat16, "cpu")
+    h, w, _ = make_inputs(64, 64, 300, torch.bfloat16, device="cpu")
     assert lce_kernels.in_gradient_buffer_applies(h, w, "none", 0, True)
     assert not lce_kernels.in_gradient_buffer_applies(h[:0], w, "none", 0, True)  # no tokens
     assert not lce_kernels.in_gradient_buffer_applies(torch.cat([h, h[:1]]), w, "none", 0, True)  # N > H
@@ -210,7 +187,7 @@ def test_schedule_allocates_no_logits_sized_tensor_besides_dweight_interp():
             return out
 
     n_tokens, hidden, vocab = 40, 64, 5000
-    h, w, target = lm_inputs(n_tokens, hidden, vocab, torch.bfloat16, "cpu")
+    h, w, target = make_inputs(n_tokens, hidden, vocab, torch.bfloat16, device="cpu")
     row_weight = torch.full((), 1.0 / n_tokens).expand(n_tokens)
     with RecordAllocations((h, w, target, row_weight)) as recorder:
         _, dhidden, dweight = lce_kernels.fwd_bwd_in_gradient_buffer(
@@ -226,7 +203,7 @@ def test_schedule_allocates_no_logits_sized_tensor_besides_dweight_interp():
 @pytest.mark.gpu
 def test_peak_memory_is_dweight_dhidden_and_the_rows_outside_gpu():
     n_tokens, hidden, vocab = 1024, 1024, 50000
-    h, w, target = lm_inputs(n_tokens, hidden, vocab, torch.bfloat16, "cuda")
+    h, w, target = make_inputs(n_tokens, hidden, vocab, torch.bfloat16, device="cuda")
     h.requires_grad_()
     w.requires_grad_()
     lowp_ops.linear_cross_entropy(h, w, target).backward()  # warm up (kernels, cuBLAS workspace)
@@ -242,72 +219,3 @@ def test_peak_memory_is_dweight_dhidden_and_the_rows_outside_gpu():
     assert peak <= gradients + outside + 2**20, (peak, gradients, outside)
     logits = vocab * n_tokens * 2
     assert peak < gradients + logits // 4
-
-
-@pytest.mark.cudagraph
-def test_manual_capture_of_the_schedule_replays_like_eager():
-    def step(h, w, target):
-        h.grad = w.grad = None
-        loss = lowp_ops.linear_cross_entropy(h, w, target, label_smoothing=0.1)
-        loss.backward()
-        return loss
-
-    def inputs(seed):
-        return lm_inputs(256, 512, 5000, torch.bfloat16, "cuda", seed=seed)
-
-    static_h, static_w, static_target = inputs(0)
-    static_h.requires_grad_()
-    static_w.requires_grad_()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step(static_h, static_w, static_target)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    static_h.grad = static_w.grad = None
-    with torch.cuda.graph(graph):
-        static_loss = step(static_h, static_w, static_target)
-    for seed in (1, 2):
-        h, w, target = inputs(seed)
-        with torch.no_grad():
-            static_h.copy_(h)
-            static_w.copy_(w)
-            static_target.copy_(target)
-        graph.replay()
-        eager_h, eager_w = h.clone().requires_grad_(), w.clone().requires_grad_()
-        eager_loss = step(eager_h, eager_w, target)
-        torch.cuda.synchronize()
-        assert torch.equal(static_loss.detach(), eager_loss.detach())
-        assert torch.equal(static_h.grad, eager_h.grad) and torch.equal(static_w.grad, eager_w.grad)
-
-
-@pytest.mark.cudagraph
-def test_reduce_overhead_of_the_schedule_never_skips_cudagraphs(monkeypatch):
-    from torch._dynamo.utils import counters
-
-    calls = []
-    original = lce_kernels.fwd_bwd_in_gradient_buffer
-    monkeypatch.setattr(lce_kernels, "fwd_bwd_in_gradient_buffer", lambda *a: calls.append(1) or original(*a))
-
-    def loss_fn(h, w, target):
-        return lowp_ops.linear_cross_entropy(h, w, target, label_smoothing=0.1)
-
-    def run(fn, h, w, target):
-        h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
-        loss = fn(h, w, target)
-        loss.backward()
-        return loss.detach().clone(), h.grad.clone(), w.grad.clone()  # cudagraph outputs are reused
-
-    counters.clear()
-    with torch._inductor.config.patch({"triton.cudagraph_or_error": True}):
-        compiled = torch.compile(loss_fn, mode="reduce-overhead", fullgraph=True)
-        for seed in range(3):
-            inputs = lm_inputs(256, 512, 5000, torch.bfloat16, "cuda", seed=seed)
-            torch.compiler.cudagraph_mark_step_begin()
-            got = run(compiled, *inputs)
-            want = run(loss_fn, *inputs)
-            for got_tensor, want_tensor in zip(got, want, strict=True):
-                torch.testing.assert_close(got_tensor, want_tensor)
-    assert counters["inductor"]["cudagraph_skips"] == 0
-    assert len(calls) >= 4  # compiled and eager steps both took the schedule
