@@ -7,12 +7,14 @@ alone (cuBLAS bf16, our Triton MXFP8 GEMM in its variants and a few tile configs
 Peak memory is the allocator's peak during one forward+backward minus what was allocated before (inputs),
 so it includes the gradients (dweight is V x H). A device-to-device copy measured in the same run is the
 ceiling for memory-bound work; GEMM-bound rows also report TFLOP/s of the useful GEMMs (6 N H V flops).
-Run: ``PYTHONPATH=. python3 benchmarks/bench_linear_cross_entropy.py [--quick]``.
+Run: ``PYTHONPATH=. python3 benchmarks/bench_linear_cross_entropy.py [--quick] [--no-gemms]
+[--interleaved ROUNDS]``; ``--interleaved`` also times the bf16-gradient contenders in rotation.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import traceback
 
 import torch
@@ -175,11 +177,61 @@ def backward_gemms(chunk: int, quick: bool) -> list:
     return rows
 
 
+def interleaved(rounds: int, steps: int = 25) -> list:
+    """Median step time of the bf16-gradient contenders measured in rotation, so that clock changes (the
+    power cap engages during these GEMM-heavy steps) fall on all of them alike: each measurement times
+    ``steps`` back-to-back steps between CUDA events after one warm step; the order rotates each round."""
+    torch.manual_seed(0)
+    h = torch.randn(N_TOKENS, HIDDEN, device="cuda").bfloat16().requires_grad_()
+    w = (torch.randn(VOCAB, HIDDEN, device="cuda") * HIDDEN**-0.5).bfloat16().requires_grad_()
+    target = torch.randint(0, VOCAB, (N_TOKENS,), device="cuda")
+    compiled = torch.compile(lambda h, w, t: F.cross_entropy(F.linear(h, w), t))
+    contenders = {
+        "lowp default": lambda: lowp_ops.linear_cross_entropy(h, w, target),
+        "lowp chunk=4096": lambda: lowp_ops.linear_cross_entropy(h, w, target, chunk_size=4096),
+        "torch.compile": lambda: compiled(h, w, target),
+    }
+
+    def step(loss_fn):
+        h.grad = w.grad = None
+        loss_fn().backward()
+
+    for loss_fn in contenders.values():
+        step(loss_fn)
+        step(loss_fn)
+    names = list(contenders)
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            step(contenders[name])
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(steps):
+                step(contenders[name])
+            end.record()
+            torch.cuda.synchronize()
+            times[name].append(start.elapsed_time(end) / steps)
+            print(f"round {r} {name:16s} {times[name][-1]:8.3f} ms/step", flush=True)
+    wins = sum(a < b for a, b in zip(times["lowp default"], times["torch.compile"], strict=True))
+    print(f"\n| impl | median of {rounds} rounds, ms | min | max |\n|---|---|---|---|")
+    for name, values in times.items():
+        print(f"| {name} | {statistics.median(values):.3f} | {min(values):.3f} | {max(values):.3f} |")
+    print(f"lowp default faster than torch.compile in {wins} of {rounds} rounds")
+    return [{"impl": name, "ms_per_round": values} for name, values in times.items()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None)
     parser.add_argument("--quick", action="store_true", help="fewer variants and GEMM configs")
     parser.add_argument("--no-gemms", action="store_true", help="skip the per-chunk GEMM comparison")
+    parser.add_argument(
+        "--interleaved",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="also time the bf16 contenders in rotation",
+    )
     args = parser.parse_args()
     copy_ms_2gib, copy_tbs = copy_bandwidth_tbs()
     logits_copy_ms = copy_ms_2gib * (N_TOKENS * VOCAB * 2) / 2**31
@@ -203,6 +255,7 @@ def main() -> None:
     print("\n| GEMM | M x N x K | ms | TFLOP/s |\n|---|---|---|---|")
     for r in gemms:
         print(f"| {r['gemm']} | {r['M']} x {r['N']} x {r['K']} | {r['ms']:.3f} | {r['TFLOPs']:.1f} |")
+    rotation = interleaved(args.interleaved) if args.interleaved else []
     write_json(
         "bench_linear_cross_entropy.json",
         {
@@ -211,6 +264,7 @@ def main() -> None:
             "logits_copy_ms": logits_copy_ms,
             "rows": rows,
             "gemms": gemms,
+            "interleaved": rotation,
         },
         args.json,
     )
