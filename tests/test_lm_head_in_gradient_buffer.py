@@ -181,13 +181,13 @@ def test_schedule_matches_float64_and_chunks_gpu(
 
 
 def test_schedule_applies_only_where_the_logits_fit():
-    h, w, _ = make_inputs(64, 64, 300, torch.bfloat16, device="cpu")
-    assert lce_kernels.in_gradient_buffer_applies(h, w, "none", 0, True)
-    assert not lce_kernels.in_gradient_buffer_applies(h[:0], w, "none", 0, True)  # no tokens
-    assert not lce_kernels.in_gradient_buffer_applies(torch.cat([h, h[:1]]), w, "none", 0, True)  # N > H
-    assert not lce_kernels.in_gradient_buffer_applies(h, w, "mxfp8_e4m3", 0, True)
-    assert not lce_kernels.in_gradient_buffer_applies(h, w, "none", 64, True)  # an explicit chunk
-    assert not lce_kernels.in_gradient_buffer_applies(h, w, "none", 0, False)  # no dweight to host them
+    h, _, _ = make_inputs(64, 64, 300, torch.bfloat16, device="cpu")
+    assert lce_kernels.in_gradient_buffer_applies(h, "none", 0, True)
+    assert not lce_kernels.in_gradient_buffer_applies(h[:0], "none", 0, True)  # no tokens
+    assert not lce_kernels.in_gradient_buffer_applies(torch.cat([h, h[:1]]), "none", 0, True)  # N > H
+    assert not lce_kernels.in_gradient_buffer_applies(h, "mxfp8_e4m3", 0, True)
+    assert not lce_kernels.in_gradient_buffer_applies(h, "none", 64, True)  # an explicit chunk
+    assert not lce_kernels.in_gradient_buffer_applies(h, "none", 0, False)  # no dweight to host them
 
 
 @pytest.mark.interp

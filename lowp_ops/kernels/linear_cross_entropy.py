@@ -111,7 +111,7 @@ def launch_linear_cross_entropy_bwd(*args):
     return backward_chunks(*args, steps=KERNEL_STEPS)
 
 
-def in_gradient_buffer_applies(hidden, weight, grad_format, chunk_size, compute_dweight) -> bool:
+def in_gradient_buffer_applies(hidden, grad_format, chunk_size, compute_dweight) -> bool:
     """Whether :func:`fwd_bwd_in_gradient_buffer` serves a ``linear_cross_entropy_fwd_bwd`` call: bf16
     (input-dtype) gradient, automatic chunk, ``dweight`` wanted, and ``0 < N <= H`` so that the logits fit
     in ``dweight``'s storage."""
@@ -168,7 +168,7 @@ def launch_linear_cross_entropy_fwd_bwd(*args):
     else the chunk schedule."""
     hidden, weight, target, row_weight, label_smoothing, ignore_index, grad_format, _, chunk_size = args[:9]
     compute_dhidden, compute_dweight = args[9:11]
-    if in_gradient_buffer_applies(hidden, weight, grad_format, chunk_size, compute_dweight):
+    if in_gradient_buffer_applies(hidden, grad_format, chunk_size, compute_dweight):
         return fwd_bwd_in_gradient_buffer(
             hidden, weight, target, row_weight, label_smoothing, ignore_index, compute_dhidden
         )
