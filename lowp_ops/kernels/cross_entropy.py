@@ -64,13 +64,22 @@ def cross_entropy_fwd_kernel(
     is_valid = target != ignore_index
     in_range = (target >= 0) & (target < n_cols)
     target_logit = tl.load(row_ptr + target, mask=is_valid & in_range, other=0.0).to(tl.float32)
-    # An out-of-range target gives a NaN loss (no host sync can check it).
-    target_logit = tl.where(in_range, target_logit, float("nan"))
-    loss = lse - target_logit
-    if HAS_SMOOTHING:
-        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - sum_x / n_cols)
-    tl.store(loss_ptr + row, tl.where(is_valid, loss, 0.0))
+    loss = row_loss(lse, target_logit, sum_x, n_cols, label_smoothing, in_range, is_valid, HAS_SMOOTHING)
+    tl.store(loss_ptr + row, loss)
     tl.store(lse_ptr + row, lse)
+
+
+@triton.jit
+def row_loss(
+    lse, target_logit, logit_sum, n_vocab, label_smoothing, in_range, is_valid, HAS_SMOOTHING: tl.constexpr
+):
+    """fp32 loss of a row from its lse, target logit and (label smoothing) the sum of its logits over the
+    ``n_vocab`` classes: ``lse - x_y``, or ``(1 - ls)(lse - x_y) + ls (lse - sum / n_vocab)``. NaN for an
+    out-of-range target (no host sync can check it), 0 for an ignored row. Every forward calls this."""
+    loss = lse - tl.where(in_range, target_logit, float("nan"))
+    if HAS_SMOOTHING:
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - logit_sum / n_vocab)
+    return tl.where(is_valid, loss, 0.0)
 
 
 @triton.jit

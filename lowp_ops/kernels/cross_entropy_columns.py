@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .cross_entropy import _bwd_scalars, cross_entropy_grad, load_row_stats, softmax_minus_eps
+from .cross_entropy import _bwd_scalars, cross_entropy_grad, load_row_stats, row_loss, softmax_minus_eps
 from .softmax import finish_logsumexp, online_softmax_update
 
 STATS_BLOCK_V = 16
@@ -160,12 +160,8 @@ def column_combine_kernel(
         other=0.0,
     )
     target_logit = tl.where(in_first, first_logit.to(tl.float32), last_logit.to(tl.float32))
-    # An out-of-range target gives a NaN loss (no host sync can check it), as the row kernel.
-    target_logit = tl.where(in_range, target_logit, float("nan"))
-    loss = lse - target_logit
-    if HAS_SMOOTHING:
-        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - total / n_vocab)
-    tl.store(loss_ptr + tokens, tl.where(is_valid, loss, 0.0), mask=token_ok)
+    loss = row_loss(lse, target_logit, total, n_vocab, label_smoothing, in_range, is_valid, HAS_SMOOTHING)
+    tl.store(loss_ptr + tokens, loss, mask=token_ok)
     tl.store(lse_ptr + tokens, lse, mask=token_ok)
 
 

@@ -20,7 +20,7 @@ from ..meta.vocab_parallel import (
     vocab_parallel_ce_merge_outputs,
     vocab_parallel_ce_stats_output,
 )
-from .cross_entropy import fwd_config
+from .cross_entropy import fwd_config, row_loss
 from .softmax import row_logsumexp_and_sum, rows_with_unit_stride
 
 MERGE_BLOCK_ROWS = 1024
@@ -100,10 +100,10 @@ def vocab_parallel_ce_merge_kernel(
 
     target = tl.load(target_ptr + rows_idx, mask=row_ok, other=ignore_index).to(tl.int64)
     in_range = (target >= 0) & (target < vocab_total)
-    loss = lse - tl.where(in_range, target_logit, float("nan"))
-    if HAS_SMOOTHING:
-        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - logit_sum / vocab_total_value)
-    loss = tl.where(target != ignore_index, loss, 0.0)
+    loss = row_loss(
+        lse, target_logit, logit_sum, vocab_total_value, label_smoothing, in_range, target != ignore_index,
+        HAS_SMOOTHING,
+    )  # fmt: skip
     tl.store(loss_ptr + rows_idx, tl.where(bad_widths == 0, loss, float("nan")), mask=row_ok)
     tl.store(lse_ptr + rows_idx, tl.where(bad_widths == 0, lse, float("nan")), mask=row_ok)
 
