@@ -243,13 +243,13 @@ def column_cross_entropy_fwd(
     n_slices = sum(counts)
     partial_lse = torch.empty((n_slices, n_tokens), dtype=torch.float32, device=device)
     partial_sum = torch.empty_like(partial_lse) if label_smoothing > 0 else partial_lse
-    head, tail = (pieces + pieces)[:2] if len(pieces) == 1 else pieces
+    head, tail = pieces[0], pieces[-1]  # one piece: both; its slices all fall in the first range
     column_partial_stats_kernel[(token_blocks, n_slices)](
         head,
         head.shape[0],
         counts[0],
         tail,
-        tail.shape[0] if len(pieces) == 2 else 0,
+        tail.shape[0],
         n_tokens,
         slice_rows,
         partial_lse,
@@ -265,7 +265,7 @@ def column_cross_entropy_fwd(
         partial_sum,
         n_slices,
         head,
-        head.shape[0] if len(pieces) == 2 else n_vocab,
+        head.shape[0],
         tail,
         n_tokens,
         n_vocab,
