@@ -725,6 +725,13 @@ def nvfp4_quantize_kernel(
 # ----------------------------------------------------------------------------------------- launchers
 
 
+# Grouped with the RHT (no stochastic rounding): the masked branch for tiles across an expert's end takes
+# ptxas to 203 registers (167 column-wise only), 8 resident warps per SM; capped at 128 neither spills
+# (sm_90 SASS, triton 3.6), and the maskless branch runs at the plain kernel's 16 warps. Without the RHT
+# or with stochastic rounding a cap of 128 spills (224-520 bytes), so those keep ptxas' choice.
+GROUPED_RHT_MAX_REGISTERS = 128
+
+
 def quantize_config(rows: int, cols: int, columnwise: bool = True) -> tuple[int, int, int, bool]:
     """(TILE_ROWS, BLOCK_COLS, num_warps, grid along rows). The column-wise copy is stored transposed,
     so a program writes TILE_ROWS / 2 contiguous bytes per column: 64-row tiles write whole 32-byte
@@ -898,7 +905,10 @@ def launch_nvfp4_group_quantize(
     rows, cols = x.shape
     experts = split_sizes.shape[0]
     x2d = _rows_with_unit_stride(x)
-    config = config or quantize_config(rows, cols, columnwise)
+    if config is None:
+        config = quantize_config(rows, cols, columnwise)
+        if columnwise and rht and sr_seed is None and x.is_cuda:
+            config = (*config, GROUPED_RHT_MAX_REGISTERS)
     tile_rows = config[0]
     _launch(
         x2d,
