@@ -8,6 +8,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 
 import torch
 import triton
@@ -62,6 +63,7 @@ class ClockWatch:
 
     def __init__(self) -> None:
         self.min_mhz: int | None = None
+        self.median_mhz: int | None = None
         self.power_capped: bool | None = None
         self._proc = None
 
@@ -93,6 +95,7 @@ class ClockWatch:
                 samples.append((int(fields[0]), int(fields[1], 16)))
         if samples:
             self.min_mhz = min(mhz for mhz, _ in samples)
+            self.median_mhz = sorted(mhz for mhz, _ in samples)[len(samples) // 2]
             self.power_capped = any(reasons & POWER_CAP_REASONS for _, reasons in samples)
 
     def note(self) -> str:
@@ -100,6 +103,34 @@ class ClockWatch:
         if self.min_mhz is None:
             return ""
         return f"{self.min_mhz} MHz{' capped' if self.power_capped else ''}"
+
+
+def sustained_ms(fn, seconds: float = 2.0, calls: int = 20, graph: bool = True) -> tuple[float, ClockWatch]:
+    """Per-call time of ``fn`` run back to back for ``seconds`` (replays of a CUDA graph of ``calls``
+    calls, or eager calls), the first 40% untimed: the GPU reaches the clock its power cap allows for
+    this kernel alone, which a 100 ms ``do_bench`` burst does not show (the fused MXFP8 backward draws the
+    H200's 700 W cap within a second, RESULTS.md S8-1). Also the ClockWatch of the timed part."""
+    step = capture_graph(fn, calls).replay if graph else fn
+    per_step = calls if graph else 1
+
+    def run_for(duration: float) -> int:
+        steps, start = 0, time.perf_counter()
+        while time.perf_counter() - start < duration:
+            step()
+            steps += 1
+            if steps % 8 == 0:  # keep the host at most 8 steps ahead
+                torch.cuda.synchronize()
+        return steps
+
+    run_for(0.4 * seconds)
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with ClockWatch() as clock:
+        begin.record()
+        steps = run_for(0.6 * seconds)
+        end.record()
+        torch.cuda.synchronize()
+    return begin.elapsed_time(end) / (steps * per_step), clock
 
 
 def environment() -> dict:
