@@ -269,7 +269,7 @@ def per_expert_outputs(grouped, split_sizes: list[int], hidden: int):
 
 
 def check_grouped_equals_per_expert(
-    x, split_sizes, device, rowwise, columnwise, rht, amax_source, sr_seed=None
+    x, split_sizes, device, rowwise, columnwise, rht, amax_source, sr_seed=None, split_full_tiles=None
 ) -> None:
     experts = len(split_sizes)
     amax_rowwise = amax_columnwise = None
@@ -286,6 +286,7 @@ def check_grouped_equals_per_expert(
         rht,
         None if amax_rowwise is None else amax_rowwise.to(device),
         None if amax_columnwise is None else amax_columnwise.to(device),
+        split_full_tiles=split_full_tiles,
     )
     used_scale_cols = sum((size + 63) // 64 * 4 for size in split_sizes)
     assert not got[3].cpu()[:, used_scale_cols:].any()
@@ -332,6 +333,19 @@ def test_grouped_equals_per_expert_quantization(suite, kernel_device, splits, co
     x = make_input(sum(split_sizes), 48, seed=len(splits), spread="element")
     rowwise = copies == "both"
     check_grouped_equals_per_expert(x, split_sizes, kernel_device, rowwise, True, rht, amax_source)
+
+
+@pytest.mark.parametrize("suite", SUITES)
+@pytest.mark.parametrize("split_full_tiles", [True, False], ids=["two-launches", "one-launch"])
+def test_grouped_full_tiles_in_a_launch_of_their_own(suite, kernel_device, split_full_tiles):
+    """64-row tiles wholly inside their expert (the maskless path: experts 0, 2 and 4) and the others
+    (experts' ends, the 16-row expert) quantized in two launches or one, both equal to per-expert
+    quantization."""
+    split_sizes = [80, 16, 64, 0, 144]
+    x = make_input(sum(split_sizes), 128, seed=11, spread="element")
+    check_grouped_equals_per_expert(
+        x, split_sizes, kernel_device, True, True, True, "given", split_full_tiles=split_full_tiles
+    )
 
 
 @pytest.mark.parametrize("suite", SUITES)

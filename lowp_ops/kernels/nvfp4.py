@@ -341,24 +341,31 @@ def quantize_columnwise_tile(
 
 
 @triton.jit
-def expert_of_tile(split_ptr, experts, tile, TILE_ROWS: tl.constexpr, EXPERTS_POW2: tl.constexpr):
+def expert_of_tile(
+    split_ptr, experts, tile, TILE_ROWS: tl.constexpr, EXPERTS_POW2: tl.constexpr, TAIL_TILES: tl.constexpr
+):
     """(expert, its rows, its first row, the tile's first row within it, its first column-wise scale
     column) of row tile ``tile`` when every expert's rows are cut into TILE_ROWS-row tiles in order.
-    Tiles past the last expert get ``expert >= experts`` and 0 rows."""
+    Tiles past the last expert get ``expert >= experts`` and 0 rows. TAIL_TILES: ``tile`` is an expert,
+    and the tile its last TILE_ROWS-row cut (``n_rows % TILE_ROWS`` rows, none when that is 0)."""
     idx = tl.arange(0, EXPERTS_POW2)
     sizes = tl.load(split_ptr + idx, mask=idx < experts, other=0).to(tl.int32)
     tiles = (sizes + TILE_ROWS - 1) // TILE_ROWS
-    tile_ends = tl.cumsum(tiles, 0)
-    expert = tl.sum((tile_ends <= tile).to(tl.int32), 0)
+    if TAIL_TILES:
+        expert = tile
+    else:
+        tile_ends = tl.cumsum(tiles, 0)
+        expert = tl.sum((tile_ends <= tile).to(tl.int32), 0)
+        first_tile = tl.sum(tl.where(idx == expert, tile_ends - tiles, 0), 0)
     mine = idx == expert
     before = idx < expert
     n_rows = tl.sum(tl.where(mine, sizes, 0), 0)
-    first_tile = tl.sum(tl.where(mine, tile_ends - tiles, 0), 0)
     row0 = tl.sum(tl.where(before, sizes, 0), 0)
     scale_blocks = (sizes + 15) // 16
     padded_blocks = (scale_blocks + SCALE_COLS_MULTIPLE - 1) // SCALE_COLS_MULTIPLE * SCALE_COLS_MULTIPLE
     scale_col0 = tl.sum(tl.where(before, padded_blocks, 0), 0)
-    return expert, n_rows, row0, (tile - first_tile) * TILE_ROWS, scale_col0
+    local_row0 = n_rows // TILE_ROWS * TILE_ROWS if TAIL_TILES else (tile - first_tile) * TILE_ROWS
+    return expert, n_rows, row0, local_row0, scale_col0
 
 
 @triton.jit
@@ -437,11 +444,18 @@ def program_tile(cols, BLOCK_COLS: tl.constexpr, GRID_ALONG_ROWS: tl.constexpr):
 
 @triton.jit
 def tile_coordinates(
-    split_ptr, experts, rows, tile, TILE_ROWS: tl.constexpr, EXPERTS_POW2: tl.constexpr, GROUPED: tl.constexpr
+    split_ptr,
+    experts,
+    rows,
+    tile,
+    TILE_ROWS: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
+    GROUPED: tl.constexpr,
+    TAIL_TILES: tl.constexpr = False,
 ):
     if GROUPED:
         expert, n_rows, row0, local_row0, scale_col0 = expert_of_tile(
-            split_ptr, experts, tile, TILE_ROWS, EXPERTS_POW2
+            split_ptr, experts, tile, TILE_ROWS, EXPERTS_POW2, TAIL_TILES
         )
     else:
         zero = tl.full([], 0, tl.int32)
@@ -640,54 +654,61 @@ def nvfp4_quantize_kernel(
     GRID_ALONG_ROWS: tl.constexpr,
     EVEN_COLS: tl.constexpr,
     EVEN: tl.constexpr,
+    FULL_TILES: tl.constexpr = True,
+    PARTIAL_TILES: tl.constexpr = True,
+    TAIL_TILES: tl.constexpr = False,
 ):
     """One program: a TILE_ROWS x BLOCK_COLS tile of one expert, read once; both copies from registers.
     Column-wise data of expert e is its own (cols, n_rows / 2) matrix starting at byte
     ``cols * row0 / 2``; its scales start at column ``scale_col0`` of the shared scale matrix.
     EVEN: every tile is in bounds. Grouped: a tile wholly inside its expert (and EVEN_COLS: cols a
-    multiple of BLOCK_COLS) takes the maskless path, chosen at run time."""
+    multiple of BLOCK_COLS) takes the maskless path, chosen at run time. FULL_TILES / PARTIAL_TILES:
+    whether this launch quantizes such tiles / the others (a launch of one kind compiles one path);
+    TAIL_TILES: the grid's rows are the experts, each program its expert's last, partial, tile (the
+    only partial ones, so a launch for them needs E rows of programs, not the whole grid's)."""
     tile, col_tile = program_tile(cols, BLOCK_COLS, GRID_ALONG_ROWS)
     expert, n_rows, row0, local_row0, scale_col0 = tile_coordinates(
-        split_ptr, experts, rows, tile, TILE_ROWS, EXPERTS_POW2, GROUPED
+        split_ptr, experts, rows, tile, TILE_ROWS, EXPERTS_POW2, GROUPED, TAIL_TILES
     )
     # A grouped tile wholly inside its expert takes the maskless path (EVEN is False when grouped).
     full_tile = False
     if GROUPED and EVEN_COLS:
         full_tile = local_row0 + TILE_ROWS <= n_rows
     if full_tile:
-        quantize_tile(
-            x_ptr,
-            stride_row,
-            rows,
-            cols,
-            expert,
-            experts,
-            n_rows,
-            row0,
-            local_row0,
-            scale_col0,
-            col_tile,
-            amax_row_ptr,
-            amax_col_ptr,
-            row_data_ptr,
-            row_scale_ptr,
-            row_scale_cols,
-            col_data_ptr,
-            col_scale_ptr,
-            col_scale_cols,
-            sr_ptr,
-            TILE_ROWS,
-            BLOCK_COLS,
-            ROWWISE,
-            COLWISE,
-            RHT,
-            BLOCK_2D,
-            STOCHASTIC,
-            True,
-            # An expert's rows are a multiple of 16 with the RHT, of 2 otherwise (the op's contract).
-            8 if RHT else 1,
-        )
-    else:
+        if FULL_TILES:
+            quantize_tile(
+                x_ptr,
+                stride_row,
+                rows,
+                cols,
+                expert,
+                experts,
+                n_rows,
+                row0,
+                local_row0,
+                scale_col0,
+                col_tile,
+                amax_row_ptr,
+                amax_col_ptr,
+                row_data_ptr,
+                row_scale_ptr,
+                row_scale_cols,
+                col_data_ptr,
+                col_scale_ptr,
+                col_scale_cols,
+                sr_ptr,
+                TILE_ROWS,
+                BLOCK_COLS,
+                ROWWISE,
+                COLWISE,
+                RHT,
+                BLOCK_2D,
+                STOCHASTIC,
+                True,
+                # An expert's rows are a multiple of 16 with the RHT, of 2 otherwise (the op's contract).
+                8 if RHT else 1,
+            )
+    elif PARTIAL_TILES:
         quantize_tile(
             x_ptr,
             stride_row,
@@ -725,10 +746,14 @@ def nvfp4_quantize_kernel(
 # ----------------------------------------------------------------------------------------- launchers
 
 
-# Grouped with the RHT (no stochastic rounding): the masked branch for tiles across an expert's end takes
-# ptxas to 203 registers (167 column-wise only), 8 resident warps per SM; capped at 128 neither spills
-# (sm_90 SASS, triton 3.6), and the maskless branch runs at the plain kernel's 16 warps. Without the RHT
-# or with stochastic rounding a cap of 128 spills (224-520 bytes), so those keep ptxas' choice.
+# Grouped with the RHT (no stochastic rounding) on CUDA, two launches: the tiles wholly inside their
+# expert (a maskless kernel, 128 registers), then each expert's last, partial, tile (a grid of E rows).
+# In one kernel the masked branch took ptxas to 203 registers (167 column-wise only): 8 resident warps
+# per SM instead of 16. Both launches are capped at 128 (sm_90 SASS, triton 3.6: the maskless kernel
+# takes 128 anyway, the masked one spills 8 bytes). H200, 16384^2 bf16, 8 experts, row+col, given
+# amaxes: one kernel 0.674 ms, capped 0.551, two launches 0.530 (ragged experts 0.570 -> 0.536); a
+# second launch over the whole grid instead of E rows cost 0.05 ms (S8-4, S8-7, S8-8). Without the RHT
+# or with stochastic rounding a cap of 128 spills 224-520 bytes: those keep one kernel at ptxas' choice.
 GROUPED_RHT_MAX_REGISTERS = 128
 
 
@@ -765,8 +790,10 @@ def _launch(
     grouped,
     config,
     sr_seed,
+    split_full_tiles=False,
 ):
-    """Fill the amaxes (given ones copied, missing ones by the amax kernel), then quantize."""
+    """Fill the amaxes (given ones copied, missing ones by the amax kernel), then quantize (grouped with
+    ``split_full_tiles``: the tiles wholly inside their expert in a launch of their own)."""
     rows, cols = x2d.shape
     row_data, row_scale, col_data, col_scale = outputs
     # (TILE_ROWS, BLOCK_COLS, num_warps[, grid along rows[, register cap]]); defaults: along rows, no cap.
@@ -818,29 +845,35 @@ def _launch(
         amax_col.copy_(amax_row)
     if rows == 0 or cols == 0:
         return
-    nvfp4_quantize_kernel[grid](
-        x2d,
-        x2d.stride(0),
-        rows,
-        cols,
-        split_sizes,
-        experts,
-        amax_row,
-        amax_col,
-        row_data,
-        row_scale,
-        row_scale.shape[1] if rowwise else 0,
-        col_data,
-        col_scale,
-        col_scale.shape[1] if columnwise else 0,
-        amax_row if sr_seed is None else sr_seed.reshape(2).contiguous(),  # unused without SR
-        ROWWISE=rowwise,
-        COLWISE=columnwise,
-        RHT=rht,
-        BLOCK_2D=block_2d,
-        STOCHASTIC=sr_seed is not None,
-        **common,
-    )
+    launches = [(grid, {})]
+    if split_full_tiles and cols % block_cols == 0:
+        tails = (experts * n_col_tiles,) if along_rows else (experts, n_col_tiles)
+        launches = [(grid, {"PARTIAL_TILES": False}), (tails, {"FULL_TILES": False, "TAIL_TILES": True})]
+    for launch_grid, tiles in launches:
+        nvfp4_quantize_kernel[launch_grid](
+            x2d,
+            x2d.stride(0),
+            rows,
+            cols,
+            split_sizes,
+            experts,
+            amax_row,
+            amax_col,
+            row_data,
+            row_scale,
+            row_scale.shape[1] if rowwise else 0,
+            col_data,
+            col_scale,
+            col_scale.shape[1] if columnwise else 0,
+            amax_row if sr_seed is None else sr_seed.reshape(2).contiguous(),  # unused without SR
+            ROWWISE=rowwise,
+            COLWISE=columnwise,
+            RHT=rht,
+            BLOCK_2D=block_2d,
+            STOCHASTIC=sr_seed is not None,
+            **common,
+            **tiles,
+        )
 
 
 def launch_nvfp4_quantize(
@@ -894,10 +927,13 @@ def launch_nvfp4_group_quantize(
     amax_columnwise: torch.Tensor | None,
     sr_seed: torch.Tensor | None = None,
     config: tuple | None = None,
+    split_full_tiles: bool | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """``lowp::nvfp4_group_quantize`` on a CUDA (or interpreted CPU) tensor; outputs as
     ``meta.nvfp4.nvfp4_group_quantize_outputs``. The split sizes stay on the device: the grid covers
-    the most tiles any split can need, ``(T + E * (TILE_ROWS - 1)) // TILE_ROWS``."""
+    the most tiles any split can need, ``(T + E * (TILE_ROWS - 1)) // TILE_ROWS``. ``split_full_tiles``
+    (None: where GROUPED_RHT_MAX_REGISTERS says) quantizes the tiles wholly inside their expert in a
+    launch of their own."""
     outputs = nvfp4_group_quantize_outputs(
         x, split_sizes, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, sr_seed
     )
@@ -905,10 +941,10 @@ def launch_nvfp4_group_quantize(
     rows, cols = x.shape
     experts = split_sizes.shape[0]
     x2d = _rows_with_unit_stride(x)
-    if config is None:
-        config = quantize_config(rows, cols, columnwise)
-        if columnwise and rht and sr_seed is None and x.is_cuda:
-            config = (*config, GROUPED_RHT_MAX_REGISTERS)
+    tuned = config is None and columnwise and rht and sr_seed is None and x.is_cuda
+    config = config or quantize_config(rows, cols, columnwise)
+    if tuned:
+        config = (*config, GROUPED_RHT_MAX_REGISTERS)
     tile_rows = config[0]
     _launch(
         x2d,
@@ -926,5 +962,6 @@ def launch_nvfp4_group_quantize(
         True,
         config,
         sr_seed,
+        split_full_tiles=tuned if split_full_tiles is None else split_full_tiles,
     )
     return outputs
