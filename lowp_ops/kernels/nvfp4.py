@@ -5,7 +5,9 @@ row-wise copy (1x16 blocks along the columns) and the column-wise copy (16x1 blo
 after the 16-point RHT when asked, stored transposed) with their E4M3 block scales. Given amaxes are
 read as they are; missing ones come from a separate amax kernel (atomic max on the fp32 bits, no host
 sync). The grouped form maps programs to (expert, tile) from the device cumsum of the split sizes, so
-no block straddles two experts and each expert uses its own amaxes.
+no block straddles two experts and each expert uses its own amaxes; with the RHT on CUDA it runs as two
+launches, the tiles wholly inside their expert (maskless) and each expert's last tile (see
+``GROUPED_RHT_MAX_REGISTERS``).
 
 Bit-exact with the reference: fp32 steps in the reference's order, IEEE divisions (``div_rn``), no FMA
 contraction (the explicit ``fma`` calls add exact products: one rounding, as the reference's add), the
