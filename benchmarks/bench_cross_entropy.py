@@ -39,10 +39,32 @@ def load_liger():
     return import_liger("ops.cross_entropy", "LigerCrossEntropyFunction")
 
 
-def run_shape(n_rows: int, vocab: int, copy_tbs: float, liger) -> list[dict]:
+def ce_inputs(n_rows: int, vocab: int, device: str = "cuda"):
+    """(bf16 logits, targets, lse, dloss/drow = 1/N) of the benchmark at one shape."""
     torch.manual_seed(0)
-    logits = (torch.randn(n_rows, vocab, device="cuda") * 3).to(torch.bfloat16)
-    target = torch.randint(0, vocab, (n_rows,), device="cuda")
+    logits = (torch.randn(n_rows, vocab, device=device) * 3).to(torch.bfloat16)
+    target = torch.randint(0, vocab, (n_rows,), device=device)
+    _, lse = torch.ops.lowp.cross_entropy_fwd(logits, target, 0.0, -100)
+    grad_rows = torch.full((n_rows,), 1.0 / n_rows, device=device)
+    return logits, target, lse, grad_rows
+
+
+def our_kernels(logits, target, lse, grad_rows) -> dict:
+    """phase -> (call of our op, byte floor per element): forward, backward to bf16, fused MXFP8."""
+    return {
+        "fwd": (lambda: torch.ops.lowp.cross_entropy_fwd(logits, target, 0.0, -100), 2),
+        "bwd->bf16": (lambda: torch.ops.lowp.cross_entropy_bwd(logits, target, lse, grad_rows, 0.0, -100), 4),
+        "bwd->mxfp8 row+col": (
+            lambda: torch.ops.lowp.cross_entropy_bwd_mxfp8(
+                logits, target, lse, grad_rows, 0.0, -100, "e4m3", True, True, "compact"
+            ),
+            4.0625,
+        ),
+    }
+
+
+def run_shape(n_rows: int, vocab: int, copy_tbs: float, liger) -> list[dict]:
+    logits, target, lse, grad_rows = ce_inputs(n_rows, vocab)
     elems = n_rows * vocab
     rows = []
 
@@ -81,23 +103,8 @@ def run_shape(n_rows: int, vocab: int, copy_tbs: float, liger) -> list[dict]:
         )
 
     # ours, op level (no autograd overhead)
-    _, lse = torch.ops.lowp.cross_entropy_fwd(logits, target, 0.0, -100)
-    grad_rows = torch.full((n_rows,), 1.0 / n_rows, device="cuda")
-    record("lowp", "fwd", lambda: torch.ops.lowp.cross_entropy_fwd(logits, target, 0.0, -100), 2)
-    record(
-        "lowp",
-        "bwd->bf16",
-        lambda: torch.ops.lowp.cross_entropy_bwd(logits, target, lse, grad_rows, 0.0, -100),
-        4,
-    )
-    record(
-        "lowp",
-        "bwd->mxfp8 row+col",
-        lambda: torch.ops.lowp.cross_entropy_bwd_mxfp8(
-            logits, target, lse, grad_rows, 0.0, -100, "e4m3", True, True, "compact"
-        ),
-        4.0625,
-    )
+    for phase, (fn, floor_bytes) in our_kernels(logits, target, lse, grad_rows).items():
+        record("lowp", phase, fn, floor_bytes)
 
     def unfused():
         grad = torch.ops.lowp.cross_entropy_bwd(logits, target, lse, grad_rows, 0.0, -100)
@@ -137,11 +144,7 @@ def run_sustained(n_rows: int, vocab: int, seconds: float) -> list[dict]:
     """Our forward and both backwards, each back to back for ``seconds``, against a copy of as many
     bytes as the MXFP8 backward moves, run back to back as eager calls (replayed from a CUDA graph the
     same copy_ measured 2.7 TB/s against 4.27 eager, S8-1)."""
-    torch.manual_seed(0)
-    logits = (torch.randn(n_rows, vocab, device="cuda") * 3).to(torch.bfloat16)
-    target = torch.randint(0, vocab, (n_rows,), device="cuda")
-    _, lse = torch.ops.lowp.cross_entropy_fwd(logits, target, 0.0, -100)
-    grad_rows = torch.full((n_rows,), 1.0 / n_rows, device="cuda")
+    logits, target, lse, grad_rows = ce_inputs(n_rows, vocab)
     elems = n_rows * vocab
     src = torch.empty(int(4.0625 * elems) // 4, device="cuda", dtype=torch.bfloat16).normal_()
     dst = torch.empty_like(src)
@@ -151,18 +154,8 @@ def run_sustained(n_rows: int, vocab: int, seconds: float) -> list[dict]:
         f"{n_rows}x{vocab} sustained copy {copy_ms:.4f} ms {copy_tbs:.3f} TB/s,"
         f" median {copy_clock.median_mhz} MHz"
     )
-    cases = {
-        "fwd": (lambda: torch.ops.lowp.cross_entropy_fwd(logits, target, 0.0, -100), 2),
-        "bwd->bf16": (lambda: torch.ops.lowp.cross_entropy_bwd(logits, target, lse, grad_rows, 0.0, -100), 4),
-        "bwd->mxfp8 row+col": (
-            lambda: torch.ops.lowp.cross_entropy_bwd_mxfp8(
-                logits, target, lse, grad_rows, 0.0, -100, "e4m3", True, True, "compact"
-            ),
-            4.0625,
-        ),
-    }
     rows = []
-    for phase, (fn, floor_bytes) in cases.items():
+    for phase, (fn, floor_bytes) in our_kernels(logits, target, lse, grad_rows).items():
         ms, clock = sustained_ms(fn, seconds)
         pct = 100 * floor_bytes * elems / ms / 1e9 / copy_tbs
         rows.append(

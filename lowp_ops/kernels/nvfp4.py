@@ -848,7 +848,7 @@ def _launch(
     if rows == 0 or cols == 0:
         return
     launches = [(grid, {})]
-    if split_full_tiles and cols % block_cols == 0:
+    if split_full_tiles and common["EVEN_COLS"]:  # otherwise no tile takes the maskless path
         tails = (experts * n_col_tiles,) if along_rows else (experts, n_col_tiles)
         launches = [(grid, {"PARTIAL_TILES": False}), (tails, {"FULL_TILES": False, "TAIL_TILES": True})]
     for launch_grid, tiles in launches:
