@@ -710,39 +710,42 @@ def nvfp4_quantize_kernel(
                 # An expert's rows are a multiple of 16 with the RHT, of 2 otherwise (the op's contract).
                 8 if RHT else 1,
             )
-    elif PARTIAL_TILES:
-        quantize_tile(
-            x_ptr,
-            stride_row,
-            rows,
-            cols,
-            expert,
-            experts,
-            n_rows,
-            row0,
-            local_row0,
-            scale_col0,
-            col_tile,
-            amax_row_ptr,
-            amax_col_ptr,
-            row_data_ptr,
-            row_scale_ptr,
-            row_scale_cols,
-            col_data_ptr,
-            col_scale_ptr,
-            col_scale_cols,
-            sr_ptr,
-            TILE_ROWS,
-            BLOCK_COLS,
-            ROWWISE,
-            COLWISE,
-            RHT,
-            BLOCK_2D,
-            STOCHASTIC,
-            EVEN,
-            # 16-byte column stores need the column-owned layout of the RHT (else a layout round trip).
-            (TILE_ROWS // 2 if RHT else 8) if EVEN else 1,
-        )
+    elif PARTIAL_TILES:  # noqa: SIM102 (a compile-time switch, then a run-time test)
+        # An expert's tail program exits when its expert has no partial tile (no rows left to quantize),
+        # as does a grid tile past the last expert: each ran the whole masked tile code for nothing.
+        if local_row0 < n_rows:
+            quantize_tile(
+                x_ptr,
+                stride_row,
+                rows,
+                cols,
+                expert,
+                experts,
+                n_rows,
+                row0,
+                local_row0,
+                scale_col0,
+                col_tile,
+                amax_row_ptr,
+                amax_col_ptr,
+                row_data_ptr,
+                row_scale_ptr,
+                row_scale_cols,
+                col_data_ptr,
+                col_scale_ptr,
+                col_scale_cols,
+                sr_ptr,
+                TILE_ROWS,
+                BLOCK_COLS,
+                ROWWISE,
+                COLWISE,
+                RHT,
+                BLOCK_2D,
+                STOCHASTIC,
+                EVEN,
+                # 16-byte column stores need the column-owned layout of the RHT (else a layout round trip).
+                (TILE_ROWS // 2 if RHT else 8) if EVEN else 1,
+            )
 
 
 # ----------------------------------------------------------------------------------------- launchers
