@@ -5,7 +5,10 @@ mxfp8_quantize), with a device-to-device copy measured in the same run as the ce
 Effective bandwidth = byte floor x N x V / time: forward 2 B/elem (read logits), backward to bf16
 4 B/elem (read + write), backward to MXFP8 row+col 4.0625 B/elem, forward+backward 6 / 6.0625 B/elem.
 Each case is timed twice: eager calls (host launch overhead included: do_bench) and replays of a CUDA
-graph of the same calls (GPU time only: what a CUDA-graph-captured training step pays).
+graph of the same calls (GPU time only: what a CUDA-graph-captured training step pays). Every case
+cycles through ROTATE copies of the logits, a new one each call, so no call finds the previous call's
+logits in L2 (our MXFP8 backward loads them with an evict_last hint: on one buffer its back-to-back
+figures rose by up to 5 points, S9-8).
 ``--sustained SECONDS`` adds our three kernels run back to back for that long each (CUDA-graph replays),
 next to a copy run the same way: the steady state under the GPU's power cap, with the median SM clock.
 Run: ``PYTHONPATH=. python3 benchmarks/bench_cross_entropy.py`` (Liger from a wheel on PYTHONPATH).
@@ -14,6 +17,7 @@ Run: ``PYTHONPATH=. python3 benchmarks/bench_cross_entropy.py`` (Liger from a wh
 from __future__ import annotations
 
 import argparse
+import itertools
 import traceback
 
 import torch
@@ -32,6 +36,13 @@ from _common import (
 import lowp_ops
 
 SHAPES = [(4096, 129280), (8192, 32768), (16384, 131072)]
+ROTATE = 3
+
+
+def rotating(buffers: list, fn):
+    """A call of ``fn(buffer)`` on the next of ``buffers`` each time (CUDA graphs capture the cycle)."""
+    turn = itertools.cycle(buffers)
+    return lambda: fn(next(turn))
 
 
 def load_liger():
@@ -40,31 +51,39 @@ def load_liger():
 
 
 def ce_inputs(n_rows: int, vocab: int, device: str = "cuda"):
-    """(bf16 logits, targets, lse, dloss/drow = 1/N) of the benchmark at one shape."""
+    """(ROTATE equal copies of the bf16 logits, targets, lse, dloss/drow = 1/N) at one shape."""
     torch.manual_seed(0)
     logits = (torch.randn(n_rows, vocab, device=device) * 3).to(torch.bfloat16)
     target = torch.randint(0, vocab, (n_rows,), device=device)
     _, lse = torch.ops.lowp.cross_entropy_fwd(logits, target, 0.0, -100)
     grad_rows = torch.full((n_rows,), 1.0 / n_rows, device=device)
-    return logits, target, lse, grad_rows
+    return [logits] + [logits.clone() for _ in range(ROTATE - 1)], target, lse, grad_rows
 
 
-def our_kernels(logits, target, lse, grad_rows) -> dict:
-    """phase -> (call of our op, byte floor per element): forward, backward to bf16, fused MXFP8."""
+def our_kernels(copies, target, lse, grad_rows) -> dict:
+    """phase -> (call of our op on the next logits copy, byte floor per element): forward, backward to
+    bf16, fused MXFP8."""
+
+    def forward(x):
+        return torch.ops.lowp.cross_entropy_fwd(x, target, 0.0, -100)
+
+    def backward(x):
+        return torch.ops.lowp.cross_entropy_bwd(x, target, lse, grad_rows, 0.0, -100)
+
+    def backward_mxfp8(x):
+        return torch.ops.lowp.cross_entropy_bwd_mxfp8(
+            x, target, lse, grad_rows, 0.0, -100, "e4m3", True, True, "compact"
+        )
+
     return {
-        "fwd": (lambda: torch.ops.lowp.cross_entropy_fwd(logits, target, 0.0, -100), 2),
-        "bwd->bf16": (lambda: torch.ops.lowp.cross_entropy_bwd(logits, target, lse, grad_rows, 0.0, -100), 4),
-        "bwd->mxfp8 row+col": (
-            lambda: torch.ops.lowp.cross_entropy_bwd_mxfp8(
-                logits, target, lse, grad_rows, 0.0, -100, "e4m3", True, True, "compact"
-            ),
-            4.0625,
-        ),
+        "fwd": (rotating(copies, forward), 2),
+        "bwd->bf16": (rotating(copies, backward), 4),
+        "bwd->mxfp8 row+col": (rotating(copies, backward_mxfp8), 4.0625),
     }
 
 
 def run_shape(n_rows: int, vocab: int, copy_tbs: float, liger) -> list[dict]:
-    logits, target, lse, grad_rows = ce_inputs(n_rows, vocab)
+    copies, target, lse, grad_rows = ce_inputs(n_rows, vocab)
     elems = n_rows * vocab
     rows = []
 
@@ -103,40 +122,47 @@ def run_shape(n_rows: int, vocab: int, copy_tbs: float, liger) -> list[dict]:
         )
 
     # ours, op level (no autograd overhead)
-    for phase, (fn, floor_bytes) in our_kernels(logits, target, lse, grad_rows).items():
+    for phase, (fn, floor_bytes) in our_kernels(copies, target, lse, grad_rows).items():
         record("lowp", phase, fn, floor_bytes)
 
-    def unfused():
-        grad = torch.ops.lowp.cross_entropy_bwd(logits, target, lse, grad_rows, 0.0, -100)
+    def unfused(x):
+        grad = torch.ops.lowp.cross_entropy_bwd(x, target, lse, grad_rows, 0.0, -100)
         return lowp_ops.mxfp8_quantize(grad)
 
-    record("lowp unfused", "bwd->bf16->mxfp8", unfused, 4.0625)
+    record("lowp unfused", "bwd->bf16->mxfp8", rotating(copies, unfused), 4.0625)
 
-    leaf = logits.clone().requires_grad_()
+    leaves = [x.requires_grad_() for x in copies]  # the same storage: the autograd cases read them only
 
-    def lowp_fwd_bwd():
-        return torch.autograd.grad(lowp_ops.cross_entropy(leaf, target), leaf)
+    def fwd_bwd(loss_fn):
+        return rotating(leaves, lambda x: torch.autograd.grad(loss_fn(x, target), x))
 
-    record("lowp", "fwd+bwd bf16", lowp_fwd_bwd, 6)
-    record("lowp", "fwd+bwd mxfp8", lambda: lowp_ops.cross_entropy_with_mxfp8_grad(logits, target), 6.0625)
+    record("lowp", "fwd+bwd bf16", fwd_bwd(lowp_ops.cross_entropy), 6)
+    record(
+        "lowp",
+        "fwd+bwd mxfp8",
+        rotating(copies, lambda x: lowp_ops.cross_entropy_with_mxfp8_grad(x.detach(), target)),
+        6.0625,
+    )
 
-    record("eager", "fwd", lambda: F.cross_entropy(leaf, target), 2)
-    record("eager", "fwd+bwd bf16", lambda: torch.autograd.grad(F.cross_entropy(leaf, target), leaf), 6)
+    record("eager", "fwd", rotating(leaves, lambda x: F.cross_entropy(x, target)), 2)
+    record("eager", "fwd+bwd bf16", fwd_bwd(F.cross_entropy), 6)
 
     compiled = torch.compile(lambda x, t: F.cross_entropy(x.float(), t), dynamic=False)
-    record("torch.compile", "fwd", lambda: compiled(leaf, target), 2)
-    record("torch.compile", "fwd+bwd bf16", lambda: torch.autograd.grad(compiled(leaf, target), leaf), 6)
+    record("torch.compile", "fwd", rotating(leaves, lambda x: compiled(x, target)), 2)
+    record("torch.compile", "fwd+bwd bf16", fwd_bwd(compiled), 6)
 
     if liger is not None:
-        # Liger computes the gradient in the forward, in place into its input: time forward+backward.
-        scratch = logits.clone().requires_grad_()
+        # Liger computes the gradient in the forward, in place into its input: time forward+backward,
+        # on scratch copies (its in-place writes must not reach the logits above).
+        del leaves
+        scratch = [x.detach().clone().requires_grad_() for x in copies]
 
-        def liger_fwd_bwd():
-            loss = liger.apply(scratch, target, None, -100, 0.0, 0.0, "mean")[0]
-            return torch.autograd.grad(loss, scratch)
+        def liger_fwd_bwd(x):
+            loss = liger.apply(x, target, None, -100, 0.0, 0.0, "mean")[0]
+            return torch.autograd.grad(loss, x)
 
         # Liger's forward synchronizes with the host: not capturable, eager timing only.
-        record("liger", "fwd+bwd bf16", liger_fwd_bwd, 6, capturable=False)
+        record("liger", "fwd+bwd bf16", rotating(scratch, liger_fwd_bwd), 6, capturable=False)
     return rows
 
 
@@ -144,7 +170,7 @@ def run_sustained(n_rows: int, vocab: int, seconds: float) -> list[dict]:
     """Our forward and both backwards, each back to back for ``seconds``, against a copy of as many
     bytes as the MXFP8 backward moves, run back to back as eager calls (replayed from a CUDA graph the
     same copy_ measured 2.7 TB/s against 4.27 eager, S8-1)."""
-    logits, target, lse, grad_rows = ce_inputs(n_rows, vocab)
+    copies, target, lse, grad_rows = ce_inputs(n_rows, vocab)
     elems = n_rows * vocab
     src = torch.empty(int(4.0625 * elems) // 4, device="cuda", dtype=torch.bfloat16).normal_()
     dst = torch.empty_like(src)
@@ -155,7 +181,7 @@ def run_sustained(n_rows: int, vocab: int, seconds: float) -> list[dict]:
         f" median {copy_clock.median_mhz} MHz"
     )
     rows = []
-    for phase, (fn, floor_bytes) in our_kernels(logits, target, lse, grad_rows).items():
+    for phase, (fn, floor_bytes) in our_kernels(copies, target, lse, grad_rows).items():
         ms, clock = sustained_ms(fn, seconds)
         pct = 100 * floor_bytes * elems / ms / 1e9 / copy_tbs
         rows.append(
