@@ -20,6 +20,9 @@ from ..meta.mxfp8 import flat_2d_dims, mxfp8_dequantize_output, mxfp8_quantize_o
 
 TILE_ROWS = MXFP8_BLOCK_SIZE
 SOFTWARE_FP8_CAST = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+# L2 hint on the input although it is read once: H200 16384^2 row+col 89.4% -> 93.1% of copy with a new
+# input buffer each call, same bytes (tuning log 37; the fused CE backward's load measured the same way).
+X_EVICTION = tl.constexpr("evict_last")
 
 
 @triton.jit
@@ -283,9 +286,10 @@ def mxfp8_quantize_kernel(
     ptrs = x_ptr + rows_idx[:, None].to(tl.int64) * stride_row + cols_idx[None, :]
     # Upcast right after the load (bf16 math is wrong in the Triton interpreter); padding lanes are 0.
     if EVEN:
-        x = tl.load(ptrs).to(tl.float32)
+        x = tl.load(ptrs, eviction_policy=X_EVICTION).to(tl.float32)
     else:
-        x = tl.load(ptrs, mask=(rows_idx[:, None] < rows) & (cols_idx[None, :] < cols), other=0.0)
+        in_bounds = (rows_idx[:, None] < rows) & (cols_idx[None, :] < cols)
+        x = tl.load(ptrs, mask=in_bounds, other=0.0, eviction_policy=X_EVICTION)
         x = x.to(tl.float32)
     quantize_tile(
         x,
