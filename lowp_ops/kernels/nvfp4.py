@@ -676,75 +676,27 @@ def nvfp4_quantize_kernel(
     full_tile = False
     if GROUPED and EVEN_COLS:
         full_tile = local_row0 + TILE_ROWS <= n_rows
+    # quantize_tile's run-time arguments, the same on both paths.
+    tile_args = (
+        x_ptr, stride_row, rows, cols, expert, experts, n_rows, row0, local_row0, scale_col0, col_tile,
+        amax_row_ptr, amax_col_ptr, row_data_ptr, row_scale_ptr, row_scale_cols, col_data_ptr, col_scale_ptr,
+        col_scale_cols, sr_ptr,
+    )  # fmt: skip
     if full_tile:
         if FULL_TILES:
+            # Column-store width: an expert's rows are a multiple of 16 with the RHT, of 2 otherwise.
+            width: tl.constexpr = 8 if RHT else 1
             quantize_tile(
-                x_ptr,
-                stride_row,
-                rows,
-                cols,
-                expert,
-                experts,
-                n_rows,
-                row0,
-                local_row0,
-                scale_col0,
-                col_tile,
-                amax_row_ptr,
-                amax_col_ptr,
-                row_data_ptr,
-                row_scale_ptr,
-                row_scale_cols,
-                col_data_ptr,
-                col_scale_ptr,
-                col_scale_cols,
-                sr_ptr,
-                TILE_ROWS,
-                BLOCK_COLS,
-                ROWWISE,
-                COLWISE,
-                RHT,
-                BLOCK_2D,
-                STOCHASTIC,
-                True,
-                # An expert's rows are a multiple of 16 with the RHT, of 2 otherwise (the op's contract).
-                8 if RHT else 1,
+                *tile_args, TILE_ROWS, BLOCK_COLS, ROWWISE, COLWISE, RHT, BLOCK_2D, STOCHASTIC, True, width
             )
     elif PARTIAL_TILES:  # noqa: SIM102 (a compile-time switch, then a run-time test)
         # An expert's tail program exits when its expert has no partial tile (no rows left to quantize),
         # as does a grid tile past the last expert: each ran the whole masked tile code for nothing.
         if local_row0 < n_rows:
+            # Column-store width: 16 bytes need the column-owned layout of the RHT (else a layout round trip).
+            width: tl.constexpr = (TILE_ROWS // 2 if RHT else 8) if EVEN else 1
             quantize_tile(
-                x_ptr,
-                stride_row,
-                rows,
-                cols,
-                expert,
-                experts,
-                n_rows,
-                row0,
-                local_row0,
-                scale_col0,
-                col_tile,
-                amax_row_ptr,
-                amax_col_ptr,
-                row_data_ptr,
-                row_scale_ptr,
-                row_scale_cols,
-                col_data_ptr,
-                col_scale_ptr,
-                col_scale_cols,
-                sr_ptr,
-                TILE_ROWS,
-                BLOCK_COLS,
-                ROWWISE,
-                COLWISE,
-                RHT,
-                BLOCK_2D,
-                STOCHASTIC,
-                EVEN,
-                # 16-byte column stores need the column-owned layout of the RHT (else a layout round trip).
-                (TILE_ROWS // 2 if RHT else 8) if EVEN else 1,
+                *tile_args, TILE_ROWS, BLOCK_COLS, ROWWISE, COLWISE, RHT, BLOCK_2D, STOCHASTIC, EVEN, width
             )
 
 
@@ -821,18 +773,14 @@ def _launch(
     }
     n_col_tiles = triton.cdiv(cols, block_cols)
     grid = (n_tiles * n_col_tiles,) if along_rows else (n_tiles, n_col_tiles)
+    source = (x2d, x2d.stride(0), rows, cols, split_sizes, experts)  # both kernels' first arguments
     if need_abs or need_rht:
         abs_amax.view(torch.int32).zero_()
         if need_rht:
             amax_col.view(torch.int32).zero_()
         if rows and cols:
             nvfp4_amax_kernel[grid](
-                x2d,
-                x2d.stride(0),
-                rows,
-                cols,
-                split_sizes,
-                experts,
+                *source,
                 abs_amax.view(torch.int32),
                 amax_col.view(torch.int32),
                 ABS_AMAX=need_abs,
@@ -856,12 +804,7 @@ def _launch(
         launches = [(grid, {"PARTIAL_TILES": False}), (tails, {"FULL_TILES": False, "TAIL_TILES": True})]
     for launch_grid, tiles in launches:
         nvfp4_quantize_kernel[launch_grid](
-            x2d,
-            x2d.stride(0),
-            rows,
-            cols,
-            split_sizes,
-            experts,
+            *source,
             amax_row,
             amax_col,
             row_data,
