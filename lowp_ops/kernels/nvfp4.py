@@ -19,8 +19,9 @@ runs their plain Triton forms.
 
 Cost (sm_90 SASS per thread and element): row-wise 17.6 (16 x 128 on one warp), column-wise with RHT
 24.9 and both with RHT 37.1 (64 x 64 on two warps; E2M1 rounding ~8.5 per copy), the RHT amax pass
-9.6. The kernel is issue-bound at these counts on the H200, not memory-bound (H200, 16384^2 bf16,
-row+col with RHT: 43.8% of a copy; benchmarks/RESULTS.md).
+9.6. On the H200 the row+col kernel is bound by the ALU pipe (half rate: logic, compare, min/max) and
+the issue slots, not by memory: ncu shows them 72% and 66% busy, DRAM 40% (16384^2 bf16, 43.6% of a
+copy; an L2-resident input is 3% faster; benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
