@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import os
 import platform
@@ -17,6 +18,13 @@ from triton.testing import do_bench
 
 def median_ms(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
     return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def rotating(buffers: list, fn):
+    """A call of ``fn(buffer)`` on the next of ``buffers`` each time, so that no timed call finds the
+    previous call's input in L2 (our kernels load with an evict_last hint); CUDA graphs capture the cycle."""
+    turn = itertools.cycle(buffers)
+    return lambda: fn(next(turn))
 
 
 def capture_graph(fn, calls: int) -> torch.cuda.CUDAGraph:

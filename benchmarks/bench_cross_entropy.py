@@ -17,7 +17,6 @@ Run: ``PYTHONPATH=. python3 benchmarks/bench_cross_entropy.py`` (Liger from a wh
 from __future__ import annotations
 
 import argparse
-import itertools
 import traceback
 
 import torch
@@ -29,6 +28,7 @@ from _common import (
     graph_ms,
     import_liger,
     median_ms,
+    rotating,
     sustained_ms,
     write_json,
 )
@@ -37,12 +37,6 @@ import lowp_ops
 
 SHAPES = [(4096, 129280), (8192, 32768), (16384, 131072)]
 ROTATE = 3
-
-
-def rotating(buffers: list, fn):
-    """A call of ``fn(buffer)`` on the next of ``buffers`` each time (CUDA graphs capture the cycle)."""
-    turn = itertools.cycle(buffers)
-    return lambda: fn(next(turn))
 
 
 def load_liger():
@@ -230,10 +224,15 @@ def main() -> None:
     shapes = (
         SHAPES if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     )
+    seconds = args.sustained or (2.0 if args.sustained_only else 0.0)
+
+    def run_all_sustained() -> list[dict]:
+        if not seconds:
+            return []
+        return [row for n_rows, vocab in shapes for row in run_sustained(n_rows, vocab, seconds)]
+
     if args.sustained_only:
-        sustained = [
-            row for n_rows, vocab in shapes for row in run_sustained(n_rows, vocab, args.sustained or 2.0)
-        ]
+        sustained = run_all_sustained()
         write_json(
             "bench_cross_entropy_sustained.json", {"env": environment(), "sustained": sustained}, args.json
         )
@@ -247,9 +246,7 @@ def main() -> None:
     for n_rows, vocab in shapes:
         rows += run_shape(n_rows, vocab, copy_tbs, liger)
         torch.cuda.empty_cache()
-    sustained = []
-    if args.sustained:
-        sustained = [row for n_rows, vocab in shapes for row in run_sustained(n_rows, vocab, args.sustained)]
+    sustained = run_all_sustained()
     print(
         "\n| shape | impl | phase | eager ms | eager % copy | CUDA-graph ms | graph % copy (floor B/elem) "
         "| lowest SM clock |"

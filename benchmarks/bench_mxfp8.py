@@ -14,14 +14,13 @@ CPU smoke:  TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/bench_mxfp8.py --d
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
-from _common import environment, write_json
+from _common import environment, rotating, write_json
 
 import lowp_ops
 from lowp_ops.kernels.mxfp8 import launch_mxfp8_quantize, quantize_config
@@ -148,11 +147,6 @@ def main() -> None:
     inputs = [x] + [x.clone() for _ in range(ROTATE - 1)]
     results: list[dict] = []
 
-    def rotating(fn):
-        """A call of ``fn(input)`` on the next of the equal ``inputs`` each time."""
-        turn = itertools.cycle(inputs)
-        return lambda: fn(next(turn))
-
     same_size_ms = copy_ms(x.nbytes, device, args.cpu_reps)
     copy = {"same_size_bytes": 2 * x.nbytes, "same_size_ms": same_size_ms}
     copy["same_size_TBps"] = 2 * x.nbytes / same_size_ms / 1e9
@@ -186,13 +180,13 @@ def main() -> None:
             "lowp_ops.mxfp8_quantize",
             mode,
             "compact",
-            rotating(lambda t, r=rowwise, c=columnwise: lowp_ops.mxfp8_quantize(t, fp8_dtype, r, c)),
+            rotating(inputs, lambda t, r=rowwise, c=columnwise: lowp_ops.mxfp8_quantize(t, fp8_dtype, r, c)),
         )
     record(
         "lowp_ops.mxfp8_quantize",
         "row+col",
         "swizzled",
-        rotating(lambda t: lowp_ops.mxfp8_quantize(t, fp8_dtype, True, True, "swizzled")),
+        rotating(inputs, lambda t: lowp_ops.mxfp8_quantize(t, fp8_dtype, True, True, "swizzled")),
     )
 
     checks = {}
@@ -212,7 +206,7 @@ def main() -> None:
                 "torch.compile pure-PyTorch",
                 mode,
                 "compact",
-                rotating(lambda t, r=rowwise, c=columnwise: compiled(t, fp8_dtype, r, c)),
+                rotating(inputs, lambda t, r=rowwise, c=columnwise: compiled(t, fp8_dtype, r, c)),
             )
 
     if not args.no_sweep and kernels_run:
@@ -232,7 +226,7 @@ def main() -> None:
                     f"kernel BLOCK_COLS={block_cols} warps={warps}",
                     mode,
                     "compact",
-                    rotating(run),
+                    rotating(inputs, run),
                     note=f"{note}{wrong} bytes differ from lowp_ops",
                 )
     elif not args.no_sweep:

@@ -803,6 +803,7 @@ def _launch(
     if split_full_tiles and common["EVEN_COLS"]:  # otherwise no tile takes the maskless path
         tails = (experts * n_col_tiles,) if along_rows else (experts, n_col_tiles)
         launches = [(grid, {"PARTIAL_TILES": False}), (tails, {"FULL_TILES": False, "TAIL_TILES": True})]
+    sr_state = amax_row if sr_seed is None else sr_seed.reshape(2).contiguous()  # unused without SR
     for launch_grid, tiles in launches:
         nvfp4_quantize_kernel[launch_grid](
             *source,
@@ -814,7 +815,7 @@ def _launch(
             col_data,
             col_scale,
             col_scale.shape[1] if columnwise else 0,
-            amax_row if sr_seed is None else sr_seed.reshape(2).contiguous(),  # unused without SR
+            sr_state,
             ROWWISE=rowwise,
             COLWISE=columnwise,
             RHT=rht,
