@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from .losses import CrossEntropyLoss, LinearCrossEntropyLoss  # noqa: F401  (lowp_ops.nn.*)
 from .meta.checks import require
 from .meta.grouped_mlp import RECIPES
 from .moe import grouped_swiglu_mlp

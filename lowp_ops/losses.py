@@ -1,0 +1,173 @@
+"""Loss modules: ``CrossEntropyLoss`` (as ``torch.nn.CrossEntropyLoss``) and ``LinearCrossEntropyLoss``
+(the LM head and its loss in one node, as Liger's ``LigerFusedLinearCrossEntropyLoss``).
+
+Both hold their options and call the functions :func:`lowp_ops.cross_entropy` and
+:func:`lowp_ops.linear_cross_entropy`; keyword options they do not name themselves (``chunk_size``,
+``classes_last``, later loss features) pass through unchanged, so the functions' checks and errors apply.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from .functional import cross_entropy
+from .lm_head import linear_cross_entropy
+from .meta.checks import require
+from .meta.cross_entropy import check_label_smoothing, check_reduction
+
+
+def _check_options(ignore_index: int, reduction: str, label_smoothing: float) -> None:
+    require(
+        isinstance(ignore_index, int) and not isinstance(ignore_index, bool),
+        lambda: f"ignore_index must be an int, got {type(ignore_index).__name__}",
+    )
+    check_reduction(reduction)
+    check_label_smoothing(label_smoothing)
+
+
+def _takes(function, name: str) -> bool:
+    return name in inspect.signature(function).parameters
+
+
+def _check_class_weight(weight: torch.Tensor | None, function, name: str) -> None:
+    """Class weights: a 1-D floating tensor, passed to ``function`` as ``name``; NotImplementedError while
+    ``function`` does not take it."""
+    if weight is None:
+        return
+    require(
+        isinstance(weight, torch.Tensor) and weight.dim() == 1 and weight.is_floating_point(),
+        lambda: f"{name} must be a 1-D floating tensor of class weights, got {weight!r:.80}",
+    )
+    if not _takes(function, name):
+        raise NotImplementedError(
+            f"{name}= (class weights): lowp_ops.{function.__name__} does not take {name}= in this version"
+        )
+
+
+class CrossEntropyLoss(torch.nn.Module):
+    """``torch.nn.CrossEntropyLoss`` on :func:`lowp_ops.cross_entropy` (masked-safe, fp32 loss, gradient
+    in the logits' dtype; vocabulary-parallel with ``process_group``).
+
+    Args:
+        weight: (C,) class weights (a buffer, moved with the module), or None.
+        ignore_index, reduction, label_smoothing: as ``torch.nn.CrossEntropyLoss`` (keyword arguments:
+            torch's deprecated ``size_average`` / ``reduce`` are not taken).
+        process_group: vocabulary-parallel loss: each rank passes its vocabulary shard of the logits.
+        options: passed to :func:`lowp_ops.cross_entropy` as given (e.g. ``classes_last=True`` for
+            ``(..., V)`` logits with ``(...)`` targets, the LLM layout; later loss features the same way).
+
+    ``forward(input, target)``: the layouts of :func:`lowp_ops.cross_entropy` (``(N, C)`` with ``(N,)`` as
+    torch), class-index targets. Returns the fp32 loss (0-d, or the target's shape for ``"none"``).
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor | None = None,
+        *,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+        process_group=None,
+        **options,
+    ):
+        super().__init__()
+        _check_options(ignore_index, reduction, label_smoothing)
+        _check_class_weight(weight, cross_entropy, "weight")
+        self.register_buffer("weight", weight)
+        self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
+        self.process_group = process_group
+        self.options = options
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        class_weight = {} if self.weight is None else {"weight": self.weight}
+        group = {} if self.process_group is None else {"process_group": self.process_group}
+        return cross_entropy(
+            input,
+            target,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+            label_smoothing=self.label_smoothing,
+            **class_weight,
+            **group,
+            **self.options,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+            f"label_smoothing={self.label_smoothing}, process_group={self.process_group is not None}"
+            + "".join(f", {name}={value!r}" for name, value in self.options.items())
+        )
+
+
+class LinearCrossEntropyLoss(torch.nn.Module):
+    """The LM head and its cross entropy without the (tokens, vocab) logits in memory:
+    :func:`lowp_ops.linear_cross_entropy`, with the constructor options of Liger's
+    ``LigerFusedLinearCrossEntropyLoss`` and ``torch.nn.CrossEntropyLoss``.
+
+    Args:
+        ce_weight: (V,) class weights (Liger's name; a buffer), or None.
+        ignore_index, reduction, label_smoothing: as ``torch.nn.CrossEntropyLoss``.
+        grad_format: None (logits gradient in the inputs' dtype), ``"mxfp8_e4m3"`` or ``"mxfp8_e5m2"``
+            (written directly as MXFP8 and fed to the dgrad / wgrad GEMMs).
+        process_group: vocabulary-parallel LM head: each rank passes the weight rows of its shard.
+        options: passed to :func:`lowp_ops.linear_cross_entropy` as given (``chunk_size``,
+            ``other_operand``, ``reduce_hidden_grad``; later loss features the same way).
+
+    ``forward(lin_weight, _input, target, bias=None)`` takes Liger's argument order: the head's weight
+    (V, H) FIRST, then the hidden states (..., H) and the targets (...); a bias is not supported
+    (NotImplementedError). Returns the fp32 loss (0-d, or the target's shape for ``"none"``).
+    """
+
+    def __init__(
+        self,
+        ce_weight: torch.Tensor | None = None,
+        *,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+        grad_format: str | None = None,
+        process_group=None,
+        **options,
+    ):
+        super().__init__()
+        _check_options(ignore_index, reduction, label_smoothing)
+        _check_class_weight(ce_weight, linear_cross_entropy, "ce_weight")
+        self.register_buffer("ce_weight", ce_weight)
+        self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
+        self.grad_format = grad_format
+        self.process_group = process_group
+        self.options = options
+
+    def forward(
+        self,
+        lin_weight: torch.Tensor,
+        _input: torch.Tensor,
+        target: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if bias is not None:
+            raise NotImplementedError("LinearCrossEntropyLoss: an LM head bias is not supported")
+        class_weight = {} if self.ce_weight is None else {"ce_weight": self.ce_weight}
+        return linear_cross_entropy(
+            _input,
+            lin_weight,
+            target,
+            grad_format=self.grad_format,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+            label_smoothing=self.label_smoothing,
+            process_group=self.process_group,
+            **class_weight,
+            **self.options,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+            f"label_smoothing={self.label_smoothing}, grad_format={self.grad_format!r}, "
+            f"process_group={self.process_group is not None}"
+            + "".join(f", {name}={value!r}" for name, value in self.options.items())
+        )
