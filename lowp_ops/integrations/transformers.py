@@ -1,0 +1,408 @@
+"""lowp_ops inside Hugging Face transformers (5.x) causal language models: :func:`apply_lowp_ops`.
+
+One call patches a model INSTANCE (its class and every other instance stay as they are); the
+parameters stay the model's own (no copies), so optimizers, ``state_dict`` and checkpoints keep working.
+
+- **LM head + loss.** ``model.lm_head`` hands the final hidden states through unchanged and
+  ``model.loss_function`` computes ``lowp_ops.linear_cross_entropy(hidden, lm_head.weight, labels)``:
+  the (tokens, vocab) logits are never materialized. The label shift (or the ``shift_labels`` the
+  caller gives), ``ignore_index`` (-100) and ``num_items_in_batch`` (loss summed, then divided by it, for
+  gradient accumulation) are those of transformers' ``ForCausalLMLoss``. ``model(...)`` returns logits
+  (one ``F.linear`` of those hidden states) when no ``labels`` are given, in eval mode, or with
+  ``return_logits=True``; when training with labels, ``logits`` is None (``return_logits=True`` costs
+  one more (tokens, vocab) GEMM and its memory).
+- **MoE experts** (``experts="bf16" | "mxfp8" | "nvfp4"``): every fused experts module of transformers
+  5.x (3-D ``gate_up_proj`` (E, 2F, H), gate rows first, and ``down_proj`` (E, H, F), SiLU, no biases:
+  Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-V3, ...) runs through :func:`lowp_ops.grouped_swiglu_mlp`
+  with the model's own router and top-k: the (token, choice) rows are sorted by expert on the device,
+  split sizes never leave it (no host sync, one graph under ``torch.compile``). For ``mxfp8`` / ``nvfp4``
+  each expert's rows are padded with zero rows to a multiple of 32 / 16, so no quantization block
+  straddles two experts. GPT-OSS's experts are not this SwiGLU (biases, interleaved gate/up columns,
+  a clamped gate, ``(up + 1) * gate * sigmoid(alpha * gate)``): they raise ``NotImplementedError``.
+- **Attention softmax** (``softmax=True``): only for models whose attention implementation is
+  ``"eager"``: the probabilities go through :func:`lowp_ops.softmax` (an attention function registered
+  as ``"lowp_eager"`` and selected on this model). Other implementations (sdpa, flash) are left alone.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+import warnings
+from dataclasses import fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:
+    import transformers
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+except ImportError as error:  # pragma: no cover - exercised only without transformers
+    raise ImportError(
+        "lowp_ops.integrations.transformers needs transformers>=5,<6: pip install 'lowp_ops[transformers]'"
+    ) from error
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - builds without torch.distributed
+    DTensor = ()
+
+from .. import grouped_swiglu_mlp, linear_cross_entropy
+from .. import softmax as lowp_softmax
+from ..meta.checks import require
+
+__all__ = ["apply_lowp_ops"]
+
+EXPERT_RECIPES = ("bf16", "mxfp8", "nvfp4")
+GRAD_FORMATS = (None, "mxfp8_e4m3", "mxfp8_e5m2")
+ROW_ALIGNMENT = {"bf16": 1, "mxfp8": 32, "nvfp4": 16}
+"""Rows per expert are padded to these multiples: MXFP8 column-wise blocks are 32 tokens long, NVFP4's
+RHT and column-wise blocks 16 (lowp_ops.grouped_linear)."""
+
+LM_HEAD_MODEL_TYPES = frozenset(
+    {
+        "deepseek_v3",
+        "gpt_oss",
+        "llama",
+        "mistral",
+        "mixtral",
+        "olmo2",
+        "olmoe",
+        "phi3",
+        "qwen2",
+        "qwen2_moe",
+        "qwen3",
+        "qwen3_moe",
+    }
+)
+"""Causal LMs whose forward hands ``lm_head``'s output straight to ``loss_function`` (no soft-capping or
+scaling of the logits in between); each one is a test in tests/test_integrations_transformers.py."""
+
+SOFTMAX_MODEL_TYPES = frozenset(
+    {"llama", "mistral", "mixtral", "olmoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"}
+)
+"""Models whose eager attention is plain ``softmax(q k^T * scaling + mask) v`` (no sinks, no soft-cap)."""
+
+ATTENTION_NAME = "lowp_eager"
+_OWN_LOSS_ARGUMENTS = ("hidden", "weight", "target", "grad_format", "reduction", "ignore_index")
+
+
+def apply_lowp_ops(
+    model: nn.Module,
+    *,
+    grad_format: str | None = None,
+    experts: str | None = None,
+    softmax: bool = False,
+    **loss_options,
+) -> nn.Module:
+    """Patch a transformers causal LM instance to train on lowp_ops; returns ``model`` itself.
+
+    Args:
+        model: a ``*ForCausalLM`` of transformers 5.x with ``model.config.model_type`` in
+            ``LM_HEAD_MODEL_TYPES`` and a bias-free ``nn.Linear`` ``lm_head``.
+        grad_format: the logits gradient of the LM head: None (the weights' dtype), ``"mxfp8_e4m3"`` or
+            ``"mxfp8_e5m2"`` (see :func:`lowp_ops.linear_cross_entropy`).
+        experts: None leaves MoE experts alone; ``"bf16"``, ``"mxfp8"`` or ``"nvfp4"`` runs every fused
+            experts module through :func:`lowp_ops.grouped_swiglu_mlp` with that recipe (the expert
+            weights must be bf16 with hidden and intermediate sizes multiples of 8).
+        softmax: with eager attention, the attention probabilities go through :func:`lowp_ops.softmax`.
+        loss_options: passed through to :func:`lowp_ops.linear_cross_entropy` (e.g. ``chunk_size``,
+            ``other_operand``, ``label_smoothing``; later loss features the same way).
+
+    The patched ``model(...)`` also takes ``return_logits`` (default: logits unless training with
+    labels). Every check runs before anything is changed: a refused model is left untouched.
+    Apply it after resizing embeddings and before wrapping ``lm_head`` alone in FSDP (the loss reads
+    ``lm_head.weight`` after the head's own call returns).
+    """
+    _check_causal_lm(model)
+    _check_loss_options(grad_format, loss_options)
+    require(
+        experts is None or experts in EXPERT_RECIPES,
+        lambda: f"experts must be None or one of {EXPERT_RECIPES}, got {experts!r}",
+    )
+    require(isinstance(softmax, bool), lambda: f"softmax must be a bool, got {type(softmax).__name__}")
+    expert_modules = _supported_experts(model) if experts is not None else []
+    use_lowp_attention = softmax and _eager_attention_allowed(model)
+
+    model._lowp_ops_loss = {"grad_format": grad_format, **loss_options}
+    model.lm_head.forward = types.MethodType(_hidden_passthrough, model.lm_head)
+    model.loss_function = types.MethodType(_causal_lm_loss, model)
+    model.forward = types.MethodType(_forward_with_optional_logits, model)
+    for module in expert_modules:
+        module._lowp_recipe = experts
+        module.forward = types.MethodType(_grouped_experts_forward, module)
+    if use_lowp_attention:
+        AttentionInterface.register(ATTENTION_NAME, lowp_eager_attention)
+        AttentionMaskInterface.register(ATTENTION_NAME, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+        model.set_attn_implementation(ATTENTION_NAME)
+    return model
+
+
+# ------------------------------------------------------------------------------------------- checks
+
+
+def _check_causal_lm(model: nn.Module) -> None:
+    require(
+        transformers.__version__.split(".")[0] == "5",
+        lambda: f"apply_lowp_ops supports transformers 5.x, found {transformers.__version__}",
+    )
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in LM_HEAD_MODEL_TYPES:
+        raise NotImplementedError(
+            f"apply_lowp_ops: model_type {model_type!r} is not one of the checked causal LMs "
+            f"{sorted(LM_HEAD_MODEL_TYPES)} (models that change the logits between lm_head and the loss, "
+            "such as Gemma's soft-capping, need their own support)"
+        )
+    head = getattr(model, "lm_head", None)
+    require(
+        isinstance(head, nn.Linear),
+        lambda: f"model.lm_head must be an nn.Linear, got {type(head).__name__} ({type(model).__name__})",
+    )
+    if head.bias is not None:
+        raise NotImplementedError("apply_lowp_ops: an lm_head with a bias is not supported")
+
+
+def _check_loss_options(grad_format: str | None, loss_options: dict) -> None:
+    require(
+        grad_format in GRAD_FORMATS, lambda: f"grad_format must be one of {GRAD_FORMATS}, got {grad_format!r}"
+    )
+    accepted = set(inspect.signature(linear_cross_entropy).parameters) - set(_OWN_LOSS_ARGUMENTS)
+    unknown = sorted(set(loss_options) - accepted)
+    if unknown:
+        raise TypeError(
+            f"apply_lowp_ops got unexpected loss options {unknown}; "
+            f"linear_cross_entropy takes {sorted(accepted)}"
+        )
+    if loss_options.get("process_group") is not None:
+        raise NotImplementedError(
+            "apply_lowp_ops: process_group (a vocabulary-parallel lm_head) is not wired into "
+            "transformers models"
+        )
+
+
+def _experts_modules(model: nn.Module) -> list[nn.Module]:
+    """The fused experts modules of transformers 5.x (3-D ``gate_up_proj`` and ``down_proj``)."""
+    return [
+        module
+        for module in model.modules()
+        if isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
+        and isinstance(getattr(module, "down_proj", None), torch.Tensor)
+        and module.gate_up_proj.dim() == 3
+    ]
+
+
+def _unsupported_reason(module: nn.Module) -> str | None:
+    """Why ``module`` is not the SwiGLU expert layout of grouped_swiglu_mlp (None when it is)."""
+    gate_up, down = module.gate_up_proj, module.down_proj
+    experts, two_ffn, hidden = gate_up.shape
+    checks = [
+        (getattr(module, "has_bias", False), "biases"),
+        (getattr(module, "is_transposed", False), "transposed weights (E, in, out)"),
+        (not getattr(module, "is_concatenated", True), "interleaved gate/up columns"),
+        (not getattr(module, "has_gate", True), "no gate"),
+        (getattr(module, "has_post_expert_norm", False), "a norm after each expert"),
+        (_has_own_gate(module), "its own gate function"),
+        (not isinstance(getattr(module, "act_fn", None), _silu_classes()), "an activation other than SiLU"),
+        (getattr(module, "_is_expert_parallel", False), "expert parallelism"),
+        (tuple(down.shape) != (experts, hidden, two_ffn // 2), f"down_proj {tuple(down.shape)}"),
+        (
+            gate_up.dtype != torch.bfloat16 or down.dtype != torch.bfloat16,
+            f"{gate_up.dtype} weights, not bf16",
+        ),
+        (hidden % 8 != 0 or two_ffn % 16 != 0, "hidden or intermediate size not a multiple of 8"),
+    ]
+    reasons = [reason for failed, reason in checks if failed]
+    return ", ".join(reasons) if reasons else None
+
+
+def _has_own_gate(module: nn.Module) -> bool:
+    """True when the experts class replaces transformers' default ``silu(gate) * up`` (``_apply_gate``)."""
+    gate = getattr(type(module), "_apply_gate", None)
+    return gate is not None and getattr(gate, "__name__", "") != "_default_apply_gate"
+
+
+def _silu_classes() -> tuple[type, ...]:
+    from transformers import activations
+
+    return tuple(cls for cls in (nn.SiLU, getattr(activations, "SiLUActivation", None)) if cls is not None)
+
+
+def _supported_experts(model: nn.Module) -> list[nn.Module]:
+    modules = _experts_modules(model)
+    if not modules:
+        raise ValueError(f"experts= was given but {type(model).__name__} has no fused MoE experts module")
+    for module in modules:
+        reason = _unsupported_reason(module)
+        if reason is not None:
+            raise NotImplementedError(
+                f"apply_lowp_ops(experts=...): {type(module).__name__} is not the SwiGLU expert layout of "
+                f"lowp_ops.grouped_swiglu_mlp: {reason}"
+            )
+    return modules
+
+
+def _eager_attention_allowed(model: nn.Module) -> bool:
+    implementation = model.config._attn_implementation
+    if implementation not in ("eager", ATTENTION_NAME):
+        warnings.warn(
+            f"apply_lowp_ops(softmax=True): attention implementation {implementation!r} is not 'eager'; "
+            "the attention is left alone",
+            stacklevel=3,
+        )
+        return False
+    if model.config.model_type not in SOFTMAX_MODEL_TYPES:
+        raise NotImplementedError(
+            f"apply_lowp_ops(softmax=True): the eager attention of {model.config.model_type!r} is not "
+            f"the plain softmax attention of {sorted(SOFTMAX_MODEL_TYPES)}"
+        )
+    return True
+
+
+# ------------------------------------------------------------------------------- LM head and loss
+
+
+def _hidden_passthrough(self: nn.Linear, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The patched ``lm_head``: the model's forward hands its output (the hidden states) to the loss."""
+    return hidden_states
+
+
+def _causal_lm_loss(
+    self: nn.Module,
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    **_model_kwargs,
+) -> torch.Tensor:
+    """transformers' ``ForCausalLMLoss`` through ``linear_cross_entropy``; ``logits`` holds the final
+    hidden states (B, S, H) the patched head passed through. fp32 0-d loss."""
+    hidden = logits
+    weight = self.lm_head.weight
+    require(
+        not isinstance(weight, DTensor),
+        lambda: "lm_head.weight is a DTensor here: do not shard lm_head as its own FSDP / TP module",
+    )
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    shift_labels = shift_labels.to(hidden.device)
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = linear_cross_entropy(
+        hidden, weight, shift_labels, ignore_index=ignore_index, reduction=reduction, **self._lowp_ops_loss
+    )
+    if num_items_in_batch is None:
+        return loss
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+def _forward_with_optional_logits(
+    self: nn.Module,
+    *args,
+    logits_to_keep: int | torch.Tensor = 0,
+    return_logits: bool | None = None,
+    **kwargs,
+):
+    """The class's forward with the head's output (hidden states) turned back into logits when wanted."""
+    return_dict = kwargs.pop("return_dict", None)
+    if return_logits is None:
+        return_logits = kwargs.get("labels") is None or not self.training
+    output = type(self).forward(self, *args, logits_to_keep=logits_to_keep, return_dict=True, **kwargs)
+    logits = F.linear(output.logits, self.lm_head.weight) if return_logits else None
+    output = type(output)(**{**{f.name: getattr(output, f.name) for f in fields(output)}, "logits": logits})
+    if return_dict is None:
+        return_dict = getattr(self.config, "return_dict", True)
+    return output if return_dict else output.to_tuple()
+
+
+# ------------------------------------------------------------------------------------------ experts
+
+
+def _sort_by_expert(expert_of_choice: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order (n,) sorting the (token, choice) rows by expert, stably; split sizes (E,) int64), both on
+    the device."""
+    order = torch.argsort(expert_of_choice, stable=True)
+    ones = torch.ones_like(expert_of_choice)
+    split_sizes = torch.zeros(experts, dtype=torch.int64, device=ones.device).scatter_add_(
+        0, expert_of_choice, ones
+    )
+    return order, split_sizes
+
+
+def padded_capacity(choices: int, experts: int, alignment: int) -> int:
+    """Rows of the padded layout: enough for any routing of ``choices`` rows, a multiple of ``alignment``."""
+    return -(-(choices + experts * (alignment - 1)) // alignment) * alignment
+
+
+def _padded_rows(
+    sorted_expert: torch.Tensor, split_sizes: torch.Tensor, alignment: int, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row of each sorted choice in the padded layout (n,), padded split sizes (E,)): every expert's
+    rows start at a multiple of ``alignment``; the rows in between stay zero, and the last expert also
+    owns the zero rows up to ``capacity`` (the split sizes sum to it, as the CPU references require)."""
+    padded_sizes = (split_sizes + (alignment - 1)) // alignment * alignment
+    starts = torch.cumsum(split_sizes, 0) - split_sizes
+    padded_starts = torch.cumsum(padded_sizes, 0) - padded_sizes
+    rank_in_expert = torch.arange(sorted_expert.shape[0], device=sorted_expert.device) - starts[sorted_expert]
+    slack = capacity - padded_sizes.sum()
+    padded_sizes = torch.cat((padded_sizes[:-1], padded_sizes[-1:] + slack))
+    return padded_starts[sorted_expert] + rank_in_expert, padded_sizes
+
+
+def _grouped_experts_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """transformers' experts forward (tokens (T, H), top-k expert ids and weights (T, k)) through
+    ``grouped_swiglu_mlp``; (T, H) in hidden_states' dtype, the k choices summed."""
+    tokens, top_k = top_k_index.shape
+    experts, hidden = self.gate_up_proj.shape[0], hidden_states.shape[-1]
+    alignment = ROW_ALIGNMENT[self._lowp_recipe]
+    expert_of_choice = top_k_index.reshape(-1)
+    order, split_sizes = _sort_by_expert(expert_of_choice, experts)
+    x = hidden_states[order // top_k]
+    probs = top_k_weights.reshape(-1)[order]
+    if alignment == 1:
+        row = torch.arange(order.shape[0], device=order.device)
+    else:
+        capacity = padded_capacity(order.shape[0], experts, alignment)
+        row, split_sizes = _padded_rows(expert_of_choice[order], split_sizes, alignment, capacity)
+        x = x.new_zeros(capacity, hidden).index_copy(0, row, x)
+        probs = probs.new_zeros(capacity).index_copy(0, row, probs)
+    y = grouped_swiglu_mlp(x, self.gate_up_proj, self.down_proj, split_sizes, probs, recipe=self._lowp_recipe)
+    row_of_choice = torch.empty_like(order).scatter_(0, order, row)
+    return y[row_of_choice].view(tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
+
+
+# ---------------------------------------------------------------------------------------- attention
+
+
+def lowp_eager_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' eager attention with the probabilities from :func:`lowp_ops.softmax` (fp32 math,
+    one rounding to the scores' dtype). query (B, Hq, S, D), key / value (B, Hkv, S_kv, D | Dv), an
+    additive mask broadcastable to (B, Hq, S, S_kv). Returns ((B, S, Hq, Dv), probs (B, Hq, S, S_kv))."""
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise NotImplementedError("lowp_eager attention has no soft-capping and no attention sinks")
+    groups = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(groups, dim=1)
+    value = value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * (
+        query.shape[-1] ** -0.5 if scaling is None else scaling
+    )
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    probs = lowp_softmax(scores, dim=-1, masked_rows="zero")
+    probs = F.dropout(probs, p=dropout, training=module.training)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs

@@ -1,0 +1,367 @@
+"""``lowp_ops.integrations.transformers.apply_lowp_ops`` on tiny random transformers models (no downloads):
+the patched model's loss and every parameter's gradient equal the unpatched model's (fp32: tight; bf16
+experts: bf16 tolerance), the experts' padded layout equals each expert run alone, one compiled graph."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers", minversion="5", reason="needs transformers>=5,<6 (pip install 'lowp_ops[transformers]')"
+)
+from torch._dynamo.utils import counters  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
+import lowp_ops  # noqa: E402
+from lowp_ops.integrations import transformers as integration  # noqa: E402
+from lowp_ops.integrations.transformers import LM_HEAD_MODEL_TYPES, apply_lowp_ops  # noqa: E402
+
+VOCAB = 96
+COMMON = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+EXPERTS = {"num_experts_per_tok": 2}
+EXTRA = {
+    "qwen3": {"head_dim": 8},
+    "qwen3_moe": {**EXPERTS, "head_dim": 8, "moe_intermediate_size": 16, "num_experts": 4},
+    "qwen2_moe": {
+        **EXPERTS,
+        "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 32,
+        "num_experts": 4,
+    },
+    "mixtral": {**EXPERTS, "num_local_experts": 4, "intermediate_size": 16},
+    "olmoe": {**EXPERTS, "num_experts": 4, "intermediate_size": 16},
+    "deepseek_v3": {
+        **EXPERTS,
+        "num_key_value_heads": 4,
+        "moe_intermediate_size": 16,
+        "n_routed_experts": 4,
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "q_lora_rank": None,
+        "kv_lora_rank": 16,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 8,
+    },
+    "gpt_oss": {
+        **EXPERTS,
+        "num_local_experts": 4,
+        "intermediate_size": 16,
+        "head_dim": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 8,
+    },
+}
+MOE_TYPES = ["deepseek_v3", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe"]
+
+
+def tiny_model(model_type: str, dtype=torch.float32, seed=0, **config):
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = AutoConfig.for_model(model_type, **{**COMMON, **EXTRA.get(model_type, {}), **config})
+        return AutoModelForCausalLM.from_config(cfg).to(dtype)
+
+
+def batch(seed=0, rows=2, length=12, ignored=3):
+    """Token ids and labels with -100 at the start of the first row (prompt tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (rows, length), generator=gen)
+    labels = ids.clone()
+    labels[0, :ignored] = -100
+    return ids, labels
+
+
+def loss_and_grads(model, ids, labels, **kwargs):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=labels, **kwargs).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_training_signal(ref, patched, ids, labels, *, rtol, **kwargs):
+    """Equal losses and, parameter by parameter, gradients within ``rtol`` of the gradient's norm."""
+    want_loss, want = loss_and_grads(ref, ids, labels, **kwargs)
+    got_loss, got = loss_and_grads(patched, ids, labels, **kwargs)
+    torch.testing.assert_close(got_loss, want_loss, rtol=rtol, atol=0)
+    assert got.keys() == want.keys()
+    for name, grad in want.items():
+        error = (got[name].double() - grad.double()).norm() / grad.double().norm().clamp(min=1e-30)
+        assert error <= rtol, f"{name}: gradient off by {float(error):.2e} of its norm"
+
+
+# ----------------------------------------------------------------------------------- LM head + loss
+
+
+@pytest.mark.parametrize("model_type", sorted(LM_HEAD_MODEL_TYPES))
+def test_loss_and_gradients_equal_the_models_own_fp32(model_type):
+    ref = tiny_model(model_type)
+    patched = apply_lowp_ops(copy.deepcopy(ref))
+    assert_same_training_signal(ref, patched, *batch(), rtol=2e-6)
+
+
+def test_tied_embeddings_router_aux_loss_and_mxfp8_gradient():
+    ref = tiny_model("mixtral", tie_word_embeddings=True, output_router_logits=True)
+    patched = apply_lowp_ops(copy.deepcopy(ref))
+    assert patched.lm_head.weight is patched.model.embed_tokens.weight
+    assert_same_training_signal(ref, patched, *batch(), rtol=2e-6)
+    mxfp8 = apply_lowp_ops(copy.deepcopy(ref), grad_format="mxfp8_e4m3")
+    assert_same_training_signal(ref, mxfp8, *batch(), rtol=0.1)  # E4M3 logits gradient
+
+
+def test_gradient_accumulation_with_num_items_in_batch():
+    """Two micro-batches, each loss summed and divided by the valid labels of both: the accumulated
+    gradient equals the unpatched model's, and the summed loss equals the mean over the full batch."""
+    ref = tiny_model("llama")
+    patched = apply_lowp_ops(copy.deepcopy(ref))
+    micro = [batch(seed=1, ignored=5), batch(seed=2, ignored=1)]
+    num_items = sum(int((labels[:, 1:] != -100).sum()) for _, labels in micro)
+    losses = {}
+    for model in (ref, patched):
+        model.zero_grad(set_to_none=True)
+        total = 0.0
+        for ids, labels in micro:
+            loss = model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(num_items)).loss
+            loss.backward()
+            total += loss.detach()
+        losses[model] = total
+    full_ids = torch.cat([ids for ids, _ in micro])
+    full_labels = torch.cat([labels for _, labels in micro])
+    full_mean = ref(input_ids=full_ids, labels=full_labels).loss.detach()
+    torch.testing.assert_close(losses[patched], full_mean, rtol=2e-6, atol=0)
+    torch.testing.assert_close(losses[patched], losses[ref], rtol=2e-6, atol=0)
+    for (name, want), got in zip(ref.named_parameters(), patched.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_shift_labels_are_used_as_given():
+    ref = tiny_model("qwen3")
+    patched = apply_lowp_ops(copy.deepcopy(ref))
+    ids, labels = batch()
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
+    assert_same_training_signal(ref, patched, ids, labels, rtol=2e-6, shift_labels=shifted)
+
+
+def test_logits_only_when_asked_or_without_labels():
+    ref = tiny_model("llama")
+    patched = apply_lowp_ops(copy.deepcopy(ref))
+    ids, labels = batch()
+    assert patched(input_ids=ids, labels=labels).logits is None
+    want = ref(input_ids=ids).logits
+    torch.testing.assert_close(patched(input_ids=ids).logits, want, rtol=0, atol=0)
+    out = patched(input_ids=ids, labels=labels, return_logits=True)
+    torch.testing.assert_close(out.logits, want, rtol=0, atol=0)
+    assert out["logits"] is out.logits
+    last = patched(input_ids=ids, logits_to_keep=1).logits
+    torch.testing.assert_close(last, ref(input_ids=ids, logits_to_keep=1).logits, rtol=0, atol=0)
+    assert last.shape == (2, 1, VOCAB)
+    patched.eval()
+    loss, logits, *_ = patched(input_ids=ids, labels=labels, return_dict=False)
+    torch.testing.assert_close(logits, want, rtol=0, atol=0)
+    torch.testing.assert_close(loss, ref(input_ids=ids, labels=labels).loss, rtol=2e-6, atol=0)
+
+
+def test_generate_uses_the_patched_head():
+    ref = tiny_model("qwen3").eval()
+    patched = apply_lowp_ops(copy.deepcopy(ref))
+    ids, _ = batch()
+    options = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(patched.generate(ids, **options), ref.generate(ids, **options))
+
+
+# ------------------------------------------------------------------------------------------ experts
+
+
+@pytest.mark.parametrize("model_type", MOE_TYPES)
+def test_bf16_experts_match_the_models_own(model_type):
+    ref = tiny_model(model_type, torch.bfloat16)
+    patched = apply_lowp_ops(copy.deepcopy(ref), experts="bf16")
+    experts = integration._experts_modules(patched)
+    assert experts and all("forward" in vars(module) for module in experts)
+    assert_same_training_signal(ref, patched, *batch(), rtol=3e-2)
+
+
+def test_expert_weights_stay_the_models_parameters():
+    model = tiny_model("qwen3_moe", torch.bfloat16)
+    before = dict(model.named_parameters())
+    apply_lowp_ops(model, experts="mxfp8")
+    assert dict(model.named_parameters()) == before
+    model(input_ids=batch()[0], labels=batch()[1]).loss.backward()
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.grad is not None and experts.down_proj.grad is not None
+
+
+def expert_rows_alone(module, recipe, hidden, top_k_index, top_k_weights):
+    """The oracle of the padded layout: each expert's (token, choice) rows, zero-padded on their own to
+    the recipe's alignment, through grouped_swiglu_mlp with that expert's weights only."""
+    alignment = integration.ROW_ALIGNMENT[recipe]
+    out = hidden.new_zeros(top_k_index.numel(), hidden.shape[1])
+    for expert in range(module.gate_up_proj.shape[0]):
+        choices = (top_k_index.reshape(-1) == expert).nonzero().squeeze(1)
+        rows = -(-max(len(choices), 1) // alignment) * alignment
+        x = hidden.new_zeros(rows, hidden.shape[1])
+        x[: len(choices)] = hidden[choices // top_k_index.shape[1]]
+        probs = top_k_weights.new_zeros(rows)
+        probs[: len(choices)] = top_k_weights.reshape(-1)[choices]
+        y = lowp_ops.grouped_swiglu_mlp(
+            x,
+            module.gate_up_proj[expert : expert + 1],
+            module.down_proj[expert : expert + 1],
+            torch.tensor([rows]),
+            probs,
+            recipe=recipe,
+        )
+        out[choices] = y[: len(choices)]
+    return out.view(*top_k_index.shape, -1).sum(dim=1)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "mxfp8", "nvfp4"])
+def test_padded_expert_layout_equals_each_expert_alone(recipe):
+    """Bit for bit: the quantization blocks of one expert never see another expert's rows."""
+    model = tiny_model("qwen3_moe", torch.bfloat16, moe_intermediate_size=32, num_experts=3)
+    experts = model.model.layers[0].mlp.experts
+    apply_lowp_ops(model, experts=recipe)
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(29, 32, generator=gen).bfloat16()
+    top_k_index = torch.stack([torch.randint(0, 3, (29,), generator=gen), torch.full((29,), 2)], dim=1)
+    top_k_index[:5, 0] = 1
+    top_k_weights = torch.rand(29, 2, generator=gen)
+    got = experts(hidden, top_k_index, top_k_weights)
+    assert got.dtype == torch.bfloat16 and got.shape == hidden.shape
+    assert torch.equal(got, expert_rows_alone(experts, recipe, hidden, top_k_index, top_k_weights))
+
+
+def test_bf16_experts_match_float64():
+    model = tiny_model("mixtral", torch.bfloat16)
+    experts = model.model.layers[0].mlp.experts
+    apply_lowp_ops(model, experts="bf16")
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(17, 32, generator=gen).bfloat16()
+    top_k_weights, top_k_index = torch.rand(17, 4, generator=gen).topk(2, dim=-1)
+    got = experts(hidden, top_k_index, top_k_weights).detach()
+    gate_up, down = experts.gate_up_proj.detach().double(), experts.down_proj.detach().double()
+    want = torch.zeros(17, 32, dtype=torch.float64)
+    for token in range(17):
+        for choice in range(2):
+            expert = top_k_index[token, choice]
+            gate, up = (gate_up[expert] @ hidden[token].double()).chunk(2)
+            act = torch.nn.functional.silu(gate) * up * top_k_weights[token, choice].double()
+            want[token] += down[expert] @ act
+    torch.testing.assert_close(got.double(), want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
+
+
+def test_gpt_oss_experts_are_refused_and_the_model_left_alone():
+    model = tiny_model("gpt_oss", torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="biases, transposed weights"):
+        apply_lowp_ops(model, experts="bf16")
+    assert "forward" not in vars(model) and "forward" not in vars(model.lm_head)
+
+
+def test_fp32_experts_are_refused():
+    with pytest.raises(NotImplementedError, match="not bf16"):
+        apply_lowp_ops(tiny_model("olmoe"), experts="bf16")
+
+
+def test_experts_on_a_dense_model_are_refused():
+    with pytest.raises(ValueError, match="no fused MoE experts"):
+        apply_lowp_ops(tiny_model("llama", torch.bfloat16), experts="bf16")
+
+
+# ---------------------------------------------------------------------------------------- attention
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_eager_attention_softmax_through_lowp(model_type, monkeypatch):
+    ref = tiny_model(model_type, attn_implementation="eager")
+    patched = apply_lowp_ops(copy.deepcopy(ref), softmax=True)
+    assert patched.config._attn_implementation == integration.ATTENTION_NAME
+    assert ref.config._attn_implementation == "eager"
+    calls = []
+
+    def counting_softmax(*args, **kwargs):
+        calls.append(args[0].shape)
+        return lowp_ops.softmax(*args, **kwargs)
+
+    monkeypatch.setattr(integration, "lowp_softmax", counting_softmax)
+    ids, labels = batch()
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding
+    assert_same_training_signal(ref, patched, ids, labels, rtol=2e-6, attention_mask=mask)
+    assert len(calls) == COMMON["num_hidden_layers"]
+
+
+def test_softmax_leaves_sdpa_alone():
+    model = tiny_model("llama")
+    with pytest.warns(UserWarning, match="left alone"):
+        apply_lowp_ops(model, softmax=True)
+    assert model.config._attn_implementation == "sdpa"
+
+
+# --------------------------------------------------------------------------------- compile, errors
+
+
+def test_compiled_loss_is_one_graph():
+    """The whole patched MoE forward with its loss (router, sorted experts, MXFP8 LM-head gradient)
+    in one Dynamo graph: no graph break anywhere, in lowp ops or around them."""
+    model = apply_lowp_ops(tiny_model("qwen3_moe", torch.bfloat16), experts="bf16", grad_format="mxfp8_e4m3")
+    ids, labels = batch()
+    items = torch.tensor(int((labels[:, 1:] != -100).sum()))
+    eager = model(input_ids=ids, labels=labels, num_items_in_batch=items).loss
+    counters.clear()
+    compiled = torch.compile(
+        lambda ids, labels: model(input_ids=ids, labels=labels, num_items_in_batch=items).loss,
+        backend="aot_eager",
+        fullgraph=True,
+    )
+    loss = compiled(ids, labels)
+    loss.backward()
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == 1
+    torch.testing.assert_close(loss, eager, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"grad_format": "fp8"}, ValueError, "grad_format"),
+        ({"experts": "fp8"}, ValueError, "experts"),
+        ({"softmax": "yes"}, ValueError, "softmax"),
+        ({"chunk_sise": 256}, TypeError, "chunk_sise"),
+        ({"process_group": object()}, NotImplementedError, "process_group"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, error, message):
+    model = tiny_model("llama")
+    with pytest.raises(error, match=message):
+        apply_lowp_ops(model, **kwargs)
+    assert "forward" not in vars(model)
+
+
+def test_unchecked_model_types_are_refused():
+    model = tiny_model("gemma2", final_logit_softcapping=30.0, head_dim=8)
+    with pytest.raises(NotImplementedError, match="gemma2"):
+        apply_lowp_ops(model)
+
+
+@pytest.mark.interp
+def test_interp_patched_moe_runs_the_kernels():
+    """The Triton kernels (under the interpreter) behind the patched LM head, experts and softmax."""
+    ref = tiny_model("qwen3_moe", torch.bfloat16, attn_implementation="eager", num_hidden_layers=1)
+    patched = apply_lowp_ops(copy.deepcopy(ref), experts="bf16", softmax=True)
+    assert_same_training_signal(ref, patched, *batch(length=6), rtol=3e-2)
