@@ -91,13 +91,20 @@ def weight_operand(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ops.lowp.nvfp4_decode_rows(row_data, row_scale), amax
 
 
-def _scale_rows(out: torch.Tensor, alpha: torch.Tensor, split_sizes: torch.Tensor) -> torch.Tensor:
-    row_alpha = _token_values(alpha, split_sizes, out.shape[0])
-    return (out.float() * row_alpha[:, None]).to(torch.bfloat16)
+def _scale_rows(out: torch.Tensor, alpha: tuple[torch.Tensor, torch.Tensor], split_sizes: torch.Tensor):
+    """bf16 ``out * alpha_e`` per expert's rows, ``alpha`` as :func:`_alpha` returns it."""
+    first, second = (_token_values(factor, split_sizes, out.shape[0])[:, None] for factor in alpha)
+    return (out.float() * first * second).to(torch.bfloat16)
 
 
-def _alpha(amax_a: torch.Tensor, amax_b: torch.Tensor) -> torch.Tensor:
-    return (amax_a * _GLOBAL_RCP) * (amax_b * _GLOBAL_RCP)
+def _alpha(amax_a: torch.Tensor, amax_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per expert, two fp32 factors whose product, applied in turn, is ``(amax_a / 2688)(amax_b / 2688)``:
+    ``(alpha, 1)`` (the result bit-identical to one multiply by alpha) where alpha is finite, and the two
+    quotients where it overflows (a product that overflows alone can still give finite outputs)."""
+    a, b = amax_a * _GLOBAL_RCP, amax_b * _GLOBAL_RCP
+    alpha = a * b
+    overflows = torch.isinf(alpha) & torch.isfinite(a) & torch.isfinite(b)
+    return torch.where(overflows, a, alpha), torch.where(overflows, b, 1.0)
 
 
 def nvfp4_fprop(x: torch.Tensor, weight: torch.Tensor, split_sizes: torch.Tensor) -> torch.Tensor:
@@ -134,5 +141,5 @@ def nvfp4_backward(
     grad_col, amax_col = columnwise_operand(grad, split_sizes, amax_col)
     x_col, amax_x_col = columnwise_operand(x, split_sizes)
     dweight = torch.ops.lowp.grouped_mm(grad_col, x_col.t(), offs)
-    alpha = _alpha(amax_col, amax_x_col)
-    return dx, (dweight.float() * alpha[:, None, None]).to(torch.bfloat16)
+    first, second = _alpha(amax_col, amax_x_col)
+    return dx, (dweight.float() * first[:, None, None] * second[:, None, None]).to(torch.bfloat16)

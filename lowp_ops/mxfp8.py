@@ -27,8 +27,9 @@ def mxfp8_quantize(
         scale_layout: ``"compact"`` or ``"swizzled"`` (the GEMM tile order of TE's ``optimize_for_gemm``).
 
     Returns an :class:`~lowp_ops.formats.MXFP8Tensor`. Numerics: per block ``e = roundup_pow2(amax *
-    R)`` as E8M0 and ``q = rne_satfinite(x * 2^(127 - e))``. A block holding NaN gets scale code 255 and
-    NaN data (0x7F); Inf saturates to +-max in a block with scale code 254.
+    R)`` as E8M0 and ``q = rne_satfinite(x * 2^(127 - e))``. As TE, the block amax drops NaN: a NaN
+    element encodes as 0x7F and its block keeps the scale of its finite elements; Inf saturates to
+    +-max in a block with scale code 254.
     """
     check_quantize_args(x, fp8_dtype, rowwise, columnwise, scale_layout)
     row_data, row_scale, col_data, col_scale = torch.ops.lowp.mxfp8_quantize(

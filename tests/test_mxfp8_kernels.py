@@ -232,6 +232,100 @@ def test_quantize_kernel_handles_empty_input(suite, kernel_device, shape, row_sc
     assert not row_scale.any() and not col_scale.any()
 
 
+# --------------------------------------------------------------------------------------- NaN as TE
+
+
+def with_nans(x: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x with NaNs, the NaN mask): 5% scattered NaNs, half of them negative, an all-NaN 32x32 corner."""
+    gen = torch.Generator().manual_seed(seed)
+    is_nan = torch.rand(x.shape, generator=gen) < 0.05
+    is_nan[:32, :32] = True
+    negative = torch.rand(x.shape, generator=gen) < 0.5
+    nans = torch.where(negative, -math.nan, math.nan).to(x.dtype)
+    return torch.where(is_nan, nans, x), is_nan
+
+
+@pytest.mark.parametrize("suite", SUITES)
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("scale_layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_quantize_kernel_drops_nan_from_the_block_amax(suite, kernel_device, fp8_dtype, scale_layout, dtype):
+    """TE's fmaxf amax, checked without the reference: NaNs give the scales and the other bytes of the
+    same input with those elements zeroed, and 0x7F themselves; then the reference's bytes too."""
+    shape = (70, 97) if suite == "interp" else (1000, 1057)
+    x = make_input(shape, dtype, seed=12, n_special=0, layout="contiguous")
+    x_nan, is_nan = with_nans(x, seed=13)
+    assert (x_nan.float().view(torch.int32) < 0)[is_nan].any(), "some NaNs must be negative"
+    got = kernels.launch_mxfp8_quantize(x_nan.to(kernel_device), fp8_dtype, True, True, scale_layout)
+    zeroed = x.masked_fill(is_nan, 0.0).to(kernel_device)
+    want = kernels.launch_mxfp8_quantize(zeroed, fp8_dtype, True, True, scale_layout)
+    for name, g, w in zip(OUTPUT_NAMES, got, want, strict=True):
+        g, w = g.cpu(), w.cpu()
+        if name.endswith("scale"):
+            assert_bytes_equal(name, g, w)
+        else:
+            assert (g[is_nan] == 0x7F).all(), name
+            assert_bytes_equal(name, g[~is_nan], w[~is_nan])
+    assert_quantize_matches_reference(x_nan, kernel_device, fp8_dtype, True, True, scale_layout)
+
+
+@pytest.mark.parametrize("suite", SUITES)
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_quantize_kernel_inf_and_nan_in_one_block(suite, kernel_device, fp8_dtype):
+    x = torch.ones(32, 32)
+    x[0, 3] = x[5, 0] = math.inf
+    x[0, 9] = x[9, 0] = math.nan
+    row_data, row_scale, col_data, col_scale = kernels.launch_mxfp8_quantize(
+        x.to(kernel_device), fp8_dtype, True, True, "compact"
+    )
+    max_byte = 0x7E if fp8_dtype == "e4m3" else 0x7B
+    for data, code in ((row_data.cpu(), row_scale[0, 0]), (col_data.cpu(), col_scale[0, 0])):
+        assert code.item() == 254
+        assert data[0, 3] == data[5, 0] == max_byte and data[0, 9] == data[9, 0] == 0x7F
+    assert_quantize_matches_reference(x, kernel_device, fp8_dtype, True, True, "compact")
+
+
+def fused_ce_mxfp8(logits, target, grad_rows, fp8_dtype, gluon):
+    from lowp_ops.kernels import cross_entropy as ce_kernels
+
+    lse = ce_kernels.launch_cross_entropy_fwd(logits, target, 0.0, -100)[1]
+    return ce_kernels.launch_cross_entropy_bwd_mxfp8(
+        logits, target, lse, grad_rows, 0.0, -100, fp8_dtype, True, True, "compact", gluon=gluon
+    )
+
+
+@pytest.mark.parametrize(
+    ("suite", "gluon"),
+    [
+        pytest.param("interp", False, marks=pytest.mark.interp, id="interp"),
+        pytest.param("gpu", False, marks=pytest.mark.gpu, id="gpu-triton"),
+        pytest.param("gpu", True, marks=pytest.mark.gpu, id="gpu-gluon"),
+    ],
+)
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_fused_ce_backward_drops_a_nan_row_from_column_block_amaxes(suite, gluon, kernel_device, fp8_dtype):
+    """A NaN loss gradient makes one gradient row NaN. Every column-wise block holding it keeps the
+    scale it has when that row's gradient is 0, the row's row-wise blocks get code 0 and 0x7F bytes."""
+    rows, cols = (64, 256) if suite == "interp" else (256, 4096)
+    gen = torch.Generator().manual_seed(14)
+    logits = (torch.randn(rows, cols, generator=gen) * 4).to(torch.bfloat16).to(kernel_device)
+    target = torch.randint(0, cols, (rows,), generator=gen).to(kernel_device)
+    grad_rows = (torch.rand(rows, generator=gen) + 0.5).to(kernel_device)
+    nan_row = 37
+    grad_rows[nan_row] = math.nan
+    got = [t.cpu() for t in fused_ce_mxfp8(logits, target, grad_rows, fp8_dtype, gluon)]
+    grad_rows[nan_row] = 0.0
+    want = [t.cpu() for t in fused_ce_mxfp8(logits, target, grad_rows, fp8_dtype, gluon)]
+    row_data, row_scale, col_data, col_scale = got
+    assert (row_data[nan_row] == 0x7F).all() and (col_data[nan_row] == 0x7F).all()
+    assert (row_scale[nan_row] == 0).all()
+    assert_bytes_equal("col_scale", col_scale, want[3])
+    assert_bytes_equal("row_scale", row_scale, want[1])
+    others = torch.arange(rows) != nan_row
+    assert_bytes_equal("row_data", row_data[others], want[0][others])
+    assert_bytes_equal("col_data", col_data[others], want[2][others])
+
+
 # ---------------------------------------------------------------------------------------- dequantize
 
 

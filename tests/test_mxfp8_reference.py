@@ -105,10 +105,27 @@ def spec_multiplier(code: int) -> float:
     return 2.0 ** (127 - code)
 
 
+def c_fmaxf(a: float, b: float) -> float:
+    """C's fmaxf: the larger operand; when one operand is NaN, the other one."""
+    if math.isnan(a):
+        return b
+    if math.isnan(b):
+        return a
+    return max(a, b)
+
+
+def te_block_amax(values: list[float]) -> float:
+    """TE's block amax: ``amax = fmaxf(amax, fabsf(x))`` over the block, starting from 0."""
+    amax = 0.0
+    for v in values:
+        amax = c_fmaxf(amax, abs(v))
+    return amax
+
+
 def oracle_block(values: torch.Tensor, fp8_dtype: str) -> tuple[int, torch.Tensor]:
     """(E8M0 code, FP8 bytes) of one block of fp32 values, step by step as spec B.5."""
     as_float = [float(v) for v in values.tolist()]
-    amax = math.nan if any(math.isnan(v) for v in as_float) else max(abs(v) for v in as_float)
+    amax = te_block_amax(as_float)
     v = fp32_round(amax * max_norm_rcp(fp8_dtype))  # exact product, one fp32 rounding
     code = spec_e8m0(v)
     multiplier = spec_multiplier(code)
@@ -454,15 +471,59 @@ def test_round_trip_error_is_within_half_ulp(rows, cols, lead, dtype, fp8_dtype,
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
-def test_nan_block_gets_code_255_and_nan_bytes(fp8_dtype):
+def test_nan_encodes_alone_and_its_block_keeps_the_scale_of_its_finite_elements(fp8_dtype):
     x = spread_values((64, 96), torch.float32, seed=5, max_exp=4)
     x[3, 40] = math.nan  # row-wise block (3, 1); column-wise block (0, 40)
+    x[50, 7] = -math.nan  # a negative NaN: row-wise block (50, 0); column-wise block (1, 7)
     q = lowp_ops.mxfp8_quantize(x, fp8_dtype)
-    assert q.row_scale[3, 1].item() == 255
-    assert q.col_scale[0, 40].item() == 255
-    assert (as_bytes(q.row_data)[3, 32:64] == 0x7F).all()
-    assert (as_bytes(q.col_data)[0:32, 40] == 0x7F).all()
-    assert_other_blocks_match_oracle(x, q, fp8_dtype, row_block=(3, 1), col_block=(0, 40))
+    row_bytes, col_bytes = as_bytes(q.row_data), as_bytes(q.col_data)
+    assert row_bytes[3, 40] == col_bytes[3, 40] == row_bytes[50, 7] == col_bytes[50, 7] == 0x7F
+    finite_row = [float(v) for v in x[3, 32:64] if not math.isnan(v)]
+    finite_col = [float(v) for v in x[0:32, 40] if not math.isnan(v)]
+    assert q.row_scale[3, 1].item() == exact_e8m0(max(abs(v) for v in finite_row), fp8_dtype) < 255
+    assert q.col_scale[0, 40].item() == exact_e8m0(max(abs(v) for v in finite_col), fp8_dtype) < 255
+    assert_matches_oracle(x, q, fp8_dtype)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_nan_changes_only_its_own_byte(fp8_dtype, dtype):
+    """Quantizing with NaNs equals quantizing with those elements zeroed (zeros never raise an amax),
+    except that the NaN elements' bytes are 0x7F: the oracle-free form of TE's fmaxf amax."""
+    x = spread_values((70, 97), dtype, seed=8, max_exp=20)
+    gen = torch.Generator().manual_seed(9)
+    is_nan = torch.rand(x.shape, generator=gen) < 0.05
+    is_nan[0:32, 0:32] = True  # an all-NaN block in both copies
+    with_nan = lowp_ops.mxfp8_quantize(x.masked_fill(is_nan, math.nan), fp8_dtype)
+    with_zero = lowp_ops.mxfp8_quantize(x.masked_fill(is_nan, 0.0), fp8_dtype)
+    assert torch.equal(with_nan.row_scale, with_zero.row_scale)
+    assert torch.equal(with_nan.col_scale, with_zero.col_scale)
+    assert (with_nan.row_scale[0:32, 0] == 0).all() and (with_nan.col_scale[0, 0:32] == 0).all()
+    for name in ("row_data", "col_data"):
+        nan_bytes, zero_bytes = as_bytes(getattr(with_nan, name)), as_bytes(getattr(with_zero, name))
+        assert (nan_bytes[is_nan] == 0x7F).all(), name
+        assert torch.equal(nan_bytes[~is_nan], zero_bytes[~is_nan]), name
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_nan_dequantizes_to_nan_and_its_neighbours_to_their_values(fp8_dtype):
+    x = torch.linspace(-3.0, 3.0, 64).view(2, 32)
+    x[0, 5] = math.nan
+    q = lowp_ops.mxfp8_quantize(x, fp8_dtype)
+    for use in ("rowwise", "columnwise"):
+        deq = lowp_ops.mxfp8_dequantize(q, torch.float32, use=use)
+        assert torch.isnan(deq).nonzero().tolist() == [[0, 5]], use
+        finite = ~torch.isnan(x)
+        assert torch.allclose(deq[finite], x[finite], rtol=2.0 ** -FP8_SPEC[fp8_dtype]["mantissa_bits"]), use
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_scale_code_255_dequantizes_to_nan(fp8_dtype):
+    q = lowp_ops.mxfp8_quantize(torch.ones(4, 64), fp8_dtype, columnwise=False)
+    q.row_scale[1, 1] = 255
+    deq = lowp_ops.mxfp8_dequantize(q, torch.float32)
+    assert torch.isnan(deq[1, 32:64]).all()
+    assert torch.equal(torch.isnan(deq).sum(), torch.tensor(32))
 
 
 @pytest.mark.parametrize(("fp8_dtype", "pos_max", "neg_max"), [("e4m3", 0x7E, 0xFE), ("e5m2", 0x7B, 0xFB)])
@@ -481,28 +542,24 @@ def test_inf_saturates_to_max_in_a_block_with_code_254(fp8_dtype, pos_max, neg_m
     assert ((neighbours & 0x7F) == 0).all()
 
 
-def test_nan_wins_over_inf_in_one_block():
+@pytest.mark.parametrize(("fp8_dtype", "max_byte"), [("e4m3", 0x7E), ("e5m2", 0x7B)])
+def test_inf_sets_the_scale_of_a_block_that_also_holds_nan(fp8_dtype, max_byte):
     x = torch.ones(1, 32)
     x[0, 3], x[0, 9] = math.inf, math.nan
-    q = lowp_ops.mxfp8_quantize(x, columnwise=False)
-    assert q.row_scale[0, 0].item() == 255
-    assert (as_bytes(q.row_data) == 0x7F).all()
+    q = lowp_ops.mxfp8_quantize(x, fp8_dtype)
+    assert q.row_scale[0, 0].item() == 254
+    row = as_bytes(q.row_data)[0]
+    assert row[3] == max_byte and row[9] == 0x7F
+    assert (row[[i for i in range(32) if i not in (3, 9)]] == 0).all()  # 1 * 2^-127 rounds to +0
+    assert_matches_oracle(x, q, fp8_dtype)
 
 
-def assert_other_blocks_match_oracle(x, q, fp8_dtype, row_block, col_block):
+def assert_matches_oracle(x, q, fp8_dtype):
     row_data, row_scale, col_data, col_scale = oracle_quantize(x, fp8_dtype)
-    r, b = row_block
-    row_keep = torch.ones_like(row_data, dtype=torch.bool)
-    row_keep[r, b * BLOCK : (b + 1) * BLOCK] = False
-    b, c = col_block
-    col_keep = torch.ones_like(col_data, dtype=torch.bool)
-    col_keep[b * BLOCK : (b + 1) * BLOCK, c] = False
-    assert torch.equal(as_bytes(q.row_data)[row_keep], row_data[row_keep])
-    assert torch.equal(as_bytes(q.col_data)[col_keep], col_data[col_keep])
-    row_scale[row_block] = q.row_scale[row_block]
-    col_scale[col_block] = q.col_scale[col_block]
     assert torch.equal(q.row_scale, row_scale)
     assert torch.equal(q.col_scale, col_scale)
+    assert torch.equal(as_bytes(q.row_data), row_data)
+    assert torch.equal(as_bytes(q.col_data), col_data)
 
 
 # ----------------------------------------------------------------------------------------- bad input

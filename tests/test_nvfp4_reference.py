@@ -184,6 +184,75 @@ def test_dequantize_is_code_value_times_block_scale_times_amax_over_2688():
     assert np.array_equal(got.numpy(), values * np.repeat(final, 16, axis=1))
 
 
+def all_codes_under_every_scale_byte() -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]:
+    """(packed data (256, 8), scales (256, 4)): row r holds the 16 codes 0..15 in one block with scale
+    byte r; and, for the oracle, their E2M1 values (256, 16) and E4M3 scales (256, 1) as float32."""
+    codes = np.tile(np.arange(16), (256, 1))
+    data = torch.from_numpy((codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8))
+    scale = torch.zeros(256, 4, dtype=torch.uint8)
+    scale[:, 0] = torch.arange(256, dtype=torch.uint8)
+    values = np.concatenate([GRID, -GRID])[codes].astype(F32)
+    block_scale = scale[:, :1].view(torch.float8_e4m3fn).float().numpy()
+    return data, scale, values, block_scale
+
+
+def test_dequantize_is_bit_identical_to_the_unstaged_formula_wherever_that_is_finite():
+    """Random amaxes over all of fp32 (subnormals to FLT_MAX), every code under every E4M3 scale byte:
+    the staged dequantization equals ``e2m1 * ((s_b * amax) * fp32(1/2688))`` in numpy float32 bit for
+    bit where that is finite, and is finite and within 2 fp32 roundings of the exact value elsewhere."""
+    data, scale, values, block_scale = all_codes_under_every_scale_byte()
+    gen = np.random.default_rng(21)
+    amaxes = np.concatenate(
+        [
+            np.exp2(gen.uniform(-149, 128, 300)).astype(F32),
+            np.array([2.0**64, np.nextafter(F32(2.0**64), F32(0)), 7.6e35, 3e38, np.finfo(F32).max], F32),
+        ]
+    )
+    finite_scale = np.isfinite(block_scale)  # bytes 0x7F and 0xFF are NaN
+    for amax in amaxes:
+        got = ref.nvfp4_dequantize(data, scale, torch.tensor([amax]), torch.float32).numpy()
+        with np.errstate(over="ignore", invalid="ignore"):
+            unstaged = values * ((block_scale * F32(amax)) * F32(1.0 / 2688.0))
+        exact = values.astype(np.float64) * block_scale.astype(np.float64) * float(amax) / 2688.0
+        below = np.isfinite(unstaged)
+        assert np.array_equal(got[below].view(np.int32), unstaged[below].view(np.int32)), amax
+        above = ~below & finite_scale
+        assert np.isfinite(got[above]).all(), amax
+        assert (np.abs(got[above] - exact[above]) <= 2.0**-22 * np.abs(exact[above])).all(), amax
+    assert (amaxes > 7.6e35).sum() >= 3, "some amaxes must reach the range that used to overflow"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_round_trip_of_values_up_to_the_dtype_max_is_finite(dtype):
+    top = torch.finfo(dtype).max
+    gen = torch.Generator().manual_seed(22)
+    x = (torch.rand(64, 64, generator=gen, dtype=torch.float64) * 2 - 1).mul(top).to(dtype)
+    x[0, 0], x[1, 1] = top, -top
+    q = lowp_ops.nvfp4_quantize(x, columnwise=True)
+    for use, original in (("rowwise", x), ("columnwise", x.t())):
+        x_hat = lowp_ops.nvfp4_dequantize(q, dtype, use=use)
+        assert torch.isfinite(x_hat).all(), use
+        assert x_hat.abs().max() == top, use
+        error = (x_hat.double() - original.double()).abs()
+        assert (error <= top / 6).all(), use  # half the widest E2M1 step (4 -> 6) at the top block scale
+
+
+def test_grouped_recipe_alpha_factors_keep_finite_outputs_and_single_multiply_bits():
+    from lowp_ops import grouped_nvfp4
+
+    out = torch.tensor([[2.0**-20, -(2.0**-17)], [1.5, -(2.0**-10)]], dtype=torch.bfloat16)
+    split_sizes = torch.tensor([1, 1])
+    amax_a, amax_b = torch.tensor([1e30, 3.0]), torch.tensor([1e20, 5.0])
+    got = grouped_nvfp4._scale_rows(out, grouped_nvfp4._alpha(amax_a, amax_b), split_sizes)
+    # Expert 0: (1e30 / 2688)(1e20 / 2688) overflows fp32 on its own, the scaled row does not.
+    row0 = out[0].double() * (1e30 / 2688.0) * (1e20 / 2688.0)
+    assert torch.isfinite(got[0]).all()
+    assert torch.allclose(got[0].double(), row0, rtol=2.0**-7)
+    # Expert 1: one multiply by the fp32 alpha, as before.
+    alpha_1 = (torch.tensor(3.0) * (1.0 / 2688.0)) * (torch.tensor(5.0) * (1.0 / 2688.0))
+    assert torch.equal(got[1], (out[1].float() * alpha_1).to(torch.bfloat16))
+
+
 def test_round_trip_error_of_gaussian_data_is_nvfp4_sized():
     x = torch.randn(256, 512, generator=torch.Generator().manual_seed(8)).bfloat16()
     q = lowp_ops.nvfp4_quantize(x, columnwise=True)

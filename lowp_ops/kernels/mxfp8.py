@@ -31,7 +31,8 @@ def e8m0_from_amax(amax, MAX_RCP: tl.constexpr):
 
     Integer form (v >= 0): adding 0x7FFFFF carries any nonzero mantissa into the exponent; fp32
     denormals round up only above 2^-127 (add 0x3FFFFF); E = 0xFE with a mantissa and Inf saturate to
-    254; NaN is 255. Eight instructions: the code is recomputed by every thread that holds its block.
+    254; NaN is 255 (as TE's ``float_to_e8m0``; :func:`block_amax` never returns NaN). Eight
+    instructions: the code is recomputed by every thread that holds its block.
     """
     v = amax * MAX_RCP
     bits = v.to(tl.int32, bitcast=True)
@@ -58,14 +59,19 @@ def dequantize_multiplier(code):
 
 
 @triton.jit
-def _max_keep_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+def _max_drop_nan(a, b):
+    # maxnum: the non-NaN operand wins (PTX max.f32, numpy fmax in the interpreter), as TE's fmaxf.
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.NONE)
 
 
 @triton.jit
 def block_amax(values, axis: tl.constexpr):
-    """max |values| along ``axis``; NaN if the block holds a NaN (a plain hardware max would drop it)."""
-    return tl.reduce(tl.abs(values), axis, _max_keep_nan)
+    """max |values| along ``axis`` over the non-NaN elements, 0 for an all-NaN block (TE B.5 step 1).
+
+    A NaN then keeps its block's scale and encodes as 0x7F alone, as TE's ``fmaxf`` block reduction,
+    which starts from 0: the final maxnum with 0 turns an all-NaN block's NaN into 0.
+    """
+    return _max_drop_nan(tl.reduce(tl.abs(values), axis, _max_drop_nan), 0.0)
 
 
 @triton.jit

@@ -3,14 +3,18 @@
 Per 32-element block (1x32 along the last dim for the row-wise copy, 32x1 along the rows for the
 column-wise copy) of ``x`` viewed as ``(rows, cols)`` in fp32:
 
-1. ``amax = max |x|`` exactly (a block holding NaN has amax NaN);
+1. ``amax = max |x|`` over the block's non-NaN elements, exactly (TE reduces with ``fmaxf`` from 0,
+   which drops NaN: an all-NaN block has amax 0);
 2. ``v = fp32(amax * R)`` with R the fp32 constant 0x3B124925 (E4M3) or 0x37924925 (E5M2);
-3. ``e`` = v rounded up to a power of two, as an E8M0 code (NaN -> 255, Inf -> 254, 0 -> 0);
+3. ``e`` = v rounded up to a power of two, as an E8M0 code (Inf -> 254, 0 -> 0; NaN -> 255, which
+   step 1 never produces);
 4. multiplier ``s = 2^(127 - e)`` from the bits ``(254 - e) << 23`` (e = 254 -> 2^-127, e = 255 -> NaN);
-5. ``q = rne_satfinite(x * s)`` in E4M3 / E5M2 (Inf saturates to +-max, NaN stays NaN).
+5. ``q = rne_satfinite(x * s)`` in E4M3 / E5M2 (Inf saturates to +-max, NaN becomes 0x7F).
 
-Beyond TE, any shape works: a partial block (rows or cols not multiples of 32) quantizes its valid
-elements. Scale padding is zero.
+So a NaN changes only its own byte (0x7F) and leaves its block's scale and other elements as the
+finite elements give them; an Inf gives its block code 254, itself +-max and its finite neighbours
+times 2^-127 (signed zeros unless near fp32's max). Beyond TE, any shape works: a partial block (rows
+or cols not multiples of 32) quantizes its valid elements. Scale padding is zero.
 """
 
 from __future__ import annotations
@@ -62,6 +66,13 @@ def cast_to_fp8_satfinite(scaled: torch.Tensor, fp8_dtype: str) -> torch.Tensor:
     return code.view(FP8_DTYPES[fp8_dtype])
 
 
+def block_amax(blocks: torch.Tensor, dim: int) -> torch.Tensor:
+    """fp32 max |x| along ``dim`` over the non-NaN elements, 0 when there are none (TE B.5 step 1)."""
+    magnitudes = blocks.abs()
+    # TE's fmaxf reduction starts from 0 and returns the non-NaN operand: NaN never reaches the amax.
+    return torch.where(torch.isnan(magnitudes), 0.0, magnitudes).amax(dim=dim)
+
+
 def _padded_blocks(x2d: torch.Tensor) -> torch.Tensor:
     """fp32 copy of x2d zero-padded to multiples of 32 in both dims (zeros never change an amax)."""
     rows, cols = x2d.shape
@@ -75,7 +86,7 @@ def quantize_rowwise(x2d: torch.Tensor, fp8_dtype: str) -> tuple[torch.Tensor, t
     rows, cols = x2d.shape
     padded = _padded_blocks(x2d)[:rows]
     blocks = padded.view(rows, padded.shape[1] // _BLOCK, _BLOCK)
-    code = e8m0_from_amax(blocks.abs().amax(dim=2), fp8_dtype)
+    code = e8m0_from_amax(block_amax(blocks, 2), fp8_dtype)
     scaled = blocks * quantize_multiplier(code).unsqueeze(2)
     data = cast_to_fp8_satfinite(scaled, fp8_dtype).view(rows, padded.shape[1])[:, :cols]
     return data, code.to(torch.uint8)
@@ -86,7 +97,7 @@ def quantize_columnwise(x2d: torch.Tensor, fp8_dtype: str) -> tuple[torch.Tensor
     rows, cols = x2d.shape
     padded = _padded_blocks(x2d)[:, :cols]
     blocks = padded.view(padded.shape[0] // _BLOCK, _BLOCK, cols)
-    code = e8m0_from_amax(blocks.abs().amax(dim=1), fp8_dtype)
+    code = e8m0_from_amax(block_amax(blocks, 1), fp8_dtype)
     scaled = blocks * quantize_multiplier(code).unsqueeze(1)
     data = cast_to_fp8_satfinite(scaled, fp8_dtype).view(padded.shape[0], cols)[:rows]
     return data, code.to(torch.uint8)

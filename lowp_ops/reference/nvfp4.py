@@ -9,7 +9,9 @@ weights), with ``amax`` its fp32 global amax (computed, or given and used as is)
 2. block scale ``s_b = e4m3_rn(min(vec_max * (S_enc * fp32(1/6)), 448))`` (vec_max = block max |t|);
 3. ``enc = min(1 / (fp32(s_b) * S_dec), FLT_MAX)``; data ``q = e2m1_rn(clamp(t * enc, -6, 6))``: ties to
    even, a negative value that rounds to zero is -0 (code 8), an exact -0.0 input is +0 (code 0);
-4. dequantized ``e2m1(q) * (fp32(s_b) * amax * fp32(1/2688))``.
+4. dequantized ``e2m1(q) * (fp32(s_b) * amax * fp32(1/2688))``, in that order; an amax of 2^64 or more
+   is divided by 2^64 first and the result multiplied back, so ``s_b * amax`` cannot overflow (a round
+   trip up to fp32's max stays finite) and every result that was finite before is bit-identical.
 
 The column-wise copy is the row-wise quantization of ``x^T`` (or of ``RHT(x^T)``: 16-point Hadamard
 with TE's sign vector, a bf16 matmul with fp32 accumulation rounded to bf16), stored transposed.
@@ -39,6 +41,7 @@ from ..meta.nvfp4 import (
 
 _BLOCK = NVFP4_BLOCK_SIZE
 FLT_MAX = torch.finfo(torch.float32).max
+_STAGE = 2.0**64  # amaxes at or above it are dequantized in units of it (staged_amax)
 # RNE bins of |v| on the E2M1 grid: code k covers (threshold k-1, threshold k]; ties go to the even code.
 _E2M1_UPPER_EXCLUSIVE = (0.25, 1.25, 2.5, 5.0)  # |v| above these (strictly) moves up one code
 _E2M1_UPPER_INCLUSIVE = (0.75, 1.75, 3.5)  # |v| at or above these moves up one code
@@ -328,14 +331,28 @@ def nvfp4_group_quantize(
     return outputs
 
 
+def staged_amax(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(amax / 2^64 where amax >= 2^64, else amax; the power of two that undoes it), both fp32.
+
+    ``s_b * amax`` overflows fp32 for amax above FLT_MAX / 448 (about 7.6e35). Scaled by 2^-64, every
+    product of the dequantization stays normal and finite, and a power of two commutes with each of its
+    roundings, so the value times 2^64 is bit-identical wherever the unstaged one was finite.
+    """
+    amax = amax.float()
+    large = amax >= _STAGE
+    return torch.where(large, amax * (1.0 / _STAGE), amax), torch.where(large, _STAGE, 1.0)
+
+
 def nvfp4_dequantize(
     data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Reference of ``lowp::nvfp4_dequantize``: ``(R, 2 * data.shape[1])`` values in ``dtype``."""
+    """Reference of ``lowp::nvfp4_dequantize``: ``(R, 2 * data.shape[1])`` values in ``dtype``,
+    ``e2m1(q) * (fp32(s_b) * amax * fp32(1/2688))`` with the amax staged as :func:`staged_amax`."""
     out = nvfp4_dequantize_output(data, scale, amax, dtype)
     rows, cols = out.shape
     block_scale = scale[:rows].view(torch.float8_e4m3fn).float()
-    final_scale = block_scale * amax.float().reshape(1, 1) * (1.0 / NVFP4_GLOBAL_SCALE_NUMERATOR)
+    amax, unstage = staged_amax(amax.reshape(1, 1))
+    final_scale = block_scale * amax * (1.0 / NVFP4_GLOBAL_SCALE_NUMERATOR)
     values = e2m1_values(unpack_fp4(data)) * final_scale.repeat_interleave(_BLOCK, dim=1)[:, :cols]
-    out.copy_(values)
+    out.copy_(values * unstage)
     return out
