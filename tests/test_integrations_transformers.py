@@ -317,9 +317,9 @@ def test_softmax_leaves_sdpa_alone():
 
 
 def test_compiled_loss_is_one_graph():
-    """The whole patched MoE forward with its loss (router, sorted experts, MXFP8 LM-head gradient)
-    in one Dynamo graph: no graph break anywhere, in lowp ops or around them."""
-    model = apply_lowp_ops(tiny_model("qwen3_moe", torch.bfloat16), experts="bf16", grad_format="mxfp8_e4m3")
+    """The whole patched MoE forward with its loss (router, sorted and padded MXFP8 experts, MXFP8
+    LM-head gradient) in one Dynamo graph: no graph break anywhere, in lowp ops or around them."""
+    model = apply_lowp_ops(tiny_model("qwen3_moe", torch.bfloat16), experts="mxfp8", grad_format="mxfp8_e4m3")
     ids, labels = batch()
     items = torch.tensor(int((labels[:, 1:] != -100).sum()))
     eager = model(input_ids=ids, labels=labels, num_items_in_batch=items).loss
@@ -365,3 +365,22 @@ def test_interp_patched_moe_runs_the_kernels():
     ref = tiny_model("qwen3_moe", torch.bfloat16, attn_implementation="eager", num_hidden_layers=1)
     patched = apply_lowp_ops(copy.deepcopy(ref), experts="bf16", softmax=True)
     assert_same_training_signal(ref, patched, *batch(length=6), rtol=3e-2)
+
+
+@pytest.mark.slow
+def test_inductor_compiles_the_patched_moe():
+    """Inductor lowers the patched step in one graph, with the eager loss and gradients to bf16
+    tolerance (Inductor fuses the model's own bf16 ops and rounds them differently)."""
+    ref = apply_lowp_ops(tiny_model("qwen3_moe", torch.bfloat16, num_hidden_layers=1), experts="bf16")
+    compiled = copy.deepcopy(ref)
+    ids, labels = batch()
+    want_loss, want = loss_and_grads(ref, ids, labels)
+    counters.clear()
+    step = torch.compile(lambda ids, labels: compiled(input_ids=ids, labels=labels).loss, fullgraph=True)
+    loss = step(ids, labels)
+    loss.backward()
+    assert not counters["graph_break"]
+    torch.testing.assert_close(loss, want_loss, rtol=1e-3, atol=0)
+    for name, p in compiled.named_parameters():
+        error = (p.grad.double() - want[name].double()).norm() / want[name].double().norm()
+        assert error <= 3e-2, f"{name}: {float(error):.2e}"
