@@ -109,23 +109,37 @@ class TinyBody(torch.nn.Module):
         return self.norm(torch.tanh(self.proj(self.embed(ids))))
 
 
-def head_step(world: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def head_step(world: int, sequence_parallel: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss, full gradient of every parameter) of one step of TinyBody + a bias-free lm_head; with
-    ``world`` > 1 the lm_head is vocabulary-parallel on a 1-D mesh of all ranks (README's recipe)."""
+    ``world`` > 1 the lm_head is vocabulary-parallel on a 1-D mesh of all ranks (README's recipe).
+
+    ``sequence_parallel``: the hidden states reach the head as a DTensor sharded over the sequence,
+    gathered with a Partial gradient placement, and ``reduce_hidden_grad=False``: the backward
+    reduce-scatters the hidden gradient instead of all-reducing it (the body's replicated parameters then
+    get their gradients summed over the ranks, as a sequence-parallel model does)."""
     torch.manual_seed(0)
     body, lm_head = TinyBody(), torch.nn.Linear(HIDDEN, VOCAB, bias=False)
     ids, target = batches()[0]
-    weight, group = lm_head.weight, None
+    hidden, weight, options = body(ids), lm_head.weight, {}
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
         from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
         parallelize_module(lm_head, mesh, ColwiseParallel())  # weight: Shard(0), the vocabulary rows
-        weight, group = lm_head.weight.to_local(), mesh.get_group("tp")
-    loss = lowp_ops.linear_cross_entropy(body(ids), weight, target, process_group=group)
+        weight, options = lm_head.weight.to_local(), {"process_group": mesh.get_group("tp")}
+        if sequence_parallel:
+            mine = hidden.chunk(world, dim=1)[dist.get_rank()]
+            gathered = DTensor.from_local(mine, mesh, [Shard(1)]).redistribute(mesh, [Replicate()])
+            hidden = gathered.to_local(grad_placements=[Partial()])
+            options["reduce_hidden_grad"] = False
+    loss = lowp_ops.linear_cross_entropy(hidden, weight, target, **options)
     loss.backward()
     grads = {f"body.{name}": p.grad for name, p in body.named_parameters()}
+    if sequence_parallel:
+        for grad in grads.values():
+            dist.all_reduce(grad)
     grads["lm_head.weight"] = lm_head.weight.grad
     if world > 1:
         grads["lm_head.weight"] = grads["lm_head.weight"].full_tensor()
@@ -134,10 +148,12 @@ def head_step(world: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 
 def check_vocab_parallel_head(rank: int, world: int) -> None:
     want_loss, want = head_step(1)
-    loss, grads = head_step(world)
-    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
-    for name, grad in want.items():
-        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    for sequence_parallel in (False, True):
+        loss, grads = head_step(world, sequence_parallel)
+        torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
+        for name, grad in want.items():
+            message = f"{name}, sequence_parallel={sequence_parallel}"
+            torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=message)
 
 
 def _worker(rank: int, world: int, out_dir: str) -> None:
