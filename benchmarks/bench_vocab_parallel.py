@@ -62,10 +62,10 @@ def make_cases(logits: torch.Tensor, target: torch.Tensor, group) -> dict:
 
     def forward():
         with torch.no_grad():
-            return lowp_ops.cross_entropy(logits, target, process_group=group)
+            return lowp_ops.cross_entropy(logits, target, process_group=group, classes_last=True)
 
     def forward_backward():
-        loss = lowp_ops.cross_entropy(leaf, target, process_group=group)
+        loss = lowp_ops.cross_entropy(leaf, target, process_group=group, classes_last=True)
         return torch.autograd.grad(loss, leaf)
 
     def forward_backward_mxfp8():

@@ -15,7 +15,7 @@ import lowp_ops
 
 CASES = {
     "ce_mxfp8": lambda x, t: lowp_ops.cross_entropy_with_mxfp8_grad(x, t),
-    "ce_fwd_bwd": lambda x, t: lowp_ops.cross_entropy(x, t).backward(),
+    "ce_fwd_bwd": lambda x, t: lowp_ops.cross_entropy(x, t, classes_last=True).backward(),
 }
 
 

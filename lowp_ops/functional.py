@@ -3,25 +3,71 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
+from torch.nn._reduction import legacy_get_string
 
-from . import library  # noqa: F401  (registers the ops)
+from . import library
 from .formats import FP8_DTYPES, MXFP8Tensor
-from .meta.checks import require
+from .meta.checks import check_int, check_real, require, require_tensor
 from .meta.cross_entropy import check_label_smoothing, check_logits_target, check_reduction
-from .meta.mxfp8 import check_fp8_dtype, check_scale_layout
+from .meta.mxfp8 import check_scale_layout, normalize_fp8_dtype
 from .meta.softmax import check_masked_rows
+from .meta.split_sizes import check_split_sizes
+
+_SOFT_TARGET_ERROR = (
+    "target holds class probabilities (a floating tensor); lowp_ops.cross_entropy takes class indices "
+    "(int64/int32) only: use torch.nn.functional.cross_entropy for probability targets"
+)
 
 
-def _rows(
-    logits: torch.Tensor, target: torch.Tensor, label_smoothing: float, reduction: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate and view ``(..., V)`` logits and ``(...)`` targets as ``(N, V)`` and ``(N,)``."""
-    check_logits_target(logits, target)
+def _check_loss_args(
+    logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, reduction: str
+) -> None:
+    """Types and values of the scalar arguments, and the target's kind and device, before any kernel."""
+    require_tensor(logits, "input")
+    require_tensor(target, "target")
+    if target.is_floating_point():
+        raise ValueError(_SOFT_TARGET_ERROR)
+    require(
+        target.device == logits.device,
+        lambda: f"target must be on the logits' device {logits.device}, got {target.device}",
+    )
+    check_int(ignore_index, "ignore_index")
+    check_real(label_smoothing, "label_smoothing")
     check_label_smoothing(label_smoothing)
     check_reduction(reduction)
+
+
+def _class_rows(
+    logits: torch.Tensor, target: torch.Tensor, classes_last: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(N, C)`` logits and ``(N,)`` targets from torch's layouts (classes in dim 1: ``(C,)`` with a 0-d
+    target, ``(N, C)``, ``(N, C, d1, ...)`` with ``(N, d1, ...)``), or from ``(..., C)`` / ``(...)`` when
+    ``classes_last``. A 2-D input is the same in both; other layouts are moved to classes-last (a copy)."""
+    if not classes_last and logits.dim() != 2:
+        require(logits.dim() >= 1, lambda: "input must have at least one dimension (the classes)")
+        if logits.dim() == 1:
+            logits = logits.unsqueeze(0)
+            require(
+                target.dim() == 0, lambda: f"target must be 0-d for a (C,) input, got {tuple(target.shape)}"
+            )
+            target = target.reshape(1)
+        else:
+            expected = (logits.shape[0], *logits.shape[2:])
+            require(
+                tuple(target.shape) == expected,
+                lambda: (
+                    f"target must have shape {expected} for input {tuple(logits.shape)} (classes in "
+                    "dim 1, as torch; pass classes_last=True for (..., C) logits), got "
+                    f"{tuple(target.shape)}"
+                ),
+            )
+            logits = logits.movedim(1, -1)
+    check_logits_target(logits, target)
     n_cols = logits.shape[-1]
-    require(n_cols >= 1, lambda: "logits must have a non-empty last (vocabulary) dimension")
+    require(n_cols >= 1, lambda: "logits must have a non-empty class dimension")
     return logits.reshape(-1, n_cols), target.reshape(-1)
 
 
@@ -40,46 +86,68 @@ def _reduce(
     """(reduced loss, dloss/dloss_row as a 0-d tensor; None for ``"none"``)."""
     if reduction == "none":
         return loss_rows.view(target.shape), None
-    return torch.ops.lowp.cross_entropy_reduce(
-        loss_rows, target.reshape(-1), int(ignore_index), reduction == "mean"
-    )
+    return library.cross_entropy_reduce(loss_rows, target.reshape(-1), ignore_index, reduction == "mean")
 
 
 def cross_entropy(
-    logits: torch.Tensor,
+    input: torch.Tensor,
     target: torch.Tensor,
-    *,
-    label_smoothing: float = 0.0,
+    weight: torch.Tensor | None = None,
+    size_average: bool | None = None,
     ignore_index: int = -100,
+    reduce: bool | None = None,
     reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    *,
+    classes_last: bool = False,
     process_group=None,
 ) -> torch.Tensor:
-    """``F.cross_entropy`` on ``(..., V)`` logits (bf16/fp16/fp32, any strides) with int64/int32 targets.
+    """``torch.nn.functional.cross_entropy``: same signature, argument order and layouts, for class-index
+    targets; float32 loss.
 
-    Returns a float32 loss (0-d for ``mean``/``sum``, ``target.shape`` for ``none``). The forward keeps
-    only per-row statistics (loss, log-sum-exp); the backward recomputes the gradient from the saved
-    logits (never modified) and returns it in the logits' dtype. Masked-safe: ``-inf`` logits anywhere
-    (also whole leading blocks) are exact; an all ``-inf`` row gives NaN like PyTorch. Ignored rows give
-    loss 0 and gradient 0 (also all ``-inf`` ones). A target outside ``[0, V)`` other than
-    ``ignore_index`` gives a NaN loss and NaN gradient row (checked on device, no host sync).
+    Layouts as torch: ``(C,)`` with a 0-d target, ``(N, C)`` with ``(N,)``, ``(N, C, d1, ...)`` with
+    ``(N, d1, ...)`` (classes in dim 1; moved last with a copy). ``classes_last=True`` declares
+    ``(..., C)`` logits with ``(...)`` targets, the LLM layout ``(B, T, V)``: no copy. Shapes are never
+    used to guess the layout. ``size_average`` / ``reduce`` are torch's deprecated spellings of
+    ``reduction``. Logits bf16/fp16/fp32, any strides; targets int64/int32 on the logits' device.
+    Probability (floating) targets raise ValueError.
+
+    Returns a float32 loss (0-d for ``mean``/``sum``, the target's shape for ``none``). The forward keeps
+    only per-row statistics; the backward recomputes the gradient from the saved logits (never
+    modified) in their dtype. Masked-safe: ``-inf`` logits anywhere (also whole leading blocks) are exact;
+    an all ``-inf`` row gives NaN like PyTorch. Ignored rows give loss 0 and gradient 0 (also all ``-inf``
+    ones). A target outside ``[0, C)`` other than ``ignore_index`` gives a NaN loss and NaN gradient row
+    (checked on device, no host sync). The mean over no valid row is NaN, as torch.
 
     ``process_group``: vocabulary-parallel loss (:mod:`lowp_ops.distributed`). Each rank passes the logits
     of its equal-width vocabulary shard (rank order) and the same global targets; every rank returns the
     same loss (one all-gather of per-row statistics in the forward, none in the backward), and its
     gradient is its shard of the single-rank gradient.
     """
-    logits_rows, target_rows = _rows(logits, target, label_smoothing, reduction)
+    if size_average is not None or reduce is not None:
+        reduction = legacy_get_string(size_average, reduce)
+    _check_loss_args(input, target, ignore_index, label_smoothing, reduction)
+    _check_class_weight(weight, input)
+    logits_rows, target_rows = _class_rows(input, target, classes_last)
     if process_group is None:
-        loss_rows, _ = torch.ops.lowp.cross_entropy_fwd(
-            logits_rows, target_rows, float(label_smoothing), int(ignore_index)
-        )
-    else:
-        from .distributed import vocab_parallel_cross_entropy_rows
+        return library.cross_entropy_loss(
+            logits_rows, target_rows, float(label_smoothing), ignore_index, reduction
+        ).view(_loss_shape(target, reduction))
+    from .distributed import vocab_parallel_cross_entropy_rows
 
-        loss_rows = vocab_parallel_cross_entropy_rows(
-            logits_rows, target_rows, float(label_smoothing), int(ignore_index), process_group
-        )
+    loss_rows = vocab_parallel_cross_entropy_rows(
+        logits_rows, target_rows, float(label_smoothing), ignore_index, process_group
+    )
     return reduce_row_losses(loss_rows, target, reduction, ignore_index)
+
+
+def _loss_shape(target: torch.Tensor, reduction: str) -> tuple[int, ...]:
+    return tuple(target.shape) if reduction == "none" else ()
+
+
+def _check_class_weight(weight: torch.Tensor | None, logits: torch.Tensor) -> None:
+    if weight is not None:
+        raise NotImplementedError("weight= (class weights) is not supported yet")
 
 
 def _loss_and_grad_rows(
@@ -94,8 +162,16 @@ def _loss_and_grad_rows(
     loss, grad_scale = _reduce(loss_rows, target, reduction, ignore_index)
     if grad_loss is not None:
         require(
+            isinstance(grad_loss, torch.Tensor),
+            lambda: f"grad_loss must be a Tensor or None, got {type(grad_loss).__name__}",
+        )
+        require(
             grad_loss.shape == loss.shape,
             lambda: f"grad_loss must have the loss's shape {tuple(loss.shape)}, got {tuple(grad_loss.shape)}",
+        )
+        require(
+            grad_loss.device == loss.device,
+            lambda: f"grad_loss must be on the logits' device {loss.device}, got {grad_loss.device}",
         )
     if grad_scale is None:
         return loss, (torch.ones_like(loss) if grad_loss is None else grad_loss.float()).reshape(-1)
@@ -111,7 +187,7 @@ def cross_entropy_with_mxfp8_grad(
     label_smoothing: float = 0.0,
     ignore_index: int = -100,
     reduction: str = "mean",
-    fp8_dtype: str = "e4m3",
+    fp8_dtype: str | torch.dtype = "e4m3",
     rowwise: bool = True,
     columnwise: bool = True,
     scale_layout: str = "compact",
@@ -119,41 +195,44 @@ def cross_entropy_with_mxfp8_grad(
 ) -> tuple[torch.Tensor, MXFP8Tensor]:
     """The loss and the gradient of ``grad_loss · loss`` w.r.t. the logits, written directly as MXFP8.
 
-    For frameworks that consume the quantized gradient. ``grad_loss`` defaults to ones (a scalar for
-    ``mean``/``sum``, ``target.shape`` for ``none``). The returned loss is detached. Contract, byte for
-    byte on one device: the payload equals ``mxfp8_quantize(g)`` where ``g`` is the logits' gradient
-    :func:`cross_entropy` 's backward returns for the same inputs (both copies and both scale tensors).
-    Any N and V.
+    For frameworks that consume the quantized gradient. ``logits`` are ``(..., V)`` with ``(...)``
+    targets: classes last, always (the MXFP8 blocks run along the vocabulary). ``grad_loss`` defaults to
+    ones (a scalar for ``mean``/``sum``, ``target.shape`` for ``none``). ``fp8_dtype``: ``"e4m3"`` /
+    ``"e5m2"`` or ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``. The returned loss is detached.
+    Contract, byte for byte on one device: the payload equals ``mxfp8_quantize(g)`` where ``g`` is the
+    logits' gradient :func:`cross_entropy` 's backward returns for the same inputs (both copies and both
+    scale tensors). Any N and V.
 
     ``process_group``: vocabulary-parallel (see :func:`cross_entropy`); the payload is this rank's shard,
     byte-identical to the shard's columns of the single-rank payload given the same lse when the shard
     width is a multiple of 32 (compact scales: compare the valid regions; each shard pads its own).
     """
-    logits_rows, target_rows = _rows(logits, target, label_smoothing, reduction)
-    check_fp8_dtype(fp8_dtype)
+    _check_loss_args(logits, target, ignore_index, label_smoothing, reduction)
+    logits_rows, target_rows = _class_rows(logits, target, classes_last=True)
+    fp8_dtype = normalize_fp8_dtype(fp8_dtype)
     check_scale_layout(scale_layout)
     require(rowwise or columnwise, lambda: "at least one of rowwise and columnwise must be True")
     shard = (0, 0)
     with torch.no_grad():
         if process_group is None:
-            loss_rows, lse = torch.ops.lowp.cross_entropy_fwd(
-                logits_rows, target_rows, float(label_smoothing), int(ignore_index)
+            loss_rows, lse = library.cross_entropy_fwd(
+                logits_rows, target_rows, float(label_smoothing), ignore_index
             )
         else:
             from .distributed import vocab_parallel_cross_entropy_stats, vocab_shard
 
             loss_rows, lse = vocab_parallel_cross_entropy_stats(
-                logits_rows, target_rows, float(label_smoothing), int(ignore_index), process_group
+                logits_rows, target_rows, float(label_smoothing), ignore_index, process_group
             )
             shard = vocab_shard(logits_rows.shape[1], process_group)
         loss, grad_rows = _loss_and_grad_rows(loss_rows, target, grad_loss, reduction, ignore_index)
-        row_data, row_scale, col_data, col_scale = torch.ops.lowp.cross_entropy_bwd_mxfp8(
+        row_data, row_scale, col_data, col_scale = library.cross_entropy_bwd_mxfp8(
             logits_rows,
             target_rows,
             lse,
             grad_rows,
             float(label_smoothing),
-            int(ignore_index),
+            ignore_index,
             fp8_dtype,
             rowwise,
             columnwise,
@@ -172,39 +251,75 @@ def cross_entropy_with_mxfp8_grad(
     )
 
 
-def _as_rows(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Size]:
-    require(x.dim() >= 1, lambda: "x must have at least one dimension, got a 0-d tensor")
+def _check_softmax_input(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    require(isinstance(x, torch.Tensor), lambda: f"input must be a Tensor, got {type(x).__name__}")
+    if dtype is not None:
+        require(isinstance(dtype, torch.dtype), lambda: f"dtype must be a torch.dtype, got {dtype!r}")
+        x = x.to(dtype)
+    require(x.dim() >= 1, lambda: "input must have at least one dimension, got a 0-d tensor")
+    return x
+
+
+def _as_rows(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, tuple[int, ...] | None]:
+    """``x`` as (rows, x.shape[dim]) and, when ``dim`` is not last, the moved shape to undo it."""
+    if dim == -1 or dim == x.dim() - 1:
+        return x.reshape(-1, x.shape[-1]), None
     moved = x.movedim(dim, -1)
     return moved.reshape(-1, moved.shape[-1]), moved.shape
 
 
-def _softmax(x: torch.Tensor, dim: int, log: bool, masked_rows: str) -> torch.Tensor:
+def _softmax(x: torch.Tensor, dim: int, log: bool, masked_rows: str, dtype) -> torch.Tensor:
     check_masked_rows(masked_rows)
+    x = _check_softmax_input(x, dtype)
+    if x.numel() == 0:  # nothing to compute: torch's own empty result (and gradient)
+        return torch.log_softmax(x, dim) if log else torch.softmax(x, dim)
     rows, moved_shape = _as_rows(x, dim)
-    return torch.ops.lowp.softmax_fwd(rows, log, masked_rows).view(moved_shape).movedim(-1, dim)
+    out = library.softmax_fwd(rows, log, masked_rows)
+    if moved_shape is None:
+        return out.view(x.shape)
+    return out.view(moved_shape).movedim(-1, dim)
 
 
-def softmax(x: torch.Tensor, dim: int = -1, *, masked_rows: str = "nan") -> torch.Tensor:
+def softmax(
+    input: torch.Tensor, dim: int = -1, *, masked_rows: str = "nan", dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """Masked-safe softmax along ``dim`` (bf16/fp16/fp32 in, same dtype out, fp32 math), differentiable.
 
-    ``masked_rows="nan"`` (default): a slice that is all ``-inf`` gives NaN, like PyTorch;
-    ``"zero"``: it gives zeros and a zero gradient (the usual wish for fully masked attention rows).
+    ``dtype``: cast the input to it first, as ``torch.softmax``. ``masked_rows="nan"`` (default): a slice
+    that is all ``-inf`` gives NaN, like PyTorch; ``"zero"``: it gives zeros and a zero gradient (the
+    usual wish for fully masked attention rows). An empty input gives torch's empty result.
     """
-    return _softmax(x, dim, False, masked_rows)
+    return _softmax(input, dim, False, masked_rows, dtype)
 
 
-def log_softmax(x: torch.Tensor, dim: int = -1, *, masked_rows: str = "nan") -> torch.Tensor:
+def log_softmax(
+    input: torch.Tensor, dim: int = -1, *, masked_rows: str = "nan", dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """Masked-safe log_softmax along ``dim``; ``masked_rows="zero"`` makes an all ``-inf`` slice give
-    ``-inf`` (log of zero probabilities) with a zero gradient instead of NaN."""
-    return _softmax(x, dim, True, masked_rows)
+    ``-inf`` (log of zero probabilities) with a zero gradient instead of NaN. ``dtype`` as :func:`softmax`."""
+    return _softmax(input, dim, True, masked_rows, dtype)
 
 
-def logsumexp(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
-    """Masked-safe ``log Σ exp(x)`` along ``dim`` in fp32 math, returned in x's dtype (``-inf`` for an all
-    ``-inf`` slice, like ``torch.logsumexp``); differentiable."""
-    rows, moved_shape = _as_rows(x, dim)
-    lse = torch.ops.lowp.logsumexp(rows).to(x.dtype).view(moved_shape[:-1])
-    return lse.unsqueeze(dim) if keepdim else lse
+def logsumexp(
+    input: torch.Tensor, dim: int | tuple[int, ...] | list[int] = -1, keepdim: bool = False
+) -> torch.Tensor:
+    """Masked-safe ``log Σ exp(x)`` over ``dim`` (an int or a tuple of ints, as ``torch.logsumexp``) in fp32
+    math, returned in x's dtype: ``-inf`` for an all ``-inf`` or empty slice, ``inf`` where the slice holds
+    ``inf``; differentiable."""
+    x = _check_softmax_input(input, None)
+    dims = sorted({d % x.dim() for d in dim}) if isinstance(dim, (tuple, list)) else [dim % x.dim()]
+    require(len(dims) >= 1, lambda: "dim must name at least one dimension")
+    if x.numel() == 0:
+        return torch.logsumexp(x, dims, keepdim)
+    kept = [d for d in range(x.dim()) if d not in dims]
+    moved = x.permute(*kept, *dims) if dims != list(range(x.dim() - len(dims), x.dim())) else x
+    out_shape = [x.shape[d] for d in kept]
+    rows = moved.reshape(-1, math.prod(x.shape[d] for d in dims))
+    lse = library.logsumexp(rows).to(x.dtype).view(out_shape)
+    if keepdim:
+        for d in dims:
+            lse = lse.unsqueeze(d)
+    return lse
 
 
 def _interleave(glu_interleave_size: int | None) -> int:
@@ -220,7 +335,7 @@ def swiglu(c: torch.Tensor, probs: torch.Tensor, *, glu_interleave_size: int | N
     order) or alternating 32-wide gate/linear blocks (``glu_interleave_size=32``); ``probs`` (tokens,)
     fp32 or bf16. fp32 math, one rounding to c's dtype. Differentiable in ``c`` and ``probs``; the
     probability gradient is computed in fp32 and never rounded to bf16 for fp32 ``probs``."""
-    return torch.ops.lowp.swiglu_fwd(c, probs, _interleave(glu_interleave_size))
+    return library.swiglu_fwd(c, probs, _interleave(glu_interleave_size))
 
 
 def dglu(
@@ -237,4 +352,5 @@ def dglu(
     per-expert max of ``|dc|`` before rounding, so ``amax.to(c.dtype)`` equals ``max |dc|`` of the expert
     exactly (0 for an empty expert): the NVFP4 quantization of ``dc`` needs no amax pass of its own.
     ``split_sizes`` (experts,) is an integer tensor on c's device (rows sorted by expert)."""
-    return torch.ops.lowp.dglu(grad, c, probs, split_sizes, _interleave(glu_interleave_size))
+    check_split_sizes(split_sizes, device=c.device, of="c")
+    return library.dglu(grad, c, probs, split_sizes, _interleave(glu_interleave_size))

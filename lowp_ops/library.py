@@ -35,10 +35,144 @@ from .reference import softmax as softmax_ref
 from .reference import swiglu as swiglu_ref
 from .reference import vocab_parallel as vocab_parallel_ref
 
+# Read once: the interpreter suite sets both variables before Python starts (a per-call os.environ
+# lookup costs more than a kernel launch).
+_CPU_RUNS_TRITON = (
+    os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("LOWP_OPS_CPU_KERNELS") == "triton"
+)
+
 
 def cpu_runs_triton() -> bool:
     """True when CPU calls go to the Triton kernels through the interpreter (the ``interp`` test suite)."""
-    return os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("LOWP_OPS_CPU_KERNELS") == "triton"
+    return _CPU_RUNS_TRITON
+
+
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def eager_call_allowed(args: tuple) -> bool:
+    """True when an op call may run its implementation directly instead of through the dispatcher:
+    nothing traces it (Dynamo, AOTAutograd's fake and functional tensors, proxy or other dispatch modes,
+    functorch transforms) and every tensor argument is a plain tensor (no subclass such as DTensor)."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return False
+    if torch._C._are_functorch_transforms_active():
+        return False
+    for arg in args:  # noqa: SIM110  (a loop: no generator object on this hot path)
+        if isinstance(arg, torch.Tensor) and type(arg) not in _PLAIN_TENSOR_TYPES:
+            return False
+    return True
+
+
+class LowpOp:
+    """One ``lowp::`` op: the registered custom op, plus a direct call of the same implementation.
+
+    Calling it runs the op. Eagerly, on plain tensors (:func:`eager_call_allowed`), the call skips the
+    dispatcher and the custom op's Python autograd wrapper, which cost more host time than a small
+    kernel's launch: it calls the Triton launcher (CUDA), the reference (CPU; the launcher under the
+    interpreter suite) or the fake (meta tensors) directly, through a ``torch.autograd.Function`` built
+    from the op's own ``setup_context`` / ``backward`` when a gradient is needed. Traced calls (Dynamo,
+    AOTAutograd, ``make_fx``) and tensor subclasses go through ``torch.ops.lowp.<name>``. Both paths run
+    the same functions, so their outputs are the same bytes.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        custom_op,
+        reference: Callable,
+        launcher: str | None,
+        fake: Callable,
+        mutates_args: tuple[str, ...],
+    ) -> None:
+        self.name = name
+        self.custom_op = custom_op
+        self.overload = getattr(torch.ops.lowp, name).default
+        self.reference = reference
+        self.fake = fake
+        self._launcher_name = launcher
+        self._module_name, _, self._function_name = (launcher or "").rpartition(".")
+        self._launcher_module = None
+        arguments = self.overload._schema.arguments
+        self._arg_names = [a.name for a in arguments]
+        self._defaults = [a.default_value if a.has_default_value() else None for a in arguments]
+        self._mutated = [i for i, a in enumerate(arguments) if a.name in mutates_args]
+        self.function: type[torch.autograd.Function] | None = None
+
+    def launcher(self) -> Callable:
+        """The CUDA implementation: ``kernels.<module>.<function>``, imported on first use (importing
+        triton only when a kernel runs keeps CPU-only use light); the reference where there is none."""
+        if self._launcher_name is None:
+            return self.reference
+        if self._launcher_module is None:
+            self._launcher_module = importlib.import_module(f"{__package__}.kernels.{self._module_name}")
+        return getattr(self._launcher_module, self._function_name)  # looked up per call: tests spy on it
+
+    def implementation(self, first: torch.Tensor) -> Callable:
+        """What runs for inputs on ``first``'s device."""
+        device_type = first.device.type
+        if device_type == "cuda" or (device_type == "cpu" and cpu_runs_triton()):
+            return self.launcher()
+        return self.fake if device_type == "meta" else self.reference
+
+    def _complete(self, args: tuple) -> tuple:
+        """``args`` with the schema's defaults for the arguments left out."""
+        if len(args) == len(self._arg_names):
+            return args
+        return (*args, *self._defaults[len(args) :])
+
+    def __call__(self, *args):
+        if not eager_call_allowed(args):
+            return self.overload(*args)
+        args = self._complete(args)
+        if self.function is not None and torch.is_grad_enabled():
+            for arg in args:
+                if isinstance(arg, torch.Tensor) and arg.requires_grad:
+                    return self.function.apply(*args)
+        result = self.implementation(args[0])(*args)
+        for index in self._mutated:
+            torch.autograd.graph.increment_version(args[index])
+        return result
+
+    def register_autograd(self, backward: Callable, *, setup_context: Callable) -> None:
+        """The op's autograd formula, for the custom op and for the direct eager call. Backward formulas
+        run once: differentiating them again (``create_graph=True``) raises a clear error."""
+        checked = _once_differentiable(backward, self.name)
+        self.custom_op.register_autograd(checked, setup_context=setup_context)
+        op = self
+
+        # forward(ctx, ...) rather than a setup_context method: with one, Function.apply binds the
+        # arguments through inspect.signature on every call.
+        def forward(ctx, *args):
+            output = op.implementation(args[0])(*args)
+            setup_context(ctx, args, output)
+            return output
+
+        # A class of the op's name, so autograd graphs and profiles show ``lowp_<name>Backward``.
+        namespace = {"forward": staticmethod(forward), "backward": staticmethod(checked)}
+        self.function = type(f"lowp_{self.name}", (torch.autograd.Function,), namespace)
+
+
+def _refuse_double_backward(name: str) -> None:
+    """Raise when a backward runs under ``create_graph=True``: the formulas are not differentiable, and
+    without this check the second-order terms would silently be missing. Grad mode is on in a backward
+    only then (tracers run with dispatch modes pushed, and are let through)."""
+    tracing = torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+    if torch.is_grad_enabled() and not tracing:
+        raise RuntimeError(
+            f"lowp::{name} does not support double backward: its gradient cannot be differentiated "
+            "(create_graph=True through it)"
+        )
+
+
+def _once_differentiable(backward: Callable, name: str) -> Callable:
+    """``backward`` that refuses to run under ``create_graph=True`` (:func:`_refuse_double_backward`)."""
+
+    def checked(ctx, *grads):
+        _refuse_double_backward(name)
+        return backward(ctx, *grads)
+
+    return checked
 
 
 def _define(
@@ -48,27 +182,19 @@ def _define(
     launcher: str | None,
     fake: Callable,
     mutates_args: tuple[str, ...] = (),
-):
+) -> LowpOp:
     """Define ``lowp::<name>``: reference by default, ``kernels.<launcher>`` on CUDA, ``fake`` for tracing.
     Without a launcher the reference (graph-safe, no host sync) also serves CUDA."""
-    if launcher is None:
-        op = torch.library.custom_op(f"lowp::{name}", reference, mutates_args=mutates_args, schema=schema)
-        op.register_fake(fake)
-        return op
-    module_name, function_name = launcher.rsplit(".", 1)
-
-    def triton_kernel(*args):
-        # Lazy: importing triton only when a kernel runs keeps CPU-only use light.
-        module = importlib.import_module(f"{__package__}.kernels.{module_name}")
-        return getattr(module, function_name)(*args)
 
     def default(*args):
-        return triton_kernel(*args) if cpu_runs_triton() else reference(*args)
+        return lowp_op.launcher()(*args) if cpu_runs_triton() else reference(*args)
 
-    op = torch.library.custom_op(f"lowp::{name}", default, mutates_args=mutates_args, schema=schema)
-    op.register_kernel("cuda")(triton_kernel)
-    op.register_fake(fake)
-    return op
+    custom = torch.library.custom_op(f"lowp::{name}", default, mutates_args=mutates_args, schema=schema)
+    if launcher is not None:
+        custom.register_kernel("cuda")(lambda *args: lowp_op.launcher()(*args))
+    custom.register_fake(fake)
+    lowp_op = LowpOp(name, custom, reference, launcher, fake, mutates_args)
+    return lowp_op
 
 
 # ----------------------------------------------------------------------------------------------- MXFP8
@@ -189,8 +315,9 @@ def _logsumexp_setup(ctx, inputs, output):
 
 
 def _logsumexp_backward(ctx, grad):
-    x, lse = ctx.saved_tensors
-    return (torch.exp(x.float() - lse.unsqueeze(1)) * grad.unsqueeze(1)).to(x.dtype)
+    x, _ = ctx.saved_tensors
+    # softmax(x) from x itself: exp(x - lse) with the rounded lse loses digits at large magnitudes.
+    return (torch.softmax(x.float(), dim=1) * grad.unsqueeze(1)).to(x.dtype)
 
 
 def _softmax_setup(ctx, inputs, output):
@@ -218,8 +345,8 @@ cross_entropy_fwd = _define(
 
 cross_entropy_bwd = _define(
     "cross_entropy_bwd",
-    "(Tensor logits, Tensor target, Tensor lse, Tensor grad_rows, float label_smoothing, SymInt ignore_index,"
-    " SymInt vocab_start=0, SymInt vocab_total=0) -> Tensor",
+    "(Tensor logits, Tensor target, Tensor row_stats, Tensor grad_rows, float label_smoothing,"
+    " SymInt ignore_index, SymInt vocab_start=0, SymInt vocab_total=0) -> Tensor",
     ce_ref.cross_entropy_bwd,
     "cross_entropy.launch_cross_entropy_bwd",
     ce_meta.cross_entropy_bwd_output,
@@ -227,9 +354,9 @@ cross_entropy_bwd = _define(
 
 cross_entropy_bwd_mxfp8 = _define(
     "cross_entropy_bwd_mxfp8",
-    "(Tensor logits, Tensor target, Tensor lse, Tensor grad_rows, float label_smoothing, SymInt ignore_index,"
-    " str fp8_dtype, bool rowwise, bool columnwise, str scale_layout, SymInt vocab_start=0,"
-    " SymInt vocab_total=0) -> (Tensor, Tensor, Tensor, Tensor)",
+    "(Tensor logits, Tensor target, Tensor row_stats, Tensor grad_rows, float label_smoothing,"
+    " SymInt ignore_index, str fp8_dtype, bool rowwise, bool columnwise, str scale_layout,"
+    " SymInt vocab_start=0, SymInt vocab_total=0) -> (Tensor, Tensor, Tensor, Tensor)",
     ce_ref.cross_entropy_bwd_mxfp8,
     "cross_entropy.launch_cross_entropy_bwd_mxfp8",
     ce_meta.cross_entropy_bwd_mxfp8_outputs,
@@ -244,10 +371,12 @@ def _cross_entropy_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])
 
 
-def _cross_entropy_backward(ctx, grad_loss, _grad_lse):
-    logits, target, lse = ctx.saved_tensors
+def _cross_entropy_backward(ctx, grad_loss, _grad_row_stats):
+    logits, target, row_stats = ctx.saved_tensors
     # grad_loss may be an expanded (stride-0) view: the kernel reads it through its stride.
-    dlogits = cross_entropy_bwd(logits, target, lse, grad_loss.float(), ctx.label_smoothing, ctx.ignore_index)
+    dlogits = cross_entropy_bwd(
+        logits, target, row_stats, grad_loss.float(), ctx.label_smoothing, ctx.ignore_index
+    )
     return dlogits, None, None, None
 
 
@@ -366,7 +495,7 @@ linear_cross_entropy_fwd = _define(
 
 linear_cross_entropy_bwd = _define(
     "linear_cross_entropy_bwd",
-    "(Tensor hidden, Tensor weight, Tensor target, Tensor lse, Tensor grad_rows, float label_smoothing,"
+    "(Tensor hidden, Tensor weight, Tensor target, Tensor row_stats, Tensor grad_rows, float label_smoothing,"
     " SymInt ignore_index, str grad_format, str other_operand, int chunk_size, bool compute_dhidden,"
     " bool compute_dweight) -> (Tensor, Tensor)",
     linear_ce_ref.linear_cross_entropy_bwd,
@@ -401,11 +530,11 @@ def _linear_cross_entropy_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])
 
 
-def _linear_cross_entropy_backward(ctx, grad_loss, _grad_lse):
-    hidden, weight, target, lse = ctx.saved_tensors
+def _linear_cross_entropy_backward(ctx, grad_loss, _grad_row_stats):
+    hidden, weight, target, row_stats = ctx.saved_tensors
     need_dhidden, need_dweight = ctx.needs_input_grad[:2]
     dhidden, dweight = linear_cross_entropy_bwd(
-        hidden, weight, target, lse, grad_loss.float(), *ctx.config, need_dhidden, need_dweight
+        hidden, weight, target, row_stats, grad_loss.float(), *ctx.config, need_dhidden, need_dweight
     )
     return (dhidden if need_dhidden else None, dweight if need_dweight else None, *[None] * 6)
 
@@ -472,7 +601,7 @@ linear_vocab_parallel_ce_stats = _define(
 
 linear_vocab_parallel_ce_bwd = _define(
     "linear_vocab_parallel_ce_bwd",
-    "(Tensor hidden, Tensor weight, Tensor target, Tensor lse, Tensor grad_rows, float label_smoothing,"
+    "(Tensor hidden, Tensor weight, Tensor target, Tensor row_stats, Tensor grad_rows, float label_smoothing,"
     " SymInt ignore_index, str grad_format, str other_operand, int chunk_size, bool compute_dhidden,"
     " bool compute_dweight, SymInt vocab_start, SymInt vocab_total) -> (Tensor, Tensor)",
     linear_vocab_parallel_ref.linear_vocab_parallel_ce_bwd,
@@ -500,3 +629,66 @@ nvfp4_group_decode_columns = _define(
     "nvfp4_decode.launch_nvfp4_group_decode_columns",
     nvfp4_decode_meta.nvfp4_group_decode_columns_output,
 )
+
+# ----------------------------------------------------------------- fused eager calls of public functions
+# One autograd node per public call: the ops' own setup_context / backward formulas run as stages of one
+# torch.autograd.Function, so the eager bytes are the traced path's (which calls the ops one by one).
+
+
+class _Stage:
+    """Stands in for ``ctx`` while one op's ``setup_context`` / ``backward`` runs as a stage of a fused
+    Function: attributes land on it, its saved tensors go through the fused Function's ``ctx``."""
+
+    def __init__(self, needs_input_grad: tuple[bool, ...]) -> None:
+        self.needs_input_grad = needs_input_grad
+        self.saved_tensors: tuple = ()
+
+    def save_for_backward(self, *tensors) -> None:
+        self.saved_tensors = tensors
+
+    def mark_non_differentiable(self, *tensors) -> None:
+        pass
+
+    def set_materialize_grads(self, value: bool) -> None:
+        pass
+
+
+class _CrossEntropyLoss(torch.autograd.Function):
+    """``cross_entropy_fwd`` then ``cross_entropy_reduce`` (mean or sum) as one autograd node."""
+
+    @staticmethod
+    def forward(ctx, logits, target, label_smoothing, ignore_index, mean):
+        rows_args = (logits, target, label_smoothing, ignore_index)
+        loss_rows, stats = cross_entropy_fwd.implementation(logits)(*rows_args)
+        loss, grad_scale = cross_entropy_reduce.implementation(logits)(loss_rows, target, ignore_index, mean)
+        rows, reduced = _Stage((True, False, False, False)), _Stage((True, False, False, False))
+        _cross_entropy_setup(rows, rows_args, (loss_rows, stats))
+        _cross_entropy_reduce_setup(reduced, (loss_rows, target, ignore_index, mean), (loss, grad_scale))
+        ctx.stages, ctx.split = (rows, reduced), len(rows.saved_tensors)
+        ctx.save_for_backward(*rows.saved_tensors, *reduced.saved_tensors)
+        ctx.mark_non_differentiable(grad_scale)
+        return loss, grad_scale
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_):
+        _refuse_double_backward("cross_entropy")
+        rows, reduced = ctx.stages
+        saved = ctx.saved_tensors
+        rows.saved_tensors, reduced.saved_tensors = saved[: ctx.split], saved[ctx.split :]
+        grad_rows = _cross_entropy_reduce_backward(reduced, grad_loss, None)[0]
+        return _cross_entropy_backward(rows, grad_rows, None)[0], None, None, None, None
+
+
+def cross_entropy_loss(
+    logits: torch.Tensor, target: torch.Tensor, label_smoothing: float, ignore_index: int, reduction: str
+) -> torch.Tensor:
+    """The reduced (or per-row) fp32 cross entropy of ``(N, V)`` logits: ``lowp::cross_entropy_fwd`` and,
+    for ``mean``/``sum``, ``lowp::cross_entropy_reduce``; one autograd node when called eagerly."""
+    args = (logits, target, label_smoothing, ignore_index)
+    if reduction == "none":
+        return cross_entropy_fwd(*args)[0]
+    mean = reduction == "mean"
+    if logits.requires_grad and torch.is_grad_enabled() and eager_call_allowed(args):
+        return _CrossEntropyLoss.apply(*args, mean)[0]
+    loss_rows, _ = cross_entropy_fwd(*args)
+    return cross_entropy_reduce(loss_rows, target, ignore_index, mean)[0]

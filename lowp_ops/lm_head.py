@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from . import library  # noqa: F401  (registers the ops)
+from . import library
 from .functional import reduce_row_losses
 from .meta.checks import require
 from .meta.cross_entropy import check_label_smoothing, check_reduction
@@ -104,7 +106,7 @@ def linear_cross_entropy(
     check_chunk_size(chunk)
     require(chunk_size is None or chunk_size > 0, lambda: f"chunk_size must be positive, got {chunk_size}")
 
-    hidden_rows = hidden.reshape(-1, hidden.shape[-1])
+    hidden_rows = hidden.reshape(math.prod(hidden.shape[:-1]), hidden.shape[-1])  # -1 fails for H = 0
     target_rows = target.reshape(-1)
     op_format = grad_format or "none"
     if process_group is not None:
@@ -124,8 +126,10 @@ def linear_cross_entropy(
         )
         return reduce_row_losses(loss_rows, target, reduction, ignore_index)
     need_dhidden, need_dweight = hidden.requires_grad, weight.requires_grad
-    if torch.is_grad_enabled() and (need_dhidden or need_dweight) and reduction != "none":
-        loss, _, _ = torch.ops.lowp.linear_cross_entropy_fwd_bwd(
+    # No rows: the mean is NaN as in torch, which the reduction kernel gives and the fused schedule does not.
+    fused = reduction != "none" and target_rows.shape[0] > 0
+    if torch.is_grad_enabled() and (need_dhidden or need_dweight) and fused:
+        loss, _, _ = library.linear_cross_entropy_fwd_bwd(
             hidden_rows,
             weight,
             target_rows,
@@ -139,7 +143,7 @@ def linear_cross_entropy(
             need_dweight,
         )
         return loss
-    loss_rows, _ = torch.ops.lowp.linear_cross_entropy_fwd(
+    loss_rows, _ = library.linear_cross_entropy_fwd(
         hidden_rows,
         weight,
         target_rows,

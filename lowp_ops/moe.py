@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import library  # noqa: F401  (registers the ops)
+from . import library
 from .meta.checks import require
 from .meta.grouped_mlp import RECIPES
 
@@ -60,7 +60,7 @@ def grouped_swiglu_mlp(
             f"got {tuple(fc2_weight.shape)}"
         ),
     )
-    h, _ = torch.ops.lowp.grouped_fc1_swiglu(
+    h, _ = library.grouped_fc1_swiglu(
         x, fc1_weight, probs.reshape(-1), split_sizes, recipe, glu_interleave_size or 0, fc1_dy_amax_from_dglu
     )
-    return torch.ops.lowp.grouped_linear(h, fc2_weight, split_sizes, recipe)
+    return library.grouped_linear(h, fc2_weight, split_sizes, recipe)

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from . import library  # noqa: F401  (registers the ops)
+from . import library
 from .formats import FP8_DTYPES, MXFP8Tensor
-from .meta.mxfp8 import check_quantize_args
+from .meta.checks import check_float_dtype, require_tensor
+from .meta.mxfp8 import check_quantize_args, normalize_fp8_dtype
 
 
 def mxfp8_quantize(
     x: torch.Tensor,
-    fp8_dtype: str = "e4m3",
+    fp8_dtype: str | torch.dtype = "e4m3",
     rowwise: bool = True,
     columnwise: bool = True,
     scale_layout: str = "compact",
@@ -21,7 +22,8 @@ def mxfp8_quantize(
     Args:
         x: the tensor; viewed as ``(rows, cols)`` with rows = all leading dims. Any rows/cols work: a
             partial 32-block quantizes its valid elements.
-        fp8_dtype: ``"e4m3"`` (max 448) or ``"e5m2"`` (max 57344).
+        fp8_dtype: ``"e4m3"`` (max 448) or ``"e5m2"`` (max 57344), or ``torch.float8_e4m3fn`` /
+            ``torch.float8_e5m2``.
         rowwise / columnwise: which copies to write (1x32 blocks along the last dim / 32x1 along rows),
             both from one read of ``x``.
         scale_layout: ``"compact"`` or ``"swizzled"`` (the GEMM tile order of TE's ``optimize_for_gemm``).
@@ -31,8 +33,10 @@ def mxfp8_quantize(
     element encodes as 0x7F and its block keeps the scale of its finite elements; Inf saturates to
     +-max in a block with scale code 254.
     """
+    require_tensor(x, "x")
+    fp8_dtype = normalize_fp8_dtype(fp8_dtype)
     check_quantize_args(x, fp8_dtype, rowwise, columnwise, scale_layout)
-    row_data, row_scale, col_data, col_scale = torch.ops.lowp.mxfp8_quantize(
+    row_data, row_scale, col_data, col_scale = library.mxfp8_quantize(
         x, fp8_dtype, rowwise, columnwise, scale_layout
     )
     data_dtype = FP8_DTYPES[fp8_dtype]
@@ -56,11 +60,10 @@ def mxfp8_dequantize(
     """
     if not isinstance(q, MXFP8Tensor):
         raise TypeError(f"q must be an MXFP8Tensor, got {type(q).__name__}")
+    check_float_dtype(dtype)
     if use not in ("rowwise", "columnwise"):
         raise ValueError(f"use must be 'rowwise' or 'columnwise', got {use!r}")
     data, scale = (q.row_data, q.row_scale) if use == "rowwise" else (q.col_data, q.col_scale)
     if data is None:
         raise ValueError(f"use={use!r} but q holds no {use} copy")
-    return torch.ops.lowp.mxfp8_dequantize(
-        data.view(torch.uint8), scale, q.fp8_dtype, use, q.scale_layout, dtype
-    )
+    return library.mxfp8_dequantize(data.view(torch.uint8), scale, q.fp8_dtype, use, q.scale_layout, dtype)

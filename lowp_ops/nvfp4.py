@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from . import library  # noqa: F401  (registers the ops)
+from . import library
 from .formats import NVFP4GroupedTensor, NVFP4Tensor
-from .meta.checks import require
+from .meta.checks import check_float_dtype, require
 from .meta.nvfp4 import check_group_quantize_args, check_quantize_args
 
 
@@ -52,7 +52,7 @@ def nvfp4_quantize(
     """
     sr_seed = _sr_seed(stochastic_rounding, sr_seed, x.device)
     check_quantize_args(x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d, sr_seed)
-    row_data, row_scale, col_data, col_scale, amax_row, amax_col = torch.ops.lowp.nvfp4_quantize(
+    row_data, row_scale, col_data, col_scale, amax_row, amax_col = library.nvfp4_quantize(
         x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d, sr_seed
     )
     return NVFP4Tensor(
@@ -92,7 +92,7 @@ def nvfp4_group_quantize(
     check_group_quantize_args(
         x, split_sizes, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, sr_seed
     )
-    row_data, row_scale, col_data, col_scale, amax_row, amax_col = torch.ops.lowp.nvfp4_group_quantize(
+    row_data, row_scale, col_data, col_scale, amax_row, amax_col = library.nvfp4_group_quantize(
         x, split_sizes, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, sr_seed
     )
     return NVFP4GroupedTensor(
@@ -116,9 +116,10 @@ def nvfp4_dequantize(
     if not isinstance(q, NVFP4Tensor):
         raise TypeError(f"q must be an NVFP4Tensor, got {type(q).__name__}")
     require(use in ("rowwise", "columnwise"), lambda: f"use must be 'rowwise' or 'columnwise', got {use!r}")
+    check_float_dtype(dtype)
     if use == "rowwise":
         require(q.row_data is not None, lambda: "use='rowwise' but q holds no rowwise copy")
-        values = torch.ops.lowp.nvfp4_dequantize(q.row_data, q.row_scale, q.amax_rowwise, dtype)
+        values = library.nvfp4_dequantize(q.row_data, q.row_scale, q.amax_rowwise, dtype)
         return values.view(q.shape)
     require(q.col_data is not None, lambda: "use='columnwise' but q holds no columnwise copy")
-    return torch.ops.lowp.nvfp4_dequantize(q.col_data, q.col_scale, q.amax_columnwise, dtype)
+    return library.nvfp4_dequantize(q.col_data, q.col_scale, q.amax_columnwise, dtype)

@@ -44,6 +44,22 @@ def col_scale_shape(rows, cols) -> tuple[int, int]:
     return _round_up(row_blocks, SCALE_TILE_COLS), _round_up(cols, SCALE_TILE_ROWS)
 
 
+_FP8_DTYPE_NAMES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+
+
+def normalize_fp8_dtype(fp8_dtype, name: str = "fp8_dtype") -> str:
+    """``"e4m3"`` / ``"e5m2"`` from that name or from ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``;
+    anything else raises a ValueError naming ``name``."""
+    if isinstance(fp8_dtype, torch.dtype):
+        fp8_dtype = _FP8_DTYPE_NAMES.get(fp8_dtype, fp8_dtype)
+    require(
+        isinstance(fp8_dtype, str) and fp8_dtype in FP8_DTYPES,
+        lambda: f"{name} must be one of {sorted(FP8_DTYPES)}, torch.float8_e4m3fn or torch.float8_e5m2, "
+        f"got {fp8_dtype!r}",
+    )
+    return fp8_dtype
+
+
 def check_fp8_dtype(fp8_dtype: str) -> None:
     require(
         fp8_dtype in FP8_DTYPES, lambda: f"fp8_dtype must be one of {sorted(FP8_DTYPES)}, got {fp8_dtype!r}"

@@ -1,0 +1,124 @@
+"""Launching a Triton kernel without Triton's per-call launch path.
+
+``kernel[grid](*args, **meta)`` in Triton 3.6 reads its environment knobs, binds the arguments, builds a
+string key of their specialization and checks the kernel's globals on every call: tens of microseconds
+of host time, several times the GPU time of a small kernel. :func:`cached_launch` wraps a ``@triton.jit``
+kernel so that a call computes a tuple key of what Triton specializes on (each tensor's dtype and
+16-byte alignment; each integer's value being 1, its divisibility by 16 and its width; the constexpr
+and launch options as given) and, when Triton has compiled that specialization before, launches the
+compiled binary Triton returned for it directly, through the binary's own launcher (the call
+``CompiledKernel.__getitem__`` makes, without its per-call closure). The first call of a
+specialization, and every call under ``TRITON_INTERPRET=1``, goes through Triton's own path (which
+compiles and launches).
+
+The key is at least as fine as Triton's: two calls with the same key are the same specialization, so
+the binary launched is the one Triton itself would launch.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import torch
+import triton.language as tl
+from triton import knobs
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+# Launch options of Triton's compiler, passed as keywords beside the constexprs; not kernel parameters.
+_LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion"})
+_INT32 = 2**31
+
+
+def _arg_key(value):
+    """What Triton specializes a run-time argument on (types and properties, not values)."""
+    if type(value) is torch.Tensor or isinstance(value, torch.Tensor):
+        return value.dtype, value.data_ptr() % 16 == 0
+    if isinstance(value, bool):
+        return bool, value
+    if isinstance(value, int):
+        return int, value == 1, value % 16 == 0, -_INT32 <= value < _INT32
+    if isinstance(value, float):
+        return float
+    return _value_key(value)
+
+
+def _value_key(value):
+    """A constexpr or launch option: its value is the key."""
+    return value.value if isinstance(value, tl.constexpr) else value
+
+
+class CachedLaunch:
+    """A ``@triton.jit`` kernel launched through its compiled binaries (see the module docstring).
+
+    ``kernel[grid](*args, **meta)`` as with the JIT function; every other attribute is the JIT
+    function's. ``launches`` counts the launches (the tests freeze each public call's count)."""
+
+    launches = 0
+
+    def __init__(self, jit_function) -> None:
+        self.jit_function = jit_function
+        self._binaries: dict = {}
+        if INTERPRETING:  # an InterpretedFunction: every launch goes through Triton
+            return
+        params = jit_function.params
+        self._names = [p.name for p in params]
+        self._defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+        constexpr = {p.name for p in params if p.is_constexpr} | _LAUNCH_OPTIONS
+        self._key_of = [_value_key if p.name in constexpr else _arg_key for p in params]
+        self._meta_key_of = {name: _arg_key for name in self._names if name not in constexpr}
+
+    def __getattr__(self, name):
+        return getattr(self.jit_function, name)
+
+    def __getitem__(self, grid):
+        return lambda *args, **meta: self.launch(grid, args, meta)
+
+    def launch(self, grid, args: tuple, meta: dict) -> None:
+        CachedLaunch.launches += 1
+        if INTERPRETING:
+            self.jit_function[grid](*args, **meta)
+            return
+        device = torch.cuda.current_device()
+        key_of, meta_key_of = self._key_of, self._meta_key_of
+        key = (
+            device,
+            tuple(key_of[i](value) for i, value in enumerate(args)),
+            tuple((name, meta_key_of.get(name, _value_key)(value)) for name, value in meta.items()),
+        )
+        entry = self._binaries.get(key)
+        if entry is None:
+            # Triton compiles (or finds) the binary, launches it and returns it.
+            binary = self.jit_function[grid](*args, **meta)
+            self._binaries[key] = None if binary is None else (binary, binary.run, binary.function)
+            return
+        binary, run, function = entry
+        full_args = list(args)
+        for name in self._names[len(args) :]:
+            full_args.append(meta[name] if name in meta else self._defaults[name])
+        grid_0, grid_1, grid_2 = (*grid, 1, 1)[:3]
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        grid_3 = (grid_0, grid_1, grid_2)
+        metadata = None if enter is None else binary.launch_metadata(grid_3, stream, *full_args)
+        run(
+            grid_0,
+            grid_1,
+            grid_2,
+            stream,
+            function,
+            binary.packed_metadata,
+            metadata,
+            enter,
+            leave,
+            *full_args,
+        )
+
+
+def cached_launch(jit_function) -> CachedLaunch:
+    """Decorator over ``@triton.jit`` for kernels launched from Python (not for ``@triton.jit`` helpers
+    that other kernels call)."""
+    return CachedLaunch(jit_function)
+
+
+__all__ = ["INTERPRETING", "CachedLaunch", "cached_launch"]

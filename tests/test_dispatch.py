@@ -1,0 +1,338 @@
+"""The direct eager call of the ops (``library.LowpOp``): same bytes as the dispatcher path, frozen launch
+counts, one clear error for double backward; and the public functions' torch-compatible argument
+handling (layouts, types, devices, empty inputs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lowp_ops
+from lowp_ops import library
+
+# ------------------------------------------------------------------- eager call == dispatcher call
+
+
+def _eager_and_dispatched(op: library.LowpOp, *args):
+    """The op's outputs through the direct eager call and through ``torch.ops.lowp``."""
+    return op(*args), op.overload(*args)
+
+
+def _assert_same_bytes(a, b) -> None:
+    a = a if isinstance(a, tuple) else (a,)
+    b = b if isinstance(b, tuple) else (b,)
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.shape == y.shape and x.dtype == y.dtype
+        assert torch.equal(x.view(torch.uint8) if x.numel() else x, y.view(torch.uint8) if y.numel() else y)
+
+
+SUITES = [
+    pytest.param("cpu", id="reference"),
+    pytest.param("cpu", marks=pytest.mark.interp, id="interp"),
+    pytest.param("cuda", marks=pytest.mark.gpu, id="gpu"),
+]
+
+
+@pytest.mark.parametrize("device", SUITES)
+def test_eager_call_gives_the_dispatcher_bytes(device):
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(37, 301, generator=gen).to(torch.bfloat16).to(device)
+    logits[3, :140] = float("-inf")
+    target = torch.randint(0, 301, (37,), generator=gen).to(device)
+    target[5] = -100
+    _assert_same_bytes(*_eager_and_dispatched(library.cross_entropy_fwd, logits, target, 0.1, -100))
+    _, stats = library.cross_entropy_fwd(logits, target, 0.1, -100)
+    grad_rows = torch.rand(37, generator=gen).to(device)
+    _assert_same_bytes(
+        *_eager_and_dispatched(library.cross_entropy_bwd, logits, target, stats, grad_rows, 0.1, -100, 0, 0)
+    )
+    _assert_same_bytes(
+        *_eager_and_dispatched(
+            library.cross_entropy_bwd_mxfp8,
+            logits,
+            target,
+            stats,
+            grad_rows,
+            0.1,
+            -100,
+            "e4m3",
+            True,
+            True,
+            "compact",
+            0,
+            0,
+        )
+    )
+    x = torch.randn(33, 77, generator=gen).to(device)
+    _assert_same_bytes(*_eager_and_dispatched(library.softmax_fwd, x, True, "zero"))
+    _assert_same_bytes(*_eager_and_dispatched(library.mxfp8_quantize, x, "e5m2", True, True, "swizzled"))
+
+
+def test_public_functions_give_the_same_bytes_with_and_without_the_direct_call(monkeypatch):
+    """The whole public call (forward and backward) through the direct eager path and, with it switched
+    off, through the registered custom ops and their autograd formulas."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 9, 130, generator=gen).to(torch.bfloat16)
+    target = torch.randint(0, 130, (4, 9), generator=gen)
+
+    def run():
+        leaf = logits.clone().requires_grad_()
+        loss = lowp_ops.cross_entropy(leaf, target, label_smoothing=0.1, classes_last=True)
+        loss.backward()
+        x = logits.float().clone().requires_grad_()
+        y = lowp_ops.log_softmax(x, dim=1)
+        y.backward(torch.ones_like(y))
+        return loss, leaf.grad, y, x.grad
+
+    direct = run()
+    monkeypatch.setattr(library, "eager_call_allowed", lambda args: False)
+    dispatched = run()
+    for a, b in zip(direct, dispatched, strict=True):
+        assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------ frozen launch counts
+
+TRITON_LAUNCHES = {
+    # public call -> Triton kernels it launches (aten kernels not counted here; see the GPU test)
+    "cross_entropy fwd+bwd": 3,  # row forward, reduction, backward
+    "cross_entropy_with_mxfp8_grad": 3,  # row forward, reduction, fused MXFP8 backward
+    "softmax fwd+bwd": 2,
+    "logsumexp fwd": 1,
+    "mxfp8_quantize": 1,
+    "mxfp8_dequantize": 1,
+}
+
+
+def _launch_cases(device):
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(16, 96, generator=gen).to(device)
+    target = torch.randint(0, 96, (16,), generator=gen).to(device)
+    x = torch.randn(8, 64, generator=gen).to(device)
+    q = lowp_ops.mxfp8_quantize(x)
+
+    def ce():
+        leaf = logits.clone().requires_grad_()
+        lowp_ops.cross_entropy(leaf, target).backward()
+
+    def sm():
+        leaf = x.clone().requires_grad_()
+        lowp_ops.softmax(leaf).sum().backward()
+
+    return {
+        "cross_entropy fwd+bwd": ce,
+        "cross_entropy_with_mxfp8_grad": lambda: lowp_ops.cross_entropy_with_mxfp8_grad(logits, target),
+        "softmax fwd+bwd": sm,
+        "logsumexp fwd": lambda: lowp_ops.logsumexp(x),
+        "mxfp8_quantize": lambda: lowp_ops.mxfp8_quantize(x),
+        "mxfp8_dequantize": lambda: lowp_ops.mxfp8_dequantize(q),
+    }
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("case", sorted(TRITON_LAUNCHES))
+def test_triton_launch_count_is_frozen(case):
+    from lowp_ops.kernels.launch import CachedLaunch
+
+    call = _launch_cases("cpu")[case]
+    before = CachedLaunch.launches
+    call()
+    assert CachedLaunch.launches - before == TRITON_LAUNCHES[case]
+
+
+CUDA_KERNELS = {
+    # every kernel on the GPU, aten's included (zero-fills, copies, the gradient's scale multiply)
+    "cross_entropy fwd+bwd": 4,
+    "cross_entropy_with_mxfp8_grad": 3,
+    "softmax fwd+bwd": 3,
+    "logsumexp fwd": 2,
+    "mxfp8_quantize": 1,
+    "mxfp8_dequantize": 1,
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(CUDA_KERNELS))
+def test_cuda_kernel_count_is_frozen(case):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    call = _launch_cases("cuda")[case]
+    call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == CUDA_KERNELS[case], [e.name for e in kernels]
+
+
+# ------------------------------------------------------------------------------------ double backward
+
+
+def _double_backward_cases():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 40, generator=gen)
+    target = torch.randint(0, 40, (6,), generator=gen)
+    weight = torch.randn(40, 16, generator=gen)
+    hidden = torch.randn(6, 16, generator=gen)
+    return {
+        "softmax": (lambda v: lowp_ops.softmax(v).square().sum(), x),
+        "log_softmax": (lambda v: lowp_ops.log_softmax(v).square().sum(), x),
+        "logsumexp": (lambda v: lowp_ops.logsumexp(v).square().sum(), x),
+        "cross_entropy": (lambda v: lowp_ops.cross_entropy(v, target), x),
+        "linear_cross_entropy": (lambda v: lowp_ops.linear_cross_entropy(v, weight, target), hidden),
+        "swiglu": (lambda v: lowp_ops.swiglu(v, torch.ones(6)).square().sum(), x),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_double_backward_cases()))
+def test_double_backward_raises_one_clear_error(name):
+    fn, x = _double_backward_cases()[name]
+    leaf = x.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="does not support double backward"):
+        torch.autograd.grad(fn(leaf), leaf, create_graph=True)
+    (grad,) = torch.autograd.grad(fn(leaf), leaf)  # a plain backward still works
+    assert grad.shape == leaf.shape and torch.isfinite(grad).all()
+
+
+# --------------------------------------------------------------------- F.cross_entropy compatibility
+
+
+@pytest.mark.parametrize(
+    "shape", [(7,), (5, 7), (3, 7, 7), (2, 7, 3, 4)], ids=["C", "N-C", "N-C-d-with-d-eq-C", "N-C-d1-d2"]
+)
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_torch_layouts_match_f_cross_entropy(shape, reduction):
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(shape, generator=gen, dtype=torch.float64)
+    target_shape = () if len(shape) == 1 else (shape[0], *shape[2:])
+    target = torch.randint(0, shape[-1] if len(shape) == 1 else shape[1], target_shape, generator=gen)
+    ours_in = logits.float().requires_grad_()
+    ours = lowp_ops.cross_entropy(ours_in, target, None, None, -100, None, reduction, 0.1)
+    theirs_in = logits.clone().requires_grad_()
+    theirs = F.cross_entropy(theirs_in, target, None, None, -100, None, reduction, 0.1)
+    assert ours.shape == theirs.shape
+    torch.testing.assert_close(ours.double(), theirs, rtol=1e-5, atol=1e-6)
+    ours.sum().backward()
+    theirs.sum().backward()
+    torch.testing.assert_close(ours_in.grad.double(), theirs_in.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_classes_last_is_explicit_and_never_guessed():
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 7, 7, generator=gen)
+    target = torch.randint(0, 7, (3, 7), generator=gen)
+    torch_layout = lowp_ops.cross_entropy(logits, target)
+    last = lowp_ops.cross_entropy(logits, target, classes_last=True)
+    torch.testing.assert_close(torch_layout, F.cross_entropy(logits, target))
+    torch.testing.assert_close(last, F.cross_entropy(logits.reshape(-1, 7), target.reshape(-1)))
+    assert not torch.equal(torch_layout, last)
+
+
+def test_legacy_size_average_and_reduce():
+    logits, target = torch.randn(5, 4), torch.tensor([0, 1, 2, 3, 0])
+    with pytest.warns(UserWarning):
+        ours = lowp_ops.cross_entropy(logits, target, size_average=False)
+    torch.testing.assert_close(ours, F.cross_entropy(logits, target, reduction="sum"))
+
+
+BAD_ARGUMENTS = {
+    "probability target": (
+        lambda x, t: lowp_ops.cross_entropy(x, torch.rand(4, 10)),
+        ValueError,
+        "probabilit",
+    ),
+    "meta target": (lambda x, t: lowp_ops.cross_entropy(x, t.to("meta")), ValueError, "target must be on"),
+    "float ignore_index": (
+        lambda x, t: lowp_ops.cross_entropy(x, t, ignore_index=1.5),
+        TypeError,
+        "ignore_index",
+    ),
+    "bool ignore_index": (
+        lambda x, t: lowp_ops.cross_entropy(x, t, ignore_index=True),
+        TypeError,
+        "ignore_index",
+    ),
+    "string label_smoothing": (
+        lambda x, t: lowp_ops.cross_entropy(x, t, label_smoothing="0.1"),
+        TypeError,
+        "label_smoothing",
+    ),
+    "float grad_loss": (
+        lambda x, t: lowp_ops.cross_entropy_with_mxfp8_grad(x, t, 2.0),
+        ValueError,
+        "grad_loss must be a Tensor",
+    ),
+    "list target": (
+        lambda x, t: lowp_ops.cross_entropy(x, [0, 1, 2, 3]),
+        TypeError,
+        "target must be a Tensor",
+    ),
+    "fp8 dtype": (lambda x, t: lowp_ops.mxfp8_quantize(x, "e4m4"), ValueError, "fp8_dtype"),
+    "dequantize dtype string": (
+        lambda x, t: lowp_ops.mxfp8_dequantize(lowp_ops.mxfp8_quantize(x), "bf16"),
+        TypeError,
+        "dtype",
+    ),
+    "softmax dtype": (lambda x, t: lowp_ops.softmax(x, dtype="float32"), ValueError, "dtype"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ARGUMENTS))
+def test_bad_arguments_raise_clear_errors(case):
+    call, error, match = BAD_ARGUMENTS[case]
+    with pytest.raises(error, match=match):
+        call(torch.randn(4, 10), torch.tensor([1, 2, 3, 4]))
+
+
+def test_fp8_dtype_accepts_torch_float8_dtypes():
+    x = torch.randn(40, 70)
+    for name, dtype in (("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)):
+        by_dtype, by_name = lowp_ops.mxfp8_quantize(x, dtype), lowp_ops.mxfp8_quantize(x, name)
+        assert by_dtype.fp8_dtype == name and by_dtype.row_data.dtype == dtype
+        assert torch.equal(by_dtype.row_data.view(torch.uint8), by_name.row_data.view(torch.uint8))
+
+
+# ----------------------------------------------------------------------- softmax family as torch
+
+
+def test_softmax_dtype_and_logsumexp_tuple_dims():
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 5, 6, generator=gen).to(torch.bfloat16)
+    torch.testing.assert_close(
+        lowp_ops.softmax(x, 1, dtype=torch.float32), torch.softmax(x, 1, dtype=torch.float32)
+    )
+    torch.testing.assert_close(
+        lowp_ops.log_softmax(x, 0, dtype=torch.float32), torch.log_softmax(x, 0, dtype=torch.float32)
+    )
+    xf = x.float()
+    for dims in ((0, 2), (1,), (2, 0, 1), [-1, 0]):
+        for keepdim in (False, True):
+            torch.testing.assert_close(
+                lowp_ops.logsumexp(xf, dims, keepdim), torch.logsumexp(xf, dims, keepdim)
+            )
+
+
+def test_empty_inputs_give_torch_results():
+    for shape, dim in (((3, 0), -1), ((0, 5), -1), ((2, 0, 4), 1)):
+        x = torch.randn(shape, requires_grad=True)
+        for ours, theirs in ((lowp_ops.softmax, torch.softmax), (lowp_ops.log_softmax, torch.log_softmax)):
+            out = ours(x, dim)
+            assert out.shape == theirs(x, dim).shape
+            out.sum().backward()
+        assert torch.equal(lowp_ops.logsumexp(x.detach(), dim), torch.logsumexp(x.detach(), dim))
+    # LM head with H = 0 and with N = 0 (mean over no row: NaN, as torch)
+    for n, h in ((4, 0), (0, 8)):
+        hidden = torch.randn(n, h, requires_grad=True)
+        weight = torch.randn(10, h, requires_grad=True)
+        target = torch.randint(0, 10, (n,))
+        ours = lowp_ops.linear_cross_entropy(hidden, weight, target)
+        theirs = F.cross_entropy(F.linear(hidden, weight), target)
+        torch.testing.assert_close(ours, theirs, equal_nan=True)
+        ours.backward()
+        assert hidden.grad.shape == hidden.shape and weight.grad.shape == weight.shape
+    q = lowp_ops.nvfp4_quantize(torch.randn(0, 32), columnwise=True)
+    assert lowp_ops.nvfp4_dequantize(q).shape == (0, 32)
+    assert lowp_ops.nvfp4_dequantize(q, use="columnwise").shape == (32, 0)
