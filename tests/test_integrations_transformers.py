@@ -384,3 +384,55 @@ def test_inductor_compiles_the_patched_moe():
     for name, p in compiled.named_parameters():
         error = (p.grad.double() - want[name].double()).norm() / want[name].double().norm()
         assert error <= 3e-2, f"{name}: {float(error):.2e}"
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["bf16", "mxfp8", "nvfp4"])
+def test_gpu_patched_experts_and_loss_never_sync(recipe):
+    """The sorted experts (forward and backward) and the loss function run without a host sync."""
+    model = apply_lowp_ops(
+        tiny_model("qwen3_moe", torch.bfloat16).cuda(), experts=recipe, grad_format="mxfp8_e4m3"
+    )
+    experts = model.model.layers[0].mlp.experts
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    hidden = torch.randn(64, 32, device="cuda", generator=gen).bfloat16().requires_grad_()
+    top_k_weights, top_k_index = torch.rand(64, 4, device="cuda", generator=gen).topk(2, dim=-1)
+    ids, labels = (t.cuda() for t in batch())
+    final_hidden = torch.randn(*ids.shape, 32, device="cuda", generator=gen).bfloat16().requires_grad_()
+    num_items = torch.tensor(20, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = experts(hidden, top_k_index, top_k_weights)
+        loss = model.loss_function(final_hidden, labels, VOCAB, num_items_in_batch=num_items)
+        (out.float().sum() + loss).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(hidden.grad).all() and torch.isfinite(final_hidden.grad).all()
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_experts_match_the_models_own():
+    ref = tiny_model("qwen3_moe", torch.bfloat16).cuda()
+    patched = apply_lowp_ops(copy.deepcopy(ref), experts="bf16")
+    ids, labels = (t.cuda() for t in batch())
+    assert_same_training_signal(ref, patched, ids, labels, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+def test_gpu_low_precision_experts_train(recipe):
+    """MXFP8 / NVFP4 experts and the MXFP8 LM-head gradient: the loss of the bf16 model, gradients of
+    the quantization's size (the bf16 patched model is the reference)."""
+    ref = apply_lowp_ops(tiny_model("mixtral", torch.bfloat16).cuda(), experts="bf16")
+    low = apply_lowp_ops(copy.deepcopy(ref), experts=recipe, grad_format="mxfp8_e4m3")
+    ids, labels = (t.cuda() for t in batch())
+    want_loss, want = loss_and_grads(ref, ids, labels)
+    got_loss, got = loss_and_grads(low, ids, labels)
+    torch.testing.assert_close(got_loss, want_loss, rtol=2e-2, atol=0)
+    for name, grad in want.items():
+        error = (got[name].double() - grad.double()).norm() / grad.double().norm()
+        assert error <= 0.5, f"{name}: {float(error):.2e}"
