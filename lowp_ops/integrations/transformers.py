@@ -126,18 +126,28 @@ def apply_lowp_ops(
     expert_modules = _supported_experts(model) if experts is not None else []
     use_lowp_attention = softmax and _eager_attention_allowed(model)
 
-    model._lowp_ops_loss = {"grad_format": grad_format, **loss_options}
-    model.lm_head.forward = types.MethodType(_hidden_passthrough, model.lm_head)
-    model.loss_function = types.MethodType(_causal_lm_loss, model)
-    model.forward = types.MethodType(_forward_with_optional_logits, model)
+    _patch_head_and_loss(model, {"grad_format": grad_format, **loss_options})
     for module in expert_modules:
         module._lowp_recipe = experts
         module.forward = types.MethodType(_grouped_experts_forward, module)
     if use_lowp_attention:
-        AttentionInterface.register(ATTENTION_NAME, lowp_eager_attention)
-        AttentionMaskInterface.register(ATTENTION_NAME, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
-        model.set_attn_implementation(ATTENTION_NAME)
+        _select_lowp_attention(model)
     return model
+
+
+def _patch_head_and_loss(model: nn.Module, loss_options: dict) -> None:
+    """Instance attributes only (bound methods, so ``copy.deepcopy`` binds them to the copy)."""
+    model._lowp_ops_loss = loss_options
+    model.lm_head.forward = types.MethodType(_hidden_passthrough, model.lm_head)
+    model.loss_function = types.MethodType(_causal_lm_loss, model)
+    model.forward = types.MethodType(_forward_with_optional_logits, model)
+
+
+def _select_lowp_attention(model: nn.Module) -> None:
+    """Registers ``"lowp_eager"`` (attention function and eager's additive mask) and selects it."""
+    AttentionInterface.register(ATTENTION_NAME, lowp_eager_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+    model.set_attn_implementation(ATTENTION_NAME)
 
 
 # ------------------------------------------------------------------------------------------- checks
@@ -307,7 +317,9 @@ def _forward_with_optional_logits(
     return_logits: bool | None = None,
     **kwargs,
 ):
-    """The class's forward with the head's output (hidden states) turned back into logits when wanted."""
+    """The class's forward with the head's output (hidden states) turned back into logits when wanted
+    (default: unless training with ``labels``; pass ``labels`` by keyword, as transformers' Trainer does,
+    or the logits are computed too)."""
     return_dict = kwargs.pop("return_dict", None)
     if return_logits is None:
         return_logits = kwargs.get("labels") is None or not self.training
