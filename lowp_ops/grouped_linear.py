@@ -18,7 +18,11 @@ up to the accumulation order, except where noted.
 - ``nvfp4``: TE's NVFP4 recipe (RHT on the wgrad operands, 16x16 weights, global scales applied to
   the GEMM outputs), see :mod:`lowp_ops.grouped_nvfp4`.
 
-Split sizes stay on the device; nothing here reads a tensor value on the host.
+Split sizes stay on the device; nothing here reads a tensor value on the host (the output functions
+of ``meta`` check them on CPU). Sizes that are not well formed (negative, not summing to T; CUDA, or
+checks off) take the effective boundaries of :mod:`lowp_ops.meta.split_sizes` (multiples of 16 for
+``nvfp4``): rows of no expert give zero outputs and zero input gradients and add nothing to the weight
+gradients.
 """
 
 from __future__ import annotations
@@ -27,11 +31,13 @@ import torch
 
 from .grouped_nvfp4 import nvfp4_backward, nvfp4_fprop
 from .meta.grouped_mlp import grouped_fc1_swiglu_outputs, grouped_linear_output
+from .meta.split_sizes import clamped_prefix_sums
 
 
-def group_ends(split_sizes: torch.Tensor) -> torch.Tensor:
-    """int32 cumulative split sizes (the ``offs`` of ``torch._grouped_mm``), computed on the device."""
-    return torch.cumsum(split_sizes, dim=0, dtype=torch.int32)
+def group_ends(split_sizes: torch.Tensor, rows: int) -> torch.Tensor:
+    """int64 group ends for ``lowp::grouped_mm`` (on the device): the clamped prefix sums, whose valid
+    part ``grouped_mm`` takes are the effective boundaries of ``meta.split_sizes``."""
+    return clamped_prefix_sums(split_sizes, rows)
 
 
 def _mxfp8_dequantized(t: torch.Tensor, use: str) -> torch.Tensor:
@@ -63,14 +69,14 @@ def linear_fprop(
     x: torch.Tensor, weight: torch.Tensor, split_sizes: torch.Tensor, recipe: str
 ) -> torch.Tensor:
     """y (T, N) = x_e (T_e, K) w[e]^T per expert, bf16."""
-    offs = group_ends(split_sizes)
+    if recipe == "nvfp4":
+        return nvfp4_fprop(x, weight, split_sizes)
+    offs = group_ends(split_sizes, x.shape[0])
     if recipe == "bf16":
         return torch.ops.lowp.grouped_mm(x, weight.transpose(1, 2), offs)
-    if recipe == "mxfp8":
-        x_deq = _mxfp8_dequantized(x, "rowwise")
-        w_deq = _mxfp8_dequantized(_flat(weight), "rowwise").view(weight.shape)
-        return torch.ops.lowp.grouped_mm(x_deq, w_deq.transpose(1, 2), offs)
-    return nvfp4_fprop(x, weight, split_sizes)
+    x_deq = _mxfp8_dequantized(x, "rowwise")
+    w_deq = _mxfp8_dequantized(_flat(weight), "rowwise").view(weight.shape)
+    return torch.ops.lowp.grouped_mm(x_deq, w_deq.transpose(1, 2), offs)
 
 
 def linear_backward(
@@ -84,17 +90,17 @@ def linear_backward(
     """(dx (T, K), dweight (E, N, K)) bf16 from grad = dy (T, N). ``grad_amax`` (E,) fp32: the per-expert
     amax of ``grad`` before its bf16 rounding (nvfp4 only; from the dGLU epilogue), so that no amax
     pass over ``grad`` runs."""
-    offs = group_ends(split_sizes)
+    if recipe == "nvfp4":
+        return nvfp4_backward(grad, x, weight, split_sizes, grad_amax)
+    offs = group_ends(split_sizes, x.shape[0])
     if recipe == "bf16":
         dx = torch.ops.lowp.grouped_mm(grad, weight, offs)
         return dx, torch.ops.lowp.grouped_mm(grad.t(), x, offs)
-    if recipe == "mxfp8":
-        grad_row, grad_col = _mxfp8_both(grad)
-        w_col = _mxfp8_dequantized(_flat(weight), "columnwise").view(weight.shape)
-        x_col = _mxfp8_dequantized(x, "columnwise")
-        dx = torch.ops.lowp.grouped_mm(grad_row, w_col, offs)
-        return dx, torch.ops.lowp.grouped_mm(grad_col.t(), x_col, offs)
-    return nvfp4_backward(grad, x, weight, split_sizes, grad_amax)
+    grad_row, grad_col = _mxfp8_both(grad)
+    w_col = _mxfp8_dequantized(_flat(weight), "columnwise").view(weight.shape)
+    x_col = _mxfp8_dequantized(x, "columnwise")
+    dx = torch.ops.lowp.grouped_mm(grad_row, w_col, offs)
+    return dx, torch.ops.lowp.grouped_mm(grad_col.t(), x_col, offs)
 
 
 def grouped_linear(

@@ -11,7 +11,10 @@
   rounding: ours rounds twice, ``torch._grouped_mm`` has no fp32 output on its fast path).
 
 Split sizes must be multiples of 16 (the RHT and column-wise blocks never straddle experts; TE needs
-128): this is not checked on the device. Per-expert amaxes are device reductions (no host sync).
+128): checked on CPU (``meta.grouped_mlp``), not read on CUDA. Both passes first replace them by their
+effective sizes with multiple 16 (``meta.split_sizes``; the identity for well-formed sizes), so that
+every op of the recipe sees the same boundaries whatever the sizes hold. Per-expert amaxes are device
+reductions (no host sync).
 
 The activations and gradients go through ``lowp::nvfp4_group_quantize`` (one read per operand, Triton on
 CUDA) and the weights through ``lowp::nvfp4_quantize`` (16x16 blocks, one call per expert); the local
@@ -25,8 +28,9 @@ import torch
 
 from .formats import NVFP4_BLOCK_SIZE, NVFP4_GLOBAL_SCALE_NUMERATOR
 from .meta.checks import require
+from .meta.grouped_mlp import NVFP4_SPLIT_MULTIPLE
+from .meta.split_sizes import effective_split_sizes, expert_of_rows
 from .reference import nvfp4 as nvfp4_ref
-from .reference.swiglu import expert_of_rows
 
 _GLOBAL_RCP = 1.0 / NVFP4_GLOBAL_SCALE_NUMERATOR
 
@@ -109,7 +113,8 @@ def _alpha(amax_a: torch.Tensor, amax_b: torch.Tensor) -> tuple[torch.Tensor, to
 
 def nvfp4_fprop(x: torch.Tensor, weight: torch.Tensor, split_sizes: torch.Tensor) -> torch.Tensor:
     """y (T, N) bf16 of the NVFP4 recipe."""
-    offs = torch.cumsum(split_sizes, dim=0, dtype=torch.int32)
+    split_sizes = effective_split_sizes(split_sizes, x.shape[0], NVFP4_SPLIT_MULTIPLE)
+    offs = torch.cumsum(split_sizes, dim=0)
     x_local, amax_x = rowwise_operand(x, split_sizes)
     w_local, amax_w = weight_operand(weight)
     y = torch.ops.lowp.grouped_mm(x_local, w_local.transpose(1, 2), offs)
@@ -131,7 +136,8 @@ def nvfp4_backward(
     grad_amax: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dweight) bf16; ``grad_amax`` given: no amax pass over ``grad`` (see :func:`grad_amaxes`)."""
-    offs = torch.cumsum(split_sizes, dim=0, dtype=torch.int32)
+    split_sizes = effective_split_sizes(split_sizes, x.shape[0], NVFP4_SPLIT_MULTIPLE)
+    offs = torch.cumsum(split_sizes, dim=0)
     amax_row, amax_col = grad_amaxes(grad_amax) if grad_amax is not None else (None, None)
     grad_row, amax_row = rowwise_operand(grad, split_sizes, amax_row)
     w_local, amax_w = weight_operand(weight)

@@ -4,7 +4,8 @@ One program owns a ``TILE_ROWS x BLOCK_COLS`` tile of ``x``, read once, and writ
 row-wise copy (1x16 blocks along the columns) and the column-wise copy (16x1 blocks along the rows,
 after the 16-point RHT when asked, stored transposed) with their E4M3 block scales. Given amaxes are
 read as they are; missing ones come from a separate amax kernel (atomic max on the fp32 bits, no host
-sync). The grouped form maps programs to (expert, tile) from the device cumsum of the split sizes, so
+sync). The grouped form maps programs to (expert, tile) from the effective boundaries of the split
+sizes (``kernels.split_sizes``, computed in each program on the device: any sizes stay in bounds), so
 no block straddles two experts and each expert uses its own amaxes; with the RHT on CUDA it runs as two
 launches, the tiles wholly inside their expert (maskless) and each expert's last tile (see
 ``GROUPED_RHT_MAX_REGISTERS``).
@@ -34,8 +35,9 @@ import triton.language as tl
 
 from ..formats import RHT_SIGN_MASK, SCALE_TILE_COLS, round_to_fp32
 from ..meta.mxfp8 import flat_2d_dims
-from ..meta.nvfp4 import nvfp4_group_quantize_outputs, nvfp4_quantize_outputs
+from ..meta.nvfp4 import group_split_multiple, nvfp4_group_quantize_outputs, nvfp4_quantize_outputs
 from .bf16_pairs import round_pairs_to_bf16
+from .split_sizes import effective_sizes
 
 INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
@@ -345,14 +347,22 @@ def quantize_columnwise_tile(
 
 @triton.jit
 def expert_of_tile(
-    split_ptr, experts, tile, TILE_ROWS: tl.constexpr, EXPERTS_POW2: tl.constexpr, TAIL_TILES: tl.constexpr
+    split_ptr,
+    experts,
+    rows,
+    tile,
+    TILE_ROWS: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
+    TAIL_TILES: tl.constexpr,
+    SPLIT_MULTIPLE: tl.constexpr,
 ):
     """(expert, its rows, its first row, the tile's first row within it, its first column-wise scale
     column) of row tile ``tile`` when every expert's rows are cut into TILE_ROWS-row tiles in order.
     Tiles past the last expert get ``expert >= experts`` and 0 rows. TAIL_TILES: ``tile`` is an expert,
-    and the tile its last TILE_ROWS-row cut (``n_rows % TILE_ROWS`` rows, none when that is 0)."""
+    and the tile its last TILE_ROWS-row cut (``n_rows % TILE_ROWS`` rows, none when that is 0). The
+    experts' rows are the effective boundaries of the split sizes (multiples of SPLIT_MULTIPLE)."""
     idx = tl.arange(0, EXPERTS_POW2)
-    sizes = tl.load(split_ptr + idx, mask=idx < experts, other=0).to(tl.int32)
+    sizes = effective_sizes(split_ptr, experts, rows, EXPERTS_POW2, SPLIT_MULTIPLE)
     tiles = (sizes + TILE_ROWS - 1) // TILE_ROWS
     if TAIL_TILES:
         expert = tile
@@ -455,10 +465,11 @@ def tile_coordinates(
     EXPERTS_POW2: tl.constexpr,
     GROUPED: tl.constexpr,
     TAIL_TILES: tl.constexpr = False,
+    SPLIT_MULTIPLE: tl.constexpr = 1,
 ):
     if GROUPED:
         expert, n_rows, row0, local_row0, scale_col0 = expert_of_tile(
-            split_ptr, experts, tile, TILE_ROWS, EXPERTS_POW2, TAIL_TILES
+            split_ptr, experts, rows, tile, TILE_ROWS, EXPERTS_POW2, TAIL_TILES, SPLIT_MULTIPLE
         )
     else:
         zero = tl.full([], 0, tl.int32)
@@ -492,12 +503,13 @@ def nvfp4_amax_kernel(
     GRID_ALONG_ROWS: tl.constexpr,
     EVEN_COLS: tl.constexpr,
     EVEN: tl.constexpr,
+    SPLIT_MULTIPLE: tl.constexpr = 1,
 ):
     """Per expert: max |x| and/or max |bf16(RHT16 along the rows of x)|, as an integer atomic max of
     the fp32 bits (|v| >= 0 orders like its bits; a NaN sorts above Inf and wins)."""
     tile, col_tile = program_tile(cols, BLOCK_COLS, GRID_ALONG_ROWS)
     expert, n_rows, row0, local_row0, _ = tile_coordinates(
-        split_ptr, experts, rows, tile, TILE_ROWS, EXPERTS_POW2, GROUPED
+        split_ptr, experts, rows, tile, TILE_ROWS, EXPERTS_POW2, GROUPED, False, SPLIT_MULTIPLE
     )
     local_rows = local_row0 + tl.arange(0, TILE_ROWS)
     x = load_tile(
@@ -660,6 +672,7 @@ def nvfp4_quantize_kernel(
     FULL_TILES: tl.constexpr = True,
     PARTIAL_TILES: tl.constexpr = True,
     TAIL_TILES: tl.constexpr = False,
+    SPLIT_MULTIPLE: tl.constexpr = 1,
 ):
     """One program: a TILE_ROWS x BLOCK_COLS tile of one expert, read once; both copies from registers.
     Column-wise data of expert e is its own (cols, n_rows / 2) matrix starting at byte
@@ -671,7 +684,7 @@ def nvfp4_quantize_kernel(
     only partial ones, so a launch for them needs E rows of programs, not the whole grid's)."""
     tile, col_tile = program_tile(cols, BLOCK_COLS, GRID_ALONG_ROWS)
     expert, n_rows, row0, local_row0, scale_col0 = tile_coordinates(
-        split_ptr, experts, rows, tile, TILE_ROWS, EXPERTS_POW2, GROUPED, TAIL_TILES
+        split_ptr, experts, rows, tile, TILE_ROWS, EXPERTS_POW2, GROUPED, TAIL_TILES, SPLIT_MULTIPLE
     )
     # A grouped tile wholly inside its expert takes the maskless path (EVEN is False when grouped).
     full_tile = False
@@ -768,6 +781,7 @@ def _launch(
         "GRID_ALONG_ROWS": along_rows,
         "EVEN_COLS": cols % block_cols == 0,
         "EVEN": not grouped and rows % tile_rows == 0 and cols % block_cols == 0,
+        "SPLIT_MULTIPLE": group_split_multiple(columnwise, rht) if grouped else 1,
         "num_warps": num_warps,
         **({"maxnreg": maxnreg} if maxnreg else {}),
         "enable_fp_fusion": False,

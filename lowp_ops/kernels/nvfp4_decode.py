@@ -17,9 +17,15 @@ import triton
 import triton.language as tl
 
 from ..formats import SCALE_TILE_COLS
-from ..meta.nvfp4_decode import nvfp4_decode_rows_output, nvfp4_group_decode_columns_output
+from ..meta.nvfp4_decode import (
+    DECODE_SPLIT_MULTIPLE,
+    nvfp4_decode_rows_output,
+    nvfp4_group_decode_columns_output,
+)
+from .split_sizes import effective_sizes
 
 SCALE_COLS_MULTIPLE = tl.constexpr(SCALE_TILE_COLS)
+SPLIT_MULTIPLE = tl.constexpr(DECODE_SPLIT_MULTIPLE)
 FP32_QUIET_NAN_BITS = tl.constexpr(0x7FC00000)
 
 
@@ -132,10 +138,11 @@ def nvfp4_decode_rows_kernel(
 def token_tile_coordinates(split_ptr, experts, tokens, tile, TILE: tl.constexpr, EXPERTS_POW2: tl.constexpr):
     """(decodable, tokens of its range, first token, expert size, first local token of the tile, first
     scale column) of token tile ``tile`` when every expert's tokens are cut into TILE-token tiles in
-    order, followed by the tiles of the tokens past the last expert. Decodable: a tile of an expert
-    that ends within ``tokens``; the others (the tail, an expert reaching past ``tokens``) are zeros."""
+    order, followed by the tiles of the tokens past the last expert. The experts' tokens are the
+    effective boundaries (even sizes) of the split sizes: decodable, a tile of an expert; the others (the
+    tokens past the experts, among them an expert reaching past ``tokens`` and those after it) are zeros."""
     idx = tl.arange(0, EXPERTS_POW2)
-    sizes = tl.load(split_ptr + idx, mask=idx < experts, other=0).to(tl.int32)
+    sizes = effective_sizes(split_ptr, experts, tokens, EXPERTS_POW2, SPLIT_MULTIPLE)
     tiles = (sizes + TILE - 1) // TILE
     tile_ends = tl.cumsum(tiles, 0)
     expert = tl.sum((tile_ends <= tile).to(tl.int32), 0)

@@ -5,7 +5,8 @@ One program owns ``BLOCK_T`` rows and walks the ffn dim in ``BLOCK_F`` chunks, s
 sum stays in registers (deterministic, no atomics) and g and c are read once. The per-expert amax is
 an integer ``atomic_max`` on the fp32 bits (the values are ``|d| >= 0``, whose bit patterns order like
 the floats; a NaN sorts above Inf and wins, as in the reference). Rows find their expert by comparing
-against the device cumsum of the split sizes: no host sync.
+against the effective expert ends (``kernels.split_sizes``), computed in each program from the split
+sizes on the device: no host sync, and no sizes can make a row count for an expert it is not in.
 
 fp32 math in the reference's order, one rounding at the store. On the GPU the exponential is
 libdevice's ``expf`` (torch's CUDA ``exp``), the division is IEEE (``div_rn``) and kernels launch with
@@ -24,6 +25,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ..meta.swiglu import dglu_outputs, swiglu_fwd_output
+from .split_sizes import effective_bounds
 
 INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
@@ -115,7 +117,7 @@ def dglu_kernel(
     grad_ptr,
     c_ptr,
     probs_ptr,
-    expert_ends_ptr,
+    split_ptr,
     dc_ptr,
     dprobs_ptr,
     amax_bits_ptr,
@@ -174,7 +176,8 @@ def dglu_kernel(
     tl.store(dprobs_ptr + rows, dprob, mask=row_ok)
     # Expert of each row = number of expert ends at or below it (`experts` for rows past the last).
     expert_idx = tl.arange(0, EXPERTS_POW2)
-    ends = tl.load(expert_ends_ptr + expert_idx, mask=expert_idx < experts, other=2147483647)
+    _, ends = effective_bounds(split_ptr, experts, tokens, EXPERTS_POW2, 1)
+    ends = tl.where(expert_idx < experts, ends, tokens)
     expert = tl.sum((rows[:, None] >= ends[None, :]).to(tl.int32), axis=1)
     tl.atomic_max(
         amax_bits_ptr + expert,
@@ -250,12 +253,11 @@ def launch_dglu(
     block_rows, block_cols, num_warps = config or dglu_config(tokens, ffn)
     grad, c = _rows_with_unit_stride(grad), _rows_with_unit_stride(c)
     experts = split_sizes.shape[0]
-    expert_ends = torch.cumsum(split_sizes, dim=0, dtype=torch.int32)
     dglu_kernel[(triton.cdiv(tokens, block_rows),)](
         grad,
         c,
         probs.contiguous(),
-        expert_ends,
+        split_sizes.contiguous(),
         dc,
         dprobs,
         amax_bits,

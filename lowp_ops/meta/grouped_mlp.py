@@ -5,31 +5,18 @@ from __future__ import annotations
 import torch
 
 from .checks import require
+from .split_sizes import check_group_end_values, check_split_size_values, check_split_sizes
 from .swiglu import check_glu_inputs
 
 RECIPES = ("bf16", "mxfp8", "nvfp4")
+NVFP4_SPLIT_MULTIPLE = 16
+"""The NVFP4 recipe's split sizes are multiples of 16 (RHT and column-wise blocks never straddle experts)."""
 GEMM_ALIGNMENT = 8
 """bf16 elements per 16 bytes: ``torch._grouped_mm`` (TMA) needs 16-byte aligned leading strides."""
 
 
 def check_recipe(recipe: str) -> None:
     require(recipe in RECIPES, lambda: f"recipe must be one of {RECIPES}, got {recipe!r}")
-
-
-def check_split_sizes(split_sizes: torch.Tensor, experts: int, device: torch.device) -> None:
-    require(split_sizes.dim() == 1, lambda: f"split_sizes must be 1-D (experts,), got {split_sizes.dim()}-D")
-    require(
-        not split_sizes.is_floating_point() and not split_sizes.is_complex(),
-        lambda: f"split_sizes must be an integer tensor, got {split_sizes.dtype}",
-    )
-    require(
-        split_sizes.shape[0] == experts,
-        lambda: f"split_sizes must have one entry per expert ({experts}), got {split_sizes.shape[0]}",
-    )
-    require(
-        split_sizes.device == device,
-        lambda: f"split_sizes must be on the tokens' device {device}, got {split_sizes.device}",
-    )
 
 
 def _check_bf16_matrix(t: torch.Tensor, name: str, dims: int) -> None:
@@ -39,7 +26,9 @@ def _check_bf16_matrix(t: torch.Tensor, name: str, dims: int) -> None:
 
 def grouped_mm_output(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``lowp::grouped_mm`` outputs, bf16 contiguous: ``a`` (T, K) x ``b`` (E, K, N) -> (T, N);
-    ``a`` (M, T) x ``b`` (T, N) -> (E, M, N) (groups along the contraction dim T)."""
+    ``a`` (M, T) x ``b`` (T, N) -> (E, M, N) (groups along the contraction dim T). ``offs`` int32/int64
+    (E,) group ends; on the host (CPU, or any device in mode "all", see ``meta.split_sizes``) they must
+    be non-decreasing within [0, T]."""
     require(a.dim() == 2, lambda: f"a must be 2-D, got {a.dim()}-D")
     require(b.dim() in (2, 3), lambda: f"b must be 2-D or 3-D, got {b.dim()}-D")
     require(
@@ -47,8 +36,11 @@ def grouped_mm_output(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> t
         lambda: f"a and b must be bfloat16, got {a.dtype} and {b.dtype}",
     )
     require(
-        offs.dim() == 1 and offs.dtype == torch.int32,
-        lambda: f"offs must be a 1-D int32 tensor of group ends, got {offs.dtype} {offs.dim()}-D",
+        offs.dim() == 1 and offs.dtype in (torch.int32, torch.int64),
+        lambda: f"offs must be a 1-D int32/int64 tensor of group ends, got {offs.dtype} {offs.dim()}-D",
+    )
+    require(
+        offs.device == a.device, lambda: f"offs must be on the device of a, got {offs.device} and {a.device}"
     )
     require(
         a.shape[1] == b.shape[-2],
@@ -59,14 +51,18 @@ def grouped_mm_output(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> t
             offs.shape[0] == b.shape[0],
             lambda: f"offs must have one entry per group of b ({b.shape[0]}), got {offs.shape[0]}",
         )
+        check_group_end_values(offs, a.shape[0])
         return a.new_empty((a.shape[0], b.shape[2]))
+    check_group_end_values(offs, a.shape[1])
     return a.new_empty((offs.shape[0], a.shape[0], b.shape[1]))
 
 
 def check_grouped_linear(
     x: torch.Tensor, weight: torch.Tensor, split_sizes: torch.Tensor, recipe: str
 ) -> None:
-    """x (T, K) bf16, weight (E, N, K) bf16 (``nn.Linear`` layout per expert), K and N multiples of 8."""
+    """x (T, K) bf16, weight (E, N, K) bf16 (``nn.Linear`` layout per expert), K and N multiples of 8;
+    split sizes summing to T (multiples of 16 for the NVFP4 recipe), checked on the host where
+    ``meta.split_sizes`` says."""
     _check_bf16_matrix(x, "x", 2)
     _check_bf16_matrix(weight, "weight", 3)
     require(
@@ -82,6 +78,8 @@ def check_grouped_linear(
     )
     check_split_sizes(split_sizes, weight.shape[0], x.device)
     check_recipe(recipe)
+    multiple = NVFP4_SPLIT_MULTIPLE if recipe == "nvfp4" else 1
+    check_split_size_values(split_sizes, x.shape[0], multiple=multiple, why="the nvfp4 recipe")
 
 
 def grouped_linear_output(

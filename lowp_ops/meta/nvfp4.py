@@ -7,6 +7,7 @@ import torch
 from ..formats import HIGH_PRECISION_DTYPES, NVFP4_BLOCK_SIZE, SCALE_TILE_COLS, SCALE_TILE_ROWS
 from .checks import require
 from .mxfp8 import flat_2d_dims
+from .split_sizes import check_split_size_values, check_split_sizes
 
 
 def _round_up(a, b):
@@ -128,6 +129,14 @@ def group_col_scale_cols(tokens, experts) -> int:
     return tokens // NVFP4_BLOCK_SIZE + SCALE_TILE_COLS * experts
 
 
+def group_split_multiple(columnwise: bool, rht: bool) -> int:
+    """What every expert's row count must be a multiple of: 16 for the column-wise copy with the RHT
+    (16-row blocks), 2 for the column-wise copy (two E2M1 per byte along the rows), else 1."""
+    if not columnwise:
+        return 1
+    return NVFP4_BLOCK_SIZE if rht else 2
+
+
 def _check_group_amax(amax: torch.Tensor | None, experts: int, name: str) -> None:
     if amax is not None:
         require(
@@ -146,17 +155,15 @@ def check_group_quantize_args(
     amax_columnwise: torch.Tensor | None,
     sr_seed: torch.Tensor | None = None,
 ) -> None:
+    check_split_sizes(split_sizes, device=x.device)
     require(x.dim() == 2, lambda: f"x must be 2-D (tokens, hidden), got {x.dim()}-D")
-    require(
-        split_sizes.dim() == 1 and split_sizes.dtype in (torch.int32, torch.int64),
-        lambda: f"split_sizes must be 1-D int32/int64, got {split_sizes.dtype} {split_sizes.dim()}-D",
-    )
-    require(split_sizes.shape[0] >= 1, lambda: "split_sizes must have at least one expert")
-    require(split_sizes.device == x.device, lambda: "split_sizes must be on the device of x")
     check_quantize_args(x, rowwise, columnwise, rht, None, None, False, sr_seed)
     experts = split_sizes.shape[0]
     _check_group_amax(amax_rowwise, experts, "amax_rowwise")
     _check_group_amax(amax_columnwise, experts, "amax_columnwise")
+    multiple = group_split_multiple(columnwise, rht)
+    why = "columnwise with rht: 16-row blocks" if rht else "columnwise: two rows per byte"
+    check_split_size_values(split_sizes, x.shape[0], multiple=multiple, why=why)
 
 
 def nvfp4_group_quantize_outputs(
@@ -178,7 +185,10 @@ def nvfp4_group_quantize_outputs(
     - ``col_scale`` [roundup(K, 128), T // 16 + 4E]: expert e's [roundup(K, 128), roundup(ceil(m_e/16), 4)]
       block in the columns from ``sum_{i<e} roundup(ceil(m_i/16), 4)``; every other byte is 0.
     - ``amax_rowwise``, ``amax_columnwise``: fp32 (E,).
-    A copy not asked for is a 0-element tensor."""
+    A copy not asked for is a 0-element tensor. Split sizes: >= 0, summing to T, multiples of
+    :func:`group_split_multiple` (checked on the host where ``meta.split_sizes`` says); others take
+    their effective boundaries with that multiple, and the rows of no expert get row-wise scales 0
+    (they decode to +-0; their data bytes, and the column-wise bytes past the experts, are unspecified)."""
     check_group_quantize_args(
         x, split_sizes, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, sr_seed
     )

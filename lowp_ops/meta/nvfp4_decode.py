@@ -9,6 +9,10 @@ import torch
 from ..formats import NVFP4_BLOCK_SIZE
 from .checks import require
 from .nvfp4 import group_col_scale_cols
+from .split_sizes import check_split_size_values, check_split_sizes
+
+DECODE_SPLIT_MULTIPLE = 2
+"""The grouped column-wise copy holds each expert's tokens two per byte: even split sizes."""
 
 
 def _check_uint8(t: torch.Tensor, name: str) -> None:
@@ -49,7 +53,9 @@ def nvfp4_group_decode_columns_output(
     """bf16 ``(hidden, tokens)`` contiguous for the grouped column-wise copy of
     ``lowp::nvfp4_group_quantize`` (``meta.nvfp4.nvfp4_group_quantize_outputs``): flat ``col_data`` of
     ``hidden * tokens / 2`` bytes, 2-D ``col_scale`` with at least ``hidden`` rows and the grouped
-    matrix's ``tokens // 16 + 4 E`` columns."""
+    matrix's ``tokens // 16 + 4 E`` columns. Split sizes: int32/int64 (E,) on col_data's device, >= 0 and
+    even (checked on the host where ``meta.split_sizes`` says); any total (tokens past the experts decode
+    as 0)."""
     _check_uint8(col_data, "col_data")
     _check_uint8(col_scale, "col_scale")
     require(hidden >= 0 and tokens >= 0, lambda: f"hidden and tokens must be >= 0, got {hidden}, {tokens}")
@@ -61,11 +67,10 @@ def nvfp4_group_decode_columns_output(
             f"got shape {tuple(col_data.shape)}"
         ),
     )
-    require(
-        split_sizes.dim() == 1 and split_sizes.dtype in (torch.int32, torch.int64),
-        lambda: f"split_sizes must be 1-D int32/int64, got {split_sizes.dtype} {split_sizes.dim()}-D",
+    check_split_sizes(split_sizes, device=col_data.device, of="col_data")
+    check_split_size_values(
+        split_sizes, tokens, total="any", multiple=DECODE_SPLIT_MULTIPLE, why="two codes per byte"
     )
-    require(split_sizes.shape[0] >= 1, lambda: "split_sizes must have at least one expert")
     scale_cols = group_col_scale_cols(tokens, split_sizes.shape[0])
     require(
         col_scale.dim() == 2 and col_scale.shape[0] >= hidden and col_scale.shape[1] >= scale_cols,
@@ -74,8 +79,5 @@ def nvfp4_group_decode_columns_output(
             f"got shape {tuple(col_scale.shape)}"
         ),
     )
-    require(
-        split_sizes.device == col_data.device and col_scale.device == col_data.device,
-        lambda: "split_sizes and col_scale must be on the device of col_data",
-    )
+    require(col_scale.device == col_data.device, lambda: "col_scale must be on the device of col_data")
     return col_data.new_empty((hidden, tokens), dtype=torch.bfloat16)

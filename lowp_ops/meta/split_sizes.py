@@ -104,11 +104,12 @@ def check_split_sizes(
 
 def host_check_wanted(t: torch.Tensor) -> bool:
     """Whether the values of ``t`` are to be read and checked now (see the module docstring)."""
-    if _mode == "off" or t.device.type == "meta" or torch.compiler.is_compiling() or is_fake(t):
+    device = t.device.type
+    if _mode == "off" or (device != "cpu" and _mode != "all"):  # the common CUDA call returns here
         return False
-    if t.device.type == "cpu":
-        return True
-    return _mode == "all" and not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+    if device == "meta" or torch.compiler.is_compiling() or is_fake(t):
+        return False
+    return device == "cpu" or not (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def check_split_size_values(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .checks import require
+from .split_sizes import check_split_size_values, check_split_sizes
 
 GLU_INTERLEAVE_SIZES = (0, 32)
 """0: ``c = [gate | linear]`` halves (TE's convention); 32: alternating 32-wide gate / linear blocks."""
@@ -47,17 +48,16 @@ def swiglu_fwd_output(c: torch.Tensor, probs: torch.Tensor, interleave: int) -> 
 def dglu_outputs(
     grad: torch.Tensor, c: torch.Tensor, probs: torch.Tensor, split_sizes: torch.Tensor, interleave: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dc (tokens, 2 ffn) in c's dtype, dprobs (tokens,) fp32, amax (experts,) fp32)``."""
+    """``(dc (tokens, 2 ffn) in c's dtype, dprobs (tokens,) fp32, amax (experts,) fp32)``. Split sizes:
+    int32/int64 (experts,) on c's device, >= 0 with a total of at most the tokens (checked on the host
+    where ``meta.split_sizes`` says)."""
     check_glu_inputs(c, probs, interleave)
     require(
         grad.shape == (c.shape[0], c.shape[1] // 2),
         lambda: f"grad must have shape {(c.shape[0], c.shape[1] // 2)}, got {tuple(grad.shape)}",
     )
-    require(split_sizes.dim() == 1, lambda: f"split_sizes must be 1-D (experts,), got {split_sizes.dim()}-D")
-    require(
-        not split_sizes.is_floating_point() and not split_sizes.is_complex(),
-        lambda: f"split_sizes must be an integer tensor, got {split_sizes.dtype}",
-    )
+    check_split_sizes(split_sizes, device=c.device, of="c")
+    check_split_size_values(split_sizes, c.shape[0], total="at_most")
     return (
         c.new_empty(c.shape),
         c.new_empty((c.shape[0],), dtype=torch.float32),

@@ -1,10 +1,13 @@
 """Grouped GEMM of MoE experts (``torch._grouped_mm`` semantics for bf16), as a loop over the groups.
 
-Groups are given by ``offs``, the int32 cumulative sums of the split sizes (group ``e`` owns rows
-``[offs[e-1], offs[e])``). Products accumulate in fp32 and are rounded once to bf16. Rows of a
-(T, K) x (E, K, N) product past ``offs[-1]`` are zero here (``torch._grouped_mm`` leaves them
-unwritten); an empty group of a (M, T) x (T, N) product gives a zero (M, N) block. This loop reads
-``offs`` on the host: it is the CPU implementation; CUDA runs ``torch._grouped_mm`` (no host sync).
+Groups are given by ``offs``, group ends (int32/int64): group ``e`` owns rows ``[end_{e-1}, end_e)``
+of the grouped dim, with ``end = valid_group_ends(offs)`` (``meta.split_sizes``: an end outside [0, T]
+is replaced by the last valid end before it, ends never decrease; the identity for valid ends).
+Products accumulate in fp32 and are rounded once to bf16. Rows of a (T, K) x (E, K, N) product past
+the last end are zero; an empty group of a (M, T) x (T, N) product gives a zero (M, N) block, and
+tokens past the last end count for no group. This loop reads ``offs`` on the host: it is the CPU
+implementation (which raises for invalid ends unless the checks are off); CUDA runs
+``torch._grouped_mm`` on the same valid ends (no host sync).
 """
 
 from __future__ import annotations
@@ -14,13 +17,15 @@ import itertools
 import torch
 
 from ..meta.grouped_mlp import grouped_mm_output
+from ..meta.split_sizes import valid_group_ends
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Reference of ``lowp::grouped_mm``: ``a`` (T, K) x ``b`` (E, K, N) -> (T, N), or ``a`` (M, T) x
     ``b`` (T, N) -> (E, M, N) with the groups along T."""
     out = grouped_mm_output(a, b, offs).zero_()
-    bounds = list(itertools.pairwise([0, *offs.tolist()]))
+    grouped_len = a.shape[0] if b.dim() == 3 else a.shape[1]
+    bounds = list(itertools.pairwise([0, *valid_group_ends(offs, grouped_len).tolist()]))
     for group, (start, end) in enumerate(bounds):
         if b.dim() == 3:
             out[start:end] = a[start:end].float() @ b[group].float()

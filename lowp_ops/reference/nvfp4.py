@@ -30,14 +30,15 @@ from ..formats import (
     RHT_SIGN_MASK,
     SCALE_TILE_COLS,
 )
-from ..meta.checks import require
 from ..meta.mxfp8 import flat_2d_dims
 from ..meta.nvfp4 import (
     check_quantize_args,
+    group_split_multiple,
     nvfp4_dequantize_output,
     nvfp4_group_quantize_outputs,
     nvfp4_quantize_outputs,
 )
+from ..meta.split_sizes import effective_split_sizes
 
 _BLOCK = NVFP4_BLOCK_SIZE
 FLT_MAX = torch.finfo(torch.float32).max
@@ -124,7 +125,7 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """(R, C/2) bytes -> (R, C) codes."""
-    return torch.stack((packed & 0xF, packed >> 4), dim=-1).view(packed.shape[0], -1)
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).view(packed.shape[0], 2 * packed.shape[1])
 
 
 def rht_matrix(dtype: torch.dtype = torch.bfloat16, device=None) -> torch.Tensor:
@@ -300,15 +301,17 @@ def nvfp4_group_quantize(
     expert e's rows ``x[row0_e : row0_e + m_e]`` quantized as :func:`nvfp4_quantize` would with the
     expert's amaxes (given: ``amax_*[e]``; computed: over the expert's rows, 0 when empty). The split
     sizes are read on the host here (the CPU implementation); the CUDA kernel keeps them on the device.
-    Every m_e must be even with ``columnwise`` and a multiple of 16 with ``rht``."""
+    Every m_e must be even with ``columnwise`` and a multiple of 16 with ``rht`` (checked by the output
+    function); the experts' rows are the effective boundaries of ``meta.split_sizes`` with that multiple,
+    and the rows of no expert get data and row-wise scales 0."""
     outputs = nvfp4_group_quantize_outputs(
         x, split_sizes, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, sr_seed
     )
     row_data, row_scale, col_data, col_scale, amax_row, amax_col = outputs
     tokens, hidden = x.shape
-    sizes = split_sizes.tolist()
-    require(sum(sizes) == tokens, lambda: f"split_sizes must sum to x.shape[0] = {tokens}, got {sum(sizes)}")
-    scale_starts = group_col_scale_starts(split_sizes).tolist()
+    effective = effective_split_sizes(split_sizes, tokens, group_split_multiple(columnwise, rht))
+    sizes = effective.tolist()
+    scale_starts = group_col_scale_starts(effective).tolist()
     row0 = 0
     for expert, size in enumerate(sizes):
         given_row = None if amax_rowwise is None else amax_rowwise[expert]
@@ -328,6 +331,8 @@ def nvfp4_group_quantize(
             start = scale_starts[expert]
             col_scale[:hidden, start : start + col_scales.shape[1]] = col_scales
         row0 += size
+    if rowwise:
+        row_data[row0:] = 0
     return outputs
 
 

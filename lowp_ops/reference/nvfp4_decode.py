@@ -11,9 +11,13 @@ from __future__ import annotations
 import torch
 
 from ..formats import NVFP4_BLOCK_SIZE
-from ..meta.nvfp4_decode import nvfp4_decode_rows_output, nvfp4_group_decode_columns_output
+from ..meta.nvfp4_decode import (
+    DECODE_SPLIT_MULTIPLE,
+    nvfp4_decode_rows_output,
+    nvfp4_group_decode_columns_output,
+)
+from ..meta.split_sizes import effective_split_sizes, expert_of_rows
 from .nvfp4 import e2m1_values, group_col_scale_starts
-from .swiglu import expert_of_rows
 
 
 def nvfp4_decode_rows(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -37,25 +41,26 @@ def nvfp4_group_decode_columns(
     grouped column-wise copy of ``lowp::nvfp4_group_quantize``. Token t of expert e (local index
     ``l = t - start_e``, ``start_e = sum_{i<e} m_i``) in channel h has its code in byte
     ``hidden * start_e / 2 + h * m_e / 2 + l / 2`` (high nibble for odd l) and its scale in
-    ``col_scale[h, group_col_scale_starts[e] + l // 16]``. Every m_e must be even. Tokens past
-    ``sum(split_sizes)``, and those of an expert reaching past ``tokens``, decode as 0."""
+    ``col_scale[h, group_col_scale_starts[e] + l // 16]``. Every m_e must be even (checked by the output
+    function); the experts' tokens are the effective boundaries of ``meta.split_sizes`` with multiple 2,
+    so tokens past ``sum(split_sizes)``, and those of an expert reaching past ``tokens`` (and of every
+    expert after it), decode as 0."""
     out = nvfp4_group_decode_columns_output(col_data, col_scale, split_sizes, hidden, tokens)
     if out.numel() == 0:
         return out
     experts = split_sizes.shape[0]
-    expert = expert_of_rows(split_sizes, tokens)
-    past_last = expert >= experts
+    sizes = effective_split_sizes(split_sizes, tokens, DECODE_SPLIT_MULTIPLE)
+    expert = expert_of_rows(sizes, tokens)
+    decodable = expert < experts
     expert = expert.clamp(max=experts - 1)
-    sizes = split_sizes.long()
     ends = torch.cumsum(sizes, 0)
-    decodable = ~past_last & (ends[expert] <= tokens)
     start = (ends - sizes)[expert]
     local = torch.arange(tokens, device=col_data.device) - start
     channel = torch.arange(hidden, device=col_data.device)[:, None]
     byte = hidden * start // 2 + channel * (sizes[expert] // 2) + local // 2
     packed = col_data[byte.clamp(0, col_data.numel() - 1)]
     codes = torch.where(local % 2 == 1, packed >> 4, packed & 0xF)
-    scale_col = group_col_scale_starts(split_sizes)[expert] + local // NVFP4_BLOCK_SIZE
+    scale_col = group_col_scale_starts(sizes)[expert] + local // NVFP4_BLOCK_SIZE
     scale_col = scale_col.clamp(0, col_scale.shape[1] - 1).expand(hidden, tokens)
     scale = col_scale[:hidden].gather(1, scale_col).view(torch.float8_e4m3fn).float()
     values = e2m1_values(codes) * scale

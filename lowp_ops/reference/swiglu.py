@@ -9,7 +9,10 @@ the first half), ``s = sigmoid(a)``, ``u = a s b``:
   ``d1 = g p b s (1 + a (1 - s))``, ``d2 = g p a s``; ``dc`` = their rounding to c's dtype, in c's
   layout; per expert, ``amax = max(|d1|, |d2|)`` over exactly the fp32 values rounded into ``dc`` (0 for
   an empty expert), so ``round(amax) == max |dc|`` exactly (RNE is monotone). Rows past
-  ``sum(split_sizes)`` count for no expert. Split sizes stay on the device: no host sync.
+  ``sum(split_sizes)`` count for no expert (a total below the row count is allowed). The experts'
+  rows are the effective boundaries of ``meta.split_sizes`` (the identity for sizes >= 0 summing to at
+  most the rows; CPU raises for others unless the checks are off). ``dc`` and ``dprobs`` are per row,
+  whatever the sizes. Split sizes stay on the device: no host sync.
 
 Every product is evaluated left to right exactly as written here, with ``sigmoid(x) = 1 / (1 +
 exp(-x))``; the Triton kernels (``lowp_ops.kernels.swiglu``) follow the same fp32 steps.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from ..meta.split_sizes import expert_of_rows
 from ..meta.swiglu import dglu_outputs, swiglu_fwd_output
 
 
@@ -45,12 +49,6 @@ def join_glu(gate: torch.Tensor, linear: torch.Tensor, interleave: int) -> torch
         dim=2,
     )
     return blocks.view(tokens, 2 * ffn)
-
-
-def expert_of_rows(split_sizes: torch.Tensor, tokens: int) -> torch.Tensor:
-    """Expert index of every row (``len(split_sizes)`` for rows past the last expert), on the device."""
-    ends = torch.cumsum(split_sizes.long(), dim=0)
-    return torch.bucketize(torch.arange(tokens, device=split_sizes.device), ends, right=True)
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:

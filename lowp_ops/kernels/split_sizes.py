@@ -1,0 +1,74 @@
+"""Effective expert boundaries inside Triton kernels, the rule of ``lowp_ops.meta.split_sizes`` (the
+PyTorch form there is the reference these must equal): sizes clamped to ``[0, T + 1]``, int64 prefix sums
+``c``, ``end_e = M * floor(max({0} | {c_j : j <= e, c_j <= T}) / M)``. Any sizes give non-negative
+effective sizes with a total of at most T, so no kernel indexes outside its tensors, whatever the
+sizes hold. The sizes are read on the device: no host sync. Group ends of ``lowp::grouped_mm`` (any
+order) get the same rule with ``c`` the given ends, in a one-program kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import cached_launch
+
+
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def valid_group_ends(raw_ends, rows):
+    """int64 ``max({0} | {raw_j : j <= e, 0 <= raw_j <= rows})`` of int64 group ends in any order."""
+    kept = tl.where((raw_ends >= 0) & (raw_ends <= rows), raw_ends, 0)
+    return tl.associative_scan(kept, 0, _maximum)
+
+
+@triton.jit
+def effective_bounds(split_ptr, experts, rows, EXPERTS_POW2: tl.constexpr, MULTIPLE: tl.constexpr):
+    """int64 (start, end) [EXPERTS_POW2] of the experts whose int32/int64 sizes are at ``split_ptr``;
+    lanes past ``experts`` hold empty ranges at the last end. One prefix sum: the sums are
+    non-decreasing, so the valid ones are a prefix of the lanes and the running maximum of the rule is
+    their largest, ``last``; an expert within it keeps its size, the others get none."""
+    idx = tl.arange(0, EXPERTS_POW2)
+    raw = tl.load(split_ptr + idx, mask=idx < experts, other=0).to(tl.int64)
+    sizes = tl.minimum(tl.maximum(raw, 0), rows + 1)
+    prefix = tl.cumsum(sizes, 0)
+    valid = prefix <= rows
+    last = tl.max(tl.where(valid, prefix, 0), 0)
+    end = tl.where(valid, prefix, last)
+    start = end - tl.where(valid, sizes, 0)
+    if MULTIPLE > 1:
+        start = start // MULTIPLE * MULTIPLE
+        end = end // MULTIPLE * MULTIPLE
+    return start, end
+
+
+@triton.jit
+def effective_sizes(split_ptr, experts, rows, EXPERTS_POW2: tl.constexpr, MULTIPLE: tl.constexpr):
+    """int32 [EXPERTS_POW2] effective sizes (0 past ``experts``): >= 0, multiples of MULTIPLE, with a
+    total of at most ``rows``."""
+    start, end = effective_bounds(split_ptr, experts, rows, EXPERTS_POW2, MULTIPLE)
+    return (end - start).to(tl.int32)
+
+
+@cached_launch
+@triton.jit
+def valid_group_ends_kernel(offs_ptr, out_ptr, groups, rows, GROUPS_POW2: tl.constexpr):
+    """int32 valid group ends of the int32/int64 ends ``offs``: one program."""
+    idx = tl.arange(0, GROUPS_POW2)
+    raw = tl.load(offs_ptr + idx, mask=idx < groups, other=0).to(tl.int64)
+    tl.store(out_ptr + idx, valid_group_ends(raw, rows).to(tl.int32), mask=idx < groups)
+
+
+def launch_valid_group_ends(offs: torch.Tensor, rows: int) -> torch.Tensor:
+    """int32 (G,) valid group ends of ``offs`` (G,) over ``rows`` rows, on the device (one launch)."""
+    groups = offs.shape[0]
+    out = torch.empty(groups, dtype=torch.int32, device=offs.device)
+    if groups:
+        pow2 = max(2, triton.next_power_of_2(groups))
+        valid_group_ends_kernel[(1,)](offs.contiguous(), out, groups, rows, GROUPS_POW2=pow2)
+    return out
