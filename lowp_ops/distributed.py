@@ -5,19 +5,22 @@ Layout: rank ``r`` of the process group's ``W`` ranks holds the logits of the vo
 to a multiple of ``W``, as Megatron does). Targets are global ids, replicated on every rank. Equal widths
 keep ``vocab_start`` and ``vocab_total`` host integers taken from shapes (no host sync, static under
 ``torch.compile`` and CUDA graphs); the merge checks on device that every rank sent the same width and
-otherwise returns NaN loss and lse on every rank (hence NaN gradients).
+otherwise returns NaN loss and row statistics on every rank (hence NaN gradients).
 
-Forward: one pass over the shard packs per-row statistics (``lowp::vocab_parallel_ce_stats``: shard lse,
-the target logit where this shard holds it, the shard's logit sum for label smoothing — the term TE
-forgets, A.9 — and the width), ONE all-gather through ``torch.distributed._functional_collectives`` (so
+Forward: one pass over the shard packs per-row statistics (``lowp::vocab_parallel_ce_stats``: the shard's
+row maximum and log-sum of exponentials, the target logit where this shard holds it, the shard's sum of
+``x - max`` for label smoothing — the term TE forgets, A.9 — and the width; no rounded lse and no raw
+logit sum travel, so the merged loss keeps its digits at any logit magnitude), ONE all-gather through
+``torch.distributed._functional_collectives`` (so
 ``torch.compile(fullgraph=True)`` keeps one graph, and NCCL captures into CUDA graphs), then every rank
 merges the packets in rank order with the same ops (``lowp::vocab_parallel_ce_merge``): the loss is
 bit-identical on every rank. It matches the single-rank loss to fp32 rounding (the log-sum-exp is summed
 in a different order), not bit for bit.
 
 Backward: no collective. Each rank's gradient is ``lowp::cross_entropy_bwd`` (or ``_bwd_mxfp8``) on its
-shard with the merged lse, ``vocab_start = r V``, ``vocab_total = W V``; so it equals, byte for byte, the
-columns ``[r V, (r + 1) V)`` of the single-rank backward given the same lse — for MXFP8 when ``V`` is a
+shard with the merged row statistics, ``vocab_start = r V``, ``vocab_total = W V``; so it equals, byte for
+byte, the columns ``[r V, (r + 1) V)`` of the single-rank backward given the same statistics — for MXFP8
+when ``V`` is a
 multiple of 32 (row-wise blocks do not straddle shards; column-wise blocks run along rows), compared on
 the valid scale region (each shard pads its own compact scales).
 """
@@ -55,10 +58,11 @@ def vocab_parallel_cross_entropy_stats(
     ignore_index: int,
     process_group: dist.ProcessGroup,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (per-row loss (N,) fp32, global lse (N,) fp32), identical on every rank; not differentiable.
+    """-> (per-row loss (N,) fp32, global row_stats (2, N) fp32), identical on every rank; not
+    differentiable.
 
     ``logits`` (N, V) is this rank's shard, ``target`` (N,) global ids. One all-gather of a
-    ``(4, N)`` fp32 packet per rank (:mod:`lowp_ops.meta.vocab_parallel`)."""
+    ``(5, N)`` fp32 packet per rank (:mod:`lowp_ops.meta.vocab_parallel`)."""
     check_process_group(process_group)
     shard_width = logits.shape[1]
     vocab_start, _ = vocab_shard(shard_width, process_group)
@@ -67,7 +71,8 @@ def vocab_parallel_cross_entropy_stats(
 
 
 def _gather_and_merge(stats, target, shard_width, label_smoothing, ignore_index, process_group):
-    """This rank's packet -> (loss, lse) of all ranks: one all-gather, then the same merge everywhere."""
+    """This rank's packet -> (loss, row_stats) of all ranks: one all-gather, then the same merge
+    everywhere."""
     gathered = funcol.wait_tensor(_all_gather(stats, 0, process_group))
     merge = torch.ops.lowp.vocab_parallel_ce_merge
     return merge(gathered, target, shard_width, label_smoothing, ignore_index)
@@ -78,17 +83,17 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, label_smoothing, ignore_index, process_group):
-        loss, lse = vocab_parallel_cross_entropy_stats(
+        loss, row_stats = vocab_parallel_cross_entropy_stats(
             logits, target, label_smoothing, ignore_index, process_group
         )
         ctx.config = (label_smoothing, ignore_index, *vocab_shard(logits.shape[1], process_group))
-        ctx.save_for_backward(logits, target, lse)
+        ctx.save_for_backward(logits, target, row_stats)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        logits, target, lse = ctx.saved_tensors
-        dlogits = torch.ops.lowp.cross_entropy_bwd(logits, target, lse, grad_loss.float(), *ctx.config)
+        logits, target, row_stats = ctx.saved_tensors
+        dlogits = torch.ops.lowp.cross_entropy_bwd(logits, target, row_stats, grad_loss.float(), *ctx.config)
         return dlogits, None, None, None, None
 
 
@@ -117,7 +122,8 @@ def linear_vocab_parallel_cross_entropy_stats(
     chunk_size: int,
     process_group: dist.ProcessGroup,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (per-row loss (N,) fp32, global lse (N,) fp32) of ``hidden @ weight^T``, identical on every rank;
+    """-> (per-row loss (N,) fp32, global row_stats (2, N) fp32) of ``hidden @ weight^T``, identical on
+    every rank;
     not differentiable. Only one ``chunk_size`` chunk of this rank's logits exists at a time."""
     check_process_group(process_group)
     shard_width = weight.shape[0]
@@ -146,24 +152,24 @@ class LinearVocabParallelCrossEntropy(torch.autograd.Function):
         process_group,
         reduce_hidden_grad,
     ):
-        loss, lse = linear_vocab_parallel_cross_entropy_stats(
+        loss, row_stats = linear_vocab_parallel_cross_entropy_stats(
             hidden, weight, target, label_smoothing, ignore_index, chunk_size, process_group
         )
         ctx.config = (label_smoothing, ignore_index, grad_format, other_operand, chunk_size)
         ctx.shard = vocab_shard(weight.shape[0], process_group)
         ctx.process_group, ctx.reduce_hidden_grad = process_group, reduce_hidden_grad
-        ctx.save_for_backward(hidden, weight, target, lse)
+        ctx.save_for_backward(hidden, weight, target, row_stats)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        hidden, weight, target, lse = ctx.saved_tensors
+        hidden, weight, target, row_stats = ctx.saved_tensors
         need_dhidden, need_dweight = ctx.needs_input_grad[:2]
         dhidden, dweight = torch.ops.lowp.linear_vocab_parallel_ce_bwd(
             hidden,
             weight,
             target,
-            lse,
+            row_stats,
             grad_loss.float(),
             *ctx.config,
             need_dhidden,
@@ -192,9 +198,10 @@ def linear_vocab_parallel_cross_entropy_rows(
     """Differentiable per-row loss (N,) fp32, identical on every rank, of ``hidden (N, H)`` (replicated)
     and this rank's ``weight (V, H)`` rows; ``grad_format`` as the op's (``"none"``, ``"mxfp8_e4m3"``, ...).
 
-    Gradients: ``weight``'s is this rank's rows of the single-rank gradient (given the same lse: byte for
-    byte); ``hidden``'s is summed over the ranks (all-reduce in fp32) unless ``reduce_hidden_grad`` is
-    False, when it is this shard's partial sum for a caller that all-reduces input gradients itself."""
+    Gradients: ``weight``'s is this rank's rows of the single-rank gradient (given the same row
+    statistics: byte for byte); ``hidden``'s is summed over the ranks (all-reduce in fp32) unless
+    ``reduce_hidden_grad`` is False, when it is this shard's partial sum for a caller that all-reduces
+    input gradients itself."""
     return LinearVocabParallelCrossEntropy.apply(
         hidden,
         weight,

@@ -31,6 +31,7 @@ E4M3_MAX_RCP_BITS = 0x3B124925
 E5M2_MAX_RCP_BITS = 0x37924925
 
 FP8_DTYPES: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+FP8_DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in FP8_DTYPES.items()}
 FP8_MAX: dict[str, float] = {"e4m3": F8E4M3_MAX, "e5m2": F8E5M2_MAX}
 FP8_MAX_RCP_BITS: dict[str, int] = {"e4m3": E4M3_MAX_RCP_BITS, "e5m2": E5M2_MAX_RCP_BITS}
 
@@ -66,7 +67,46 @@ MXFP8_USES = ("rowwise", "columnwise")
 HIGH_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@dataclass
+def describe_tensor(value) -> str:
+    """``dtype[shape]`` (and the device unless CPU) of a tensor, never its values; repr of anything else."""
+    if not isinstance(value, torch.Tensor):
+        return repr(value)
+    device = "" if value.device.type == "cpu" else f" {value.device}"
+    return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}{device}"
+
+
+def container_repr(container, flags: tuple[str, ...], tensors: tuple[str, ...]) -> str:
+    """``Name(shape=..., <flags>, <tensors as describe_tensor>)``: a few lines, not the padded buffers."""
+    parts = [f"shape={tuple(container.shape)}"]
+    parts += [f"{name}={getattr(container, name)!r}" for name in flags]
+    parts += [f"{name}={describe_tensor(getattr(container, name))}" for name in tensors]
+    return f"{type(container).__name__}({', '.join(parts)})"
+
+
+def _fail(message: str) -> None:
+    raise ValueError(message)
+
+
+def _check_mxfp8_fields(t: MXFP8Tensor) -> None:
+    """Field consistency of an MXFP8Tensor; ValueErrors name the field. Leaves that are not tensors (a
+    pytree map to other types) are not checked."""
+    if not (isinstance(t.fp8_dtype, str) and t.fp8_dtype in FP8_DTYPES):
+        names = f"{sorted(FP8_DTYPES)}, torch.float8_e4m3fn or torch.float8_e5m2"
+        _fail(f"fp8_dtype must be one of {names}, got {t.fp8_dtype!r}")
+    if t.scale_layout not in SCALE_LAYOUTS:
+        _fail(f"scale_layout must be one of {list(SCALE_LAYOUTS)}, got {t.scale_layout!r}")
+    expected = FP8_DTYPES[t.fp8_dtype]
+    for data_name, scale_name in (("row_data", "row_scale"), ("col_data", "col_scale")):
+        data, scale = getattr(t, data_name), getattr(t, scale_name)
+        if (data is None) != (scale is None):
+            _fail(f"{data_name} and {scale_name} must both be given or both be None")
+        if isinstance(data, torch.Tensor) and data.dtype != expected:
+            _fail(f"{data_name} has dtype {data.dtype} but fp8_dtype is {t.fp8_dtype!r} ({expected} data)")
+        if isinstance(scale, torch.Tensor) and scale.dtype != torch.uint8:
+            _fail(f"{scale_name} must hold uint8 E8M0 codes, got {scale.dtype}")
+
+
+@dataclass(repr=False)
 class MXFP8Tensor:
     """An MXFP8 tensor: FP8 data with one E8M0 scale per 32 elements, in up to two copies.
 
@@ -79,6 +119,8 @@ class MXFP8Tensor:
     - A copy that was not asked for is ``None``. Scale padding is zero.
     - ``scale_layout == "swizzled"``: the scale bytes are in the GEMM-swizzled order (128x4 tiles of
       512 bytes; column-wise scales swizzled as their transpose); the buffers keep the compact shapes.
+    - ``fp8_dtype``: ``"e4m3"`` / ``"e5m2"`` (``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` are
+      accepted and stored as their names); it must match the data's dtype, or construction raises.
     """
 
     row_data: torch.Tensor | None
@@ -89,8 +131,21 @@ class MXFP8Tensor:
     scale_layout: str
     shape: torch.Size
 
+    def __post_init__(self) -> None:
+        if isinstance(self.fp8_dtype, torch.dtype):
+            self.fp8_dtype = FP8_DTYPE_NAMES.get(self.fp8_dtype, self.fp8_dtype)
+        _check_mxfp8_fields(self)
 
-@dataclass
+    def __repr__(self) -> str:
+        return container_repr(
+            self, ("fp8_dtype", "scale_layout"), ("row_data", "row_scale", "col_data", "col_scale")
+        )
+
+
+_NVFP4_TENSORS = ("row_data", "row_scale", "col_data", "col_scale", "amax_rowwise", "amax_columnwise")
+
+
+@dataclass(repr=False)
 class NVFP4Tensor:
     """An NVFP4 tensor: E2M1 data (two per byte, element 2i in the low nibble) with one E4M3 scale per
     16 elements and an fp32 global amax per copy. The tensor is viewed as 2-D ``(M, K)``.
@@ -100,7 +155,8 @@ class NVFP4Tensor:
     - ``col_data``: uint8 ``(K, M/2)``, the quantized *transpose* (of ``RHT(x^T)`` when ``rht``);
       ``col_scale``: ``[roundup(K, 128), roundup(ceil(M/16), 4)]``; ``amax_columnwise``: fp32 ``(1,)``.
     - A copy that was not asked for is ``None``. Dequantized value:
-      ``e2m1(q) * (fp32(scale) * amax * fp32(1/2688))``.
+      ``e2m1(q) * (fp32(scale) * amax * fp32(1/2688))`` (an amax >= 2^64 in units of 2^64, so that it
+      cannot overflow: ``reference.nvfp4.staged_amax``).
     """
 
     row_data: torch.Tensor | None
@@ -113,8 +169,11 @@ class NVFP4Tensor:
     block_2d: bool
     shape: torch.Size
 
+    def __repr__(self) -> str:
+        return container_repr(self, ("rht", "block_2d"), _NVFP4_TENSORS)
 
-@dataclass
+
+@dataclass(repr=False)
 class NVFP4GroupedTensor:
     """NVFP4 copies of tokens ``x`` (T, K) grouped by expert (``split_sizes``: E device ints, m_e rows
     each, in order); every expert is quantized as its own tensor, with its own amaxes.
@@ -139,6 +198,9 @@ class NVFP4GroupedTensor:
     split_sizes: torch.Tensor
     rht: bool
     shape: torch.Size
+
+    def __repr__(self) -> str:
+        return container_repr(self, ("rht",), (*_NVFP4_TENSORS, "split_sizes"))
 
 
 def _flatten_mxfp8(t: MXFP8Tensor):

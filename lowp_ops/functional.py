@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.nn._reduction import legacy_get_string
 
@@ -314,7 +312,10 @@ def logsumexp(
     kept = [d for d in range(x.dim()) if d not in dims]
     moved = x.permute(*kept, *dims) if dims != list(range(x.dim() - len(dims), x.dim())) else x
     out_shape = [x.shape[d] for d in kept]
-    rows = moved.reshape(-1, math.prod(x.shape[d] for d in dims))
+    width = 1
+    for d in dims:  # a loop, not a generator: Dynamo traces it
+        width *= x.shape[d]
+    rows = moved.reshape(-1, width)
     lse = library.logsumexp(rows).to(x.dtype).view(out_shape)
     if keepdim:
         for d in dims:

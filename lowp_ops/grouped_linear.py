@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from . import library  # bound at import; its ops are looked up at call time (library imports this module)
 from .grouped_nvfp4 import nvfp4_backward, nvfp4_fprop
 from .meta.grouped_mlp import grouped_fc1_swiglu_outputs, grouped_linear_output
 from .meta.split_sizes import clamped_prefix_sums
@@ -44,17 +45,17 @@ def _mxfp8_dequantized(t: torch.Tensor, use: str) -> torch.Tensor:
     """``t`` (R, C) through MXFP8 E4M3 and back to bf16: 1x32 blocks along C (``rowwise``) or 32x1 along
     R (``columnwise``)."""
     rowwise = use == "rowwise"
-    row_data, row_scale, col_data, col_scale = torch.ops.lowp.mxfp8_quantize(
+    row_data, row_scale, col_data, col_scale = library.mxfp8_quantize(
         t, "e4m3", rowwise, not rowwise, "compact"
     )
     data, scale = (row_data, row_scale) if rowwise else (col_data, col_scale)
-    return torch.ops.lowp.mxfp8_dequantize(data, scale, "e4m3", use, "compact", torch.bfloat16)
+    return library.mxfp8_dequantize(data, scale, "e4m3", use, "compact", torch.bfloat16)
 
 
 def _mxfp8_both(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise and column-wise MXFP8 round trips of ``t`` from one quantization pass."""
-    row_data, row_scale, col_data, col_scale = torch.ops.lowp.mxfp8_quantize(t, "e4m3", True, True, "compact")
-    dequantize = torch.ops.lowp.mxfp8_dequantize
+    row_data, row_scale, col_data, col_scale = library.mxfp8_quantize(t, "e4m3", True, True, "compact")
+    dequantize = library.mxfp8_dequantize
     return (
         dequantize(row_data, row_scale, "e4m3", "rowwise", "compact", torch.bfloat16),
         dequantize(col_data, col_scale, "e4m3", "columnwise", "compact", torch.bfloat16),
@@ -73,10 +74,10 @@ def linear_fprop(
         return nvfp4_fprop(x, weight, split_sizes)
     offs = group_ends(split_sizes, x.shape[0])
     if recipe == "bf16":
-        return torch.ops.lowp.grouped_mm(x, weight.transpose(1, 2), offs)
+        return library.grouped_mm(x, weight.transpose(1, 2), offs)
     x_deq = _mxfp8_dequantized(x, "rowwise")
     w_deq = _mxfp8_dequantized(_flat(weight), "rowwise").view(weight.shape)
-    return torch.ops.lowp.grouped_mm(x_deq, w_deq.transpose(1, 2), offs)
+    return library.grouped_mm(x_deq, w_deq.transpose(1, 2), offs)
 
 
 def linear_backward(
@@ -94,13 +95,13 @@ def linear_backward(
         return nvfp4_backward(grad, x, weight, split_sizes, grad_amax)
     offs = group_ends(split_sizes, x.shape[0])
     if recipe == "bf16":
-        dx = torch.ops.lowp.grouped_mm(grad, weight, offs)
-        return dx, torch.ops.lowp.grouped_mm(grad.t(), x, offs)
+        dx = library.grouped_mm(grad, weight, offs)
+        return dx, library.grouped_mm(grad.t(), x, offs)
     grad_row, grad_col = _mxfp8_both(grad)
     w_col = _mxfp8_dequantized(_flat(weight), "columnwise").view(weight.shape)
     x_col = _mxfp8_dequantized(x, "columnwise")
-    dx = torch.ops.lowp.grouped_mm(grad_row, w_col, offs)
-    return dx, torch.ops.lowp.grouped_mm(grad_col.t(), x_col, offs)
+    dx = library.grouped_mm(grad_row, w_col, offs)
+    return dx, library.grouped_mm(grad_col.t(), x_col, offs)
 
 
 def grouped_linear(
@@ -130,4 +131,4 @@ def grouped_fc1_swiglu(
     dGLU) and ``h = silu(gate) * linear * probs`` (bf16)."""
     grouped_fc1_swiglu_outputs(x, fc1_weight, probs, split_sizes, recipe, interleave, fc1_dy_amax_from_dglu)
     c = linear_fprop(x, fc1_weight, split_sizes, recipe)
-    return torch.ops.lowp.swiglu_fwd(c, fc1_probs(probs, recipe), interleave), c
+    return library.swiglu_fwd(c, fc1_probs(probs, recipe), interleave), c

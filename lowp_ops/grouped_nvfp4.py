@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from . import library  # bound at import; its ops are looked up at call time (library imports this module)
 from .formats import NVFP4_BLOCK_SIZE, NVFP4_GLOBAL_SCALE_NUMERATOR
 from .meta.checks import require
 from .meta.grouped_mlp import NVFP4_SPLIT_MULTIPLE
@@ -64,10 +65,8 @@ def rowwise_operand(t: torch.Tensor, split_sizes: torch.Tensor, amax: torch.Tens
     tokens = t.shape[0]
     if amax is None:
         amax = per_expert_amax(t.abs().amax(dim=1), split_sizes, tokens)
-    row_data, row_scale, *_ = torch.ops.lowp.nvfp4_group_quantize(
-        t, split_sizes, True, False, False, amax, None
-    )
-    return torch.ops.lowp.nvfp4_decode_rows(row_data, row_scale), amax
+    row_data, row_scale, *_ = library.nvfp4_group_quantize(t, split_sizes, True, False, False, amax, None)
+    return library.nvfp4_decode_rows(row_data, row_scale), amax
 
 
 def columnwise_operand(t: torch.Tensor, split_sizes: torch.Tensor, amax: torch.Tensor | None = None):
@@ -76,9 +75,9 @@ def columnwise_operand(t: torch.Tensor, split_sizes: torch.Tensor, amax: torch.T
     require(
         tokens % NVFP4_BLOCK_SIZE == 0, lambda: f"nvfp4 needs a token count divisible by 16, got {tokens}"
     )
-    outputs = torch.ops.lowp.nvfp4_group_quantize(t, split_sizes, False, True, True, None, amax)
+    outputs = library.nvfp4_group_quantize(t, split_sizes, False, True, True, None, amax)
     _, _, col_data, col_scale, _, amax = outputs
-    local = torch.ops.lowp.nvfp4_group_decode_columns(col_data, col_scale, split_sizes, hidden, tokens)
+    local = library.nvfp4_group_decode_columns(col_data, col_scale, split_sizes, hidden, tokens)
     return local, amax
 
 
@@ -87,12 +86,12 @@ def weight_operand(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     expert: the grouped quantizer has 1x16 blocks only), decoded for all experts at once."""
     amax = weight.abs().amax(dim=(1, 2)).float()
     copies = [
-        torch.ops.lowp.nvfp4_quantize(weight[e], True, False, False, amax[e : e + 1], None, True)
+        library.nvfp4_quantize(weight[e], True, False, False, amax[e : e + 1], None, True)
         for e in range(weight.shape[0])
     ]
     row_data = torch.stack([copy[0] for copy in copies])
     row_scale = torch.stack([copy[1] for copy in copies])
-    return torch.ops.lowp.nvfp4_decode_rows(row_data, row_scale), amax
+    return library.nvfp4_decode_rows(row_data, row_scale), amax
 
 
 def _scale_rows(out: torch.Tensor, alpha: tuple[torch.Tensor, torch.Tensor], split_sizes: torch.Tensor):
@@ -117,7 +116,7 @@ def nvfp4_fprop(x: torch.Tensor, weight: torch.Tensor, split_sizes: torch.Tensor
     offs = torch.cumsum(split_sizes, dim=0)
     x_local, amax_x = rowwise_operand(x, split_sizes)
     w_local, amax_w = weight_operand(weight)
-    y = torch.ops.lowp.grouped_mm(x_local, w_local.transpose(1, 2), offs)
+    y = library.grouped_mm(x_local, w_local.transpose(1, 2), offs)
     return _scale_rows(y, _alpha(amax_x, amax_w), split_sizes)
 
 
@@ -141,11 +140,9 @@ def nvfp4_backward(
     amax_row, amax_col = grad_amaxes(grad_amax) if grad_amax is not None else (None, None)
     grad_row, amax_row = rowwise_operand(grad, split_sizes, amax_row)
     w_local, amax_w = weight_operand(weight)
-    dx = _scale_rows(
-        torch.ops.lowp.grouped_mm(grad_row, w_local, offs), _alpha(amax_row, amax_w), split_sizes
-    )
+    dx = _scale_rows(library.grouped_mm(grad_row, w_local, offs), _alpha(amax_row, amax_w), split_sizes)
     grad_col, amax_col = columnwise_operand(grad, split_sizes, amax_col)
     x_col, amax_x_col = columnwise_operand(x, split_sizes)
-    dweight = torch.ops.lowp.grouped_mm(grad_col, x_col.t(), offs)
+    dweight = library.grouped_mm(grad_col, x_col.t(), offs)
     first, second = _alpha(amax_col, amax_x_col)
     return dx, (dweight.float() * first[:, None, None] * second[:, None, None]).to(torch.bfloat16)

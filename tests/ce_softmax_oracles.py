@@ -28,6 +28,41 @@ def logsumexp64(x: torch.Tensor) -> torch.Tensor:
     return (shift + torch.exp(x - shift).sum(dim=-1, keepdim=True).log()).squeeze(-1)
 
 
+def row_stats64(x: torch.Tensor) -> torch.Tensor:
+    """float64 ``(2, N)`` row statistics of ``(N, V)`` logits as the cross-entropy ops define them: the row
+    maximum (0 when it is infinite) and ``log Σ exp(x - shift)`` (NaN for a row holding +inf)."""
+    x = x.double()
+    row_max = x.amax(dim=-1)
+    shift = torch.where(row_max.abs() == float("inf"), 0.0, row_max)
+    log_sum = torch.exp(x - shift.unsqueeze(-1)).sum(dim=-1).log()
+    return torch.stack([shift, torch.where(log_sum == float("inf"), float("nan"), log_sum)])
+
+
+def row_stats32(x: torch.Tensor) -> torch.Tensor:
+    """:func:`row_stats64` rounded to fp32: valid row statistics to feed a cross-entropy backward."""
+    return row_stats64(x).float()
+
+
+def lse_of(stats: torch.Tensor) -> torch.Tensor:
+    """float64 log-sum-exp from ``(2, N)`` row statistics (shift + log_sum)."""
+    return stats[0].double() + stats[1].double()
+
+
+def assert_row_stats_close(stats: torch.Tensor, x: torch.Tensor, what: str = "row_stats") -> None:
+    """``stats`` (2, N) fp32 are the row statistics of ``x``: the shift exactly the fp32 row maximum, the
+    log-sum within a few fp32 roundoffs of float64 (no term grows with the logits' magnitude)."""
+    want = row_stats64(x)
+    assert stats.shape == want.shape and stats.dtype == torch.float32, f"{what}: {stats.dtype} {stats.shape}"
+    got = stats.cpu().double()
+    assert torch.equal(got[0], want[0]), f"{what}: shift is not the row maximum"
+    finite = torch.isfinite(want[1])
+    assert torch.equal(torch.isnan(got[1]), torch.isnan(want[1])), f"{what}: NaN log_sum positions differ"
+    assert torch.equal(got[1][~finite & ~torch.isnan(want[1])], want[1][~finite & ~torch.isnan(want[1])])
+    error = (got[1] - want[1])[finite].abs()
+    allowed = 8 * FP32_UNIT * (1 + want[1][finite].abs())
+    assert bool((error <= allowed).all()), f"{what}: log_sum off by {float((error - allowed).max())} beyond"
+
+
 def softmax64(x: torch.Tensor) -> torch.Tensor:
     """float64 softmax over the last dim (NaN for an all -inf row, like PyTorch)."""
     x = x.double()

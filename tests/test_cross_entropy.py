@@ -138,7 +138,7 @@ def ce_cases(draw, max_rows: int = 64, max_cols: int = 700) -> Case:
 def loss_and_grad(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward of lowp_ops.cross_entropy and the logits' gradient for upstream ``case.grad_loss``."""
     logits = case.logits.detach().requires_grad_()
-    loss = lowp_ops.cross_entropy(logits, case.target, **case.kwargs())
+    loss = lowp_ops.cross_entropy(logits, case.target, **case.kwargs(), classes_last=True)
     (grad,) = torch.autograd.grad(loss, logits, grad_outputs=case.grad_loss)
     return loss.detach(), grad
 
@@ -222,7 +222,7 @@ def test_rows_with_all_minus_inf_leading_columns_are_exact(prefix, dtype):
         # The same rows restricted to their finite columns give the same loss.
         if reduction == "none":
             tail = lowp_ops.cross_entropy(
-                values[:2, prefix:].to(dtype), target[:2] - prefix, reduction="none"
+                values[:2, prefix:].to(dtype), target[:2] - prefix, reduction="none", classes_last=True
             )
             torch.testing.assert_close(loss[:2], tail, rtol=1e-6, atol=1e-6)
 
@@ -249,7 +249,7 @@ def test_all_masked_row_gives_nan_like_torch(reduction):
     target = torch.tensor([3, 5, 7, 32])
     ours = values.clone().requires_grad_()
     theirs = values.clone().requires_grad_()
-    loss = lowp_ops.cross_entropy(ours, target, reduction=reduction)
+    loss = lowp_ops.cross_entropy(ours, target, reduction=reduction, classes_last=True)
     want = F.cross_entropy(theirs, target, reduction=reduction)
     torch.testing.assert_close(loss, want, equal_nan=True)
     assert loss.isnan().any()
@@ -297,27 +297,29 @@ def test_out_of_range_target_gives_nan_loss_and_nan_grad_row():
     assert grad[0].isnan().all() and grad[2].isnan().all() and torch.equal(grad[3], torch.zeros(10))
     good = Case(values[1:2], target[1:2], torch.ones(1), 0.0, -100, "none")
     assert_matches_oracle(good, loss[1:2], grad[1:2])
-    assert lowp_ops.cross_entropy(values, target).isnan()
+    assert lowp_ops.cross_entropy(values, target, classes_last=True).isnan()
 
 
 # --------------------------------------------------------------------------- memory: what is saved
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-def test_backward_saves_only_logits_target_and_row_lse(reduction):
+def test_backward_saves_only_logits_target_and_row_stats(reduction):
     n_rows, n_cols = 15, 301
     logits = torch.randn(3, 5, n_cols).to(torch.bfloat16).requires_grad_()
     target = torch.randint(0, n_cols, (3, 5))
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        loss = lowp_ops.cross_entropy(logits, target, reduction=reduction, label_smoothing=0.1)
+        loss = lowp_ops.cross_entropy(
+            logits, target, reduction=reduction, label_smoothing=0.1, classes_last=True
+        )
     big = [t for t in saved if t.numel() >= n_rows * n_cols]
     assert len(big) == 1, f"expected only the logits to be saved at full size, got {[t.shape for t in big]}"
     assert big[0].dtype == torch.bfloat16 and big[0].data_ptr() == logits.data_ptr(), "logits copied"
-    assert any(t.dtype == torch.float32 and tuple(t.shape) == (n_rows,) for t in saved), "no per-row fp32 lse"
+    assert any(t.dtype == torch.float32 and tuple(t.shape) == (2, n_rows) for t in saved), "no fp32 row stats"
     assert any(t.dtype == torch.int64 and t.numel() == n_rows for t in saved), "target not saved"
     small = [t for t in saved if t.numel() < n_rows * n_cols]
-    assert sum(t.numel() * t.element_size() for t in small) <= n_rows * (4 + 8) + 64
+    assert sum(t.numel() * t.element_size() for t in small) <= n_rows * (8 + 8) + 64
     loss.sum().backward()
 
 
@@ -343,7 +345,9 @@ def run_te_case(dtype, *, swapped, label_smoothing, reduce_loss, ignore, seed):
     reduction = "mean" if reduce_loss else "none"
 
     ours = logits.clone().requires_grad_()
-    loss = lowp_ops.cross_entropy(ours, target, label_smoothing=label_smoothing, reduction=reduction)
+    loss = lowp_ops.cross_entropy(
+        ours, target, label_smoothing=label_smoothing, reduction=reduction, classes_last=True
+    )
     torch.square(loss).sum().backward()
 
     ref_logits = logits.double().reshape(-1, vocab).requires_grad_()
@@ -402,8 +406,8 @@ def test_te_non_contiguous_transposed_input():
     target = torch.randint(0, v, (b, s), generator=torch.Generator().manual_seed(7))
     strided = logits.clone(memory_format=torch.preserve_format).requires_grad_()
     dense = logits.contiguous().requires_grad_()
-    loss_strided = lowp_ops.cross_entropy(strided, target)
-    loss_dense = lowp_ops.cross_entropy(dense, target)
+    loss_strided = lowp_ops.cross_entropy(strided, target, classes_last=True)
+    loss_dense = lowp_ops.cross_entropy(dense, target, classes_last=True)
     torch.testing.assert_close(loss_strided, loss_dense)
     loss_strided.backward()
     loss_dense.backward()
@@ -418,7 +422,7 @@ def test_te_bfloat16_unreduced_external_grad_is_rounded_once():
     external = torch.tensor([[0.01, 0.03], [0.1, 0.7]])
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        loss = lowp_ops.cross_entropy(logits, target, reduction="none")
+        loss = lowp_ops.cross_entropy(logits, target, reduction="none", classes_last=True)
     assert not [t for t in saved if t.dtype == torch.float32 and t.numel() >= logits.numel()]
     loss.backward(external)
     assert torch.equal(logits.detach(), torch.zeros_like(logits)), "the logits were modified"
@@ -438,8 +442,8 @@ def test_te_bfloat16_loss_matches_float32_input():
     target = torch.randint(0, 4096, (1, 64), generator=torch.Generator().manual_seed(9))
     eps = torch.finfo(torch.float32).eps
     torch.testing.assert_close(
-        lowp_ops.cross_entropy(logits, target),
-        lowp_ops.cross_entropy(logits.float(), target),
+        lowp_ops.cross_entropy(logits, target, classes_last=True),
+        lowp_ops.cross_entropy(logits.float(), target, classes_last=True),
         rtol=2 * eps,
         atol=2 * eps,
     )
@@ -578,20 +582,35 @@ def test_mxfp8_grad_rejects_grad_loss_of_wrong_shape(reduction, bad_shape):
 # ----------------------------------------------------------------------------------- bad arguments
 
 BAD_CALLS = {
-    "float target": (lambda x, t: lowp_ops.cross_entropy(x, t.float()), "target must be int64 or int32"),
-    "wrong target shape": (lambda x, t: lowp_ops.cross_entropy(x, t[:-1]), "target must have shape"),
-    "target of logits' shape": (lambda x, t: lowp_ops.cross_entropy(x, x.long()), "target"),
-    "int logits": (lambda x, t: lowp_ops.cross_entropy(x.long(), t), "logits"),
+    "float target": (
+        lambda x, t: lowp_ops.cross_entropy(x, t.float(), classes_last=True),
+        "class probabilities",
+    ),
+    "wrong target shape": (
+        lambda x, t: lowp_ops.cross_entropy(x, t[:-1], classes_last=True),
+        "target must have shape",
+    ),
+    "target of logits' shape": (
+        lambda x, t: lowp_ops.cross_entropy(x, x.long(), classes_last=True),
+        "target",
+    ),
+    "int logits": (lambda x, t: lowp_ops.cross_entropy(x.long(), t, classes_last=True), "logits"),
     "label_smoothing 1.5": (
-        lambda x, t: lowp_ops.cross_entropy(x, t, label_smoothing=1.5),
+        lambda x, t: lowp_ops.cross_entropy(x, t, label_smoothing=1.5, classes_last=True),
         "label_smoothing",
     ),
     "label_smoothing -0.1": (
-        lambda x, t: lowp_ops.cross_entropy(x, t, label_smoothing=-0.1),
+        lambda x, t: lowp_ops.cross_entropy(x, t, label_smoothing=-0.1, classes_last=True),
         "label_smoothing",
     ),
-    "reduction avg": (lambda x, t: lowp_ops.cross_entropy(x, t, reduction="avg"), "reduction"),
-    "process_group": (lambda x, t: lowp_ops.cross_entropy(x, t, process_group=object()), "process_group"),
+    "reduction avg": (
+        lambda x, t: lowp_ops.cross_entropy(x, t, reduction="avg", classes_last=True),
+        "reduction",
+    ),
+    "process_group": (
+        lambda x, t: lowp_ops.cross_entropy(x, t, process_group=object(), classes_last=True),
+        "process_group",
+    ),
     "mxfp8 float target": (lambda x, t: lowp_ops.cross_entropy_with_mxfp8_grad(x, t.float()), "target"),
     "mxfp8 label_smoothing": (
         lambda x, t: lowp_ops.cross_entropy_with_mxfp8_grad(x, t, label_smoothing=1.5),
@@ -717,7 +736,9 @@ def compile_inputs(shape, seed, dtype=torch.bfloat16):
 @pytest.mark.parametrize("rank", ["2d", "3d"])
 def test_compiled_forward_backward_is_one_graph_without_recompiles(reduction, rank):
     def loss_fn(logits, target):
-        return lowp_ops.cross_entropy(logits, target, label_smoothing=0.1, reduction=reduction)
+        return lowp_ops.cross_entropy(
+            logits, target, label_smoothing=0.1, reduction=reduction, classes_last=True
+        )
 
     counters.clear()
     backend = CompileCounterWithBackend("aot_eager")
@@ -760,7 +781,7 @@ def test_compiled_mxfp8_grad_is_one_graph_without_recompiles(reduction):
 @pytest.mark.slow
 def test_inductor_compiled_forward_backward_matches_eager():
     def loss_fn(logits, target):
-        return lowp_ops.cross_entropy(logits, target, label_smoothing=0.1)
+        return lowp_ops.cross_entropy(logits, target, label_smoothing=0.1, classes_last=True)
 
     counters.clear()
     compiled = torch.compile(loss_fn, fullgraph=True, dynamic=True)

@@ -56,7 +56,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_manual_capture_of_cross_entropy_forward_backward_replays_like_eager():
     def step(logits, target):
         logits.grad = None
-        loss = lowp_ops.cross_entropy(logits, target, label_smoothing=0.1)  # mean over non-ignored rows
+        loss = lowp_ops.cross_entropy(
+            logits, target, label_smoothing=0.1, classes_last=True
+        )  # mean over non-ignored rows
         loss.backward()
         return loss
 
@@ -166,7 +168,7 @@ def test_manual_capture_of_softmax_forward_backward_with_masked_rows_replays_lik
 @pytest.mark.cudagraph
 def test_reduce_overhead_cross_entropy_forward_backward_never_skips_cudagraphs():
     def loss_fn(logits, target):
-        return lowp_ops.cross_entropy(logits, target, label_smoothing=0.1)
+        return lowp_ops.cross_entropy(logits, target, label_smoothing=0.1, classes_last=True)
 
     counters.clear()
     with torch._inductor.config.patch({"triton.cudagraph_or_error": True}):

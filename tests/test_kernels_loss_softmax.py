@@ -87,13 +87,15 @@ def grad_rows_for(n_rows: int, device: str, kind: str, seed: int = 1) -> torch.T
 
 
 def check_ce_forward(logits, target, label_smoothing):
-    loss, lse = ce_kernels.launch_cross_entropy_fwd(logits, target, label_smoothing, IGNORE)
-    want_loss, want_lse = ce_ref.cross_entropy_fwd(logits, target, label_smoothing, IGNORE)
-    assert loss.dtype == lse.dtype == torch.float32 and loss.shape == lse.shape == target.shape
+    loss, stats = ce_kernels.launch_cross_entropy_fwd(logits, target, label_smoothing, IGNORE)
+    want_loss, want_stats = ce_ref.cross_entropy_fwd(logits, target, label_smoothing, IGNORE)
+    assert loss.dtype == stats.dtype == torch.float32 and loss.shape == target.shape
+    assert stats.shape == (2, *target.shape), "row statistics (shift, log_sum)"
     atol = ce_loss_fp32_atol(logits)
     assert_close_fp32(loss, want_loss, rtol=1e-5, atol=atol, what="loss")
-    assert_close_fp32(lse, want_lse, rtol=1e-5, atol=atol, what="lse")
-    return lse
+    assert torch.equal(stats[0], want_stats[0]), "shift: the exact row maximum"
+    assert_close_fp32(stats[1], want_stats[1], rtol=1e-5, atol=atol, what="log_sum")
+    return stats
 
 
 def check_ce_backward(logits, target, lse, grad_rows, label_smoothing):
@@ -520,7 +522,7 @@ def test_interp_public_cross_entropy_runs_the_kernels_end_to_end(reduction, spy_
     gen = torch.Generator().manual_seed(2)
     grad_loss = torch.rand((3, 13) if reduction == "none" else (), generator=gen) + 0.5
     leaf = logits.clone().requires_grad_()
-    loss = lowp_ops.cross_entropy(leaf, target, label_smoothing=0.1, reduction=reduction)
+    loss = lowp_ops.cross_entropy(leaf, target, label_smoothing=0.1, reduction=reduction, classes_last=True)
     (grad,) = torch.autograd.grad(loss, leaf, grad_outputs=grad_loss)
     assert {"launch_cross_entropy_fwd", "launch_cross_entropy_bwd"} <= set(spy_launchers)
     assert torch.equal(leaf.detach(), logits)

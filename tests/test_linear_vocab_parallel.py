@@ -10,10 +10,25 @@ import linear_vocab_parallel_checks as lm_checks
 import pytest
 import torch
 import vocab_parallel_checks as checks
-from ce_softmax_oracles import assert_close_fp32, bits, ce_loss_fp32_atol, cross_entropy_oracle, logsumexp64
+from ce_softmax_oracles import (
+    assert_close_fp32,
+    assert_row_stats_close,
+    bits,
+    ce_loss_fp32_atol,
+    cross_entropy_oracle,
+    lse_of,
+    row_stats64,
+)
 
 import lowp_ops
-from lowp_ops.meta.vocab_parallel import LOGIT_SUM, LSE, SHARD_STATS, TARGET_LOGIT, WIDTH
+from lowp_ops.meta.vocab_parallel import (
+    SHARD_LOG_SUM,
+    SHARD_SHIFT,
+    SHARD_STATS,
+    SHIFTED_SUM,
+    TARGET_LOGIT,
+    WIDTH,
+)
 from lowp_ops.reference import linear_cross_entropy as lce_ref
 from lowp_ops.reference import linear_vocab_parallel as lvp_ref
 
@@ -41,7 +56,7 @@ def shard_rows(weight: torch.Tensor, rank: int) -> torch.Tensor:
 
 def merge_in_process(hidden, weight, target, label_smoothing, chunk_size=16):
     """What the ranks compute, in one process: every shard's packet, stacked as the all-gather does, and
-    the merge -> (packets, loss, lse)."""
+    the merge -> (packets, loss, row_stats)."""
     world = weight.shape[0] // SHARD
     packets = [
         torch.ops.lowp.linear_vocab_parallel_ce_stats(
@@ -69,25 +84,29 @@ def check_packets_and_merge(device, world, label_smoothing):
     for r, packet in enumerate(packets):
         assert packet.shape == (len(SHARD_STATS), hidden.shape[0]) and packet.dtype == torch.float32
         columns = slice(r * SHARD, (r + 1) * SHARD)
-        assert_close_fp32(packet[LSE].cpu(), logsumexp64(x[:, columns]), rtol=1e-6, atol=1e-6, what="lse")
+        assert_row_stats_close(packet[[SHARD_SHIFT, SHARD_LOG_SUM]], x[:, columns], what="shard stats")
         local = target.cpu() - r * SHARD
         in_shard = (local >= 0) & (local < SHARD)
         picked = x[:, columns].gather(1, local.clamp(0, SHARD - 1).unsqueeze(1)).squeeze(1)
         assert torch.equal(packet[TARGET_LOGIT].cpu().double(), torch.where(in_shard, picked, 0.0))
-        want_sum = x[:, columns].sum(1) if label_smoothing > 0 else torch.zeros_like(picked)
-        assert_close_fp32(packet[LOGIT_SUM].cpu(), want_sum, rtol=1e-5, atol=1e-4, what="logit sum")
+        shifted = x[:, columns] - row_stats64(x[:, columns])[0].unsqueeze(1)
+        want_sum = shifted.sum(1) if label_smoothing > 0 else torch.zeros_like(picked)
+        assert_close_fp32(packet[SHIFTED_SUM].cpu(), want_sum, rtol=1e-5, atol=1e-4, what="shifted sum")
         assert torch.all(packet[WIDTH] == SHARD)
     want_loss, _, _ = cross_entropy_oracle(
         x, target.cpu(), 1.0, label_smoothing=label_smoothing, ignore_index=IGNORE, reduction="none"
     )
     atol = ce_loss_fp32_atol(x)
     assert_close_fp32(loss.cpu(), want_loss, rtol=1e-5, atol=atol, what="loss")
-    assert_close_fp32(lse.cpu(), logsumexp64(x), rtol=1e-6, atol=1e-6, what="lse")
+    assert_row_stats_close(lse, x, what="merged stats")
     single_loss, single_lse = torch.ops.lowp.linear_cross_entropy_fwd(
         hidden, weight, target, label_smoothing, IGNORE, "none", "bf16", 16
     )
     assert_close_fp32(loss.cpu(), single_loss.cpu().double(), rtol=1e-5, atol=atol, what="single-rank loss")
-    assert_close_fp32(lse.cpu(), single_lse.cpu().double(), rtol=1e-6, atol=1e-6, what="single-rank lse")
+    assert torch.equal(lse[0], single_lse[0]), "the same shift as the single-rank forward"
+    assert_close_fp32(
+        lse_of(lse.cpu()), lse_of(single_lse.cpu()), rtol=1e-6, atol=1e-6, what="single-rank lse"
+    )
 
 
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
@@ -165,7 +184,7 @@ def test_no_tokens_give_empty_packets_and_zero_weight_gradient():
         hidden,
         shard_rows(weight, 1),
         target,
-        empty,
+        torch.zeros(2, 0),
         empty,
         0.1,
         IGNORE,
@@ -186,7 +205,7 @@ def test_no_tokens_give_empty_packets_and_zero_weight_gradient():
 )
 def test_bad_shard_arguments_are_named(vocab_start, vocab_total, message):
     hidden, weight, target = make_inputs(rows=4, world=2)
-    lse, grad_rows = torch.zeros(4), torch.ones(4)
+    lse, grad_rows = torch.zeros(2, 4), torch.ones(4)
     args = (hidden, shard_rows(weight, 0), target, lse, grad_rows, 0.0, IGNORE, "none", "bf16", 0, True, True)
     with pytest.raises(ValueError, match=message):
         torch.ops.lowp.linear_vocab_parallel_ce_bwd(*args, vocab_start, vocab_total)

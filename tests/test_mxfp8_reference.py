@@ -20,6 +20,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import lowp_ops
+from lowp_ops.meta.checks import check_float_dtype
+from lowp_ops.meta.mxfp8 import check_fp8_dtype, normalize_fp8_dtype
 from lowp_ops.reference.mxfp8 import dequantize_multiplier, e8m0_from_amax, quantize_multiplier
 
 # Independent constants (spec B.2): max normal, mantissa bits, exponent of the smallest subnormal.
@@ -732,3 +734,104 @@ def test_empty_input_gives_empty_data_and_zero_scales(shape, row_scale_shape, co
     assert not q.row_scale.any() and not q.col_scale.any()
     for use in ("rowwise", "columnwise"):
         assert lowp_ops.mxfp8_dequantize(q, torch.float32, use=use).shape == shape
+
+
+# ------------------------------------------------------------------- argument normalizers, container
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("e4m3", "e4m3"), ("e5m2", "e5m2"), (torch.float8_e4m3fn, "e4m3"), (torch.float8_e5m2, "e5m2")],
+    ids=str,
+)
+def test_normalize_fp8_dtype_accepts_names_and_torch_dtypes(value, expected):
+    assert normalize_fp8_dtype(value) == expected
+
+
+@pytest.mark.parametrize(
+    "value", ["e3m4", "E4M3", torch.float16, torch.float8_e4m3fnuz, ["e4m3"], None], ids=str
+)
+def test_normalize_fp8_dtype_rejects_anything_else_naming_the_argument(value):
+    with pytest.raises(ValueError, match=r"b_fp8_dtype must be one of \['e4m3', 'e5m2'\].*got"):
+        normalize_fp8_dtype(value, "b_fp8_dtype")
+
+
+def test_check_fp8_dtype_wants_the_name_the_ops_take():
+    check_fp8_dtype("e5m2")
+    with pytest.raises(
+        ValueError, match=r"fp8_dtype must be the format name .e4m3. here, got torch\.float8_e4m3fn"
+    ):
+        check_fp8_dtype(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="a_fp8_dtype must be one of"):
+        check_fp8_dtype("e3m4", "a_fp8_dtype")
+
+
+@pytest.mark.parametrize("dtype", ["bf16", torch.int32, torch.float8_e4m3fn, None], ids=str)
+def test_dequantize_dtype_check_names_dtype_before_any_op_runs(dtype, monkeypatch):
+    q = lowp_ops.mxfp8_quantize(torch.ones(4, 32))
+
+    def must_not_run(*args):
+        raise AssertionError("the op ran")
+
+    monkeypatch.setattr(lowp_ops.library, "mxfp8_dequantize", must_not_run)
+    with pytest.raises((TypeError, ValueError), match="dtype must be"):
+        check_float_dtype(dtype)
+    with pytest.raises((TypeError, ValueError), match="dtype must be"):
+        lowp_ops.mxfp8_dequantize(q, dtype)
+
+
+def test_repr_shows_shapes_and_dtypes_not_values():
+    q = lowp_ops.mxfp8_quantize(torch.randn(300, 70), "e5m2", columnwise=False, scale_layout="swizzled")
+    assert repr(q) == (
+        "MXFP8Tensor(shape=(300, 70), fp8_dtype='e5m2', scale_layout='swizzled', "
+        "row_data=float8_e5m2[300, 70], row_scale=uint8[384, 4], col_data=None, col_scale=None)"
+    )
+
+
+@pytest.mark.parametrize("wrong", ["row_data", "col_data"])
+def test_container_whose_fp8_dtype_disagrees_with_its_data_raises_at_construction(wrong):
+    q = lowp_ops.mxfp8_quantize(torch.randn(40, 70), "e4m3")
+    fields = {name: getattr(q, name) for name in ("row_data", "row_scale", "col_data", "col_scale")}
+    fields[wrong] = fields[wrong].view(torch.uint8).view(torch.float8_e5m2)
+    with pytest.raises(ValueError, match=f"{wrong} has dtype torch.float8_e5m2 but fp8_dtype is 'e4m3'"):
+        lowp_ops.MXFP8Tensor(**fields, fp8_dtype="e4m3", scale_layout="compact", shape=q.shape)
+    fields[wrong] = fields[wrong].view(torch.uint8)  # raw bit patterns are not FP8 data either
+    with pytest.raises(ValueError, match=f"{wrong} has dtype torch.uint8"):
+        lowp_ops.MXFP8Tensor(**fields, fp8_dtype="e4m3", scale_layout="compact", shape=q.shape)
+
+
+def test_container_checks_its_other_fields():
+    q = lowp_ops.mxfp8_quantize(torch.randn(40, 70), "e5m2")
+    fields = dict(row_data=q.row_data, row_scale=q.row_scale, col_data=q.col_data, col_scale=q.col_scale)
+    same = lowp_ops.MXFP8Tensor(**fields, fp8_dtype=torch.float8_e5m2, scale_layout="compact", shape=q.shape)
+    assert same.fp8_dtype == "e5m2"  # a torch dtype is stored as its name
+    bad = {
+        "fp8_dtype must be one of": dict(fp8_dtype="e3m4"),
+        "scale_layout must be one of": dict(scale_layout="tiled"),
+        "col_data and col_scale must both be given or both be None": dict(col_scale=None),
+        "row_scale must hold uint8 E8M0 codes": dict(row_scale=q.row_scale.float()),
+    }
+    for match, override in bad.items():
+        kwargs = {**fields, "fp8_dtype": "e5m2", "scale_layout": "compact", "shape": q.shape} | override
+        with pytest.raises(ValueError, match=match):
+            lowp_ops.MXFP8Tensor(**kwargs)
+
+
+def test_compiled_function_returns_the_container_without_recompiles():
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(
+        lambda x: lowp_ops.mxfp8_quantize(x, torch.float8_e5m2), backend=counter, fullgraph=True, dynamic=True
+    )
+    for index, shape in enumerate([(40, 70), (65, 33), (3, 130)]):
+        x = spread_values(shape, torch.bfloat16, seed=index, max_exp=10)
+        if index == 1:
+            torch.compiler.set_stance("fail_on_recompile")
+        try:
+            got = compiled(x)
+        finally:
+            torch.compiler.set_stance("default")
+        want = lowp_ops.mxfp8_quantize(x, "e5m2")
+        assert isinstance(got, lowp_ops.MXFP8Tensor) and got.fp8_dtype == "e5m2"
+        assert repr(got) == repr(want)
+        assert torch.equal(as_bytes(got.col_data), as_bytes(want.col_data))
+    assert counter.frame_count == 1

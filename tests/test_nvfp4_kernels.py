@@ -185,6 +185,25 @@ def test_nan_input_gives_nan_amax_and_zero_data_like_the_reference(suite, kernel
 
 
 @pytest.mark.parametrize("suite", SUITES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("block_2d", [False, True])
+def test_values_up_to_the_dtype_max_quantize_like_the_reference_and_round_trip_finite(
+    suite, kernel_device, dtype, block_2d
+):
+    """amax = the dtype's max (the range where ``s_b * amax`` used to overflow in the dequantization)."""
+    top = torch.finfo(dtype).max
+    gen = torch.Generator().manual_seed(23)
+    x = (torch.rand(48, 64, generator=gen, dtype=torch.float64) * 2 - 1).mul(top).to(dtype)
+    x[0, 0], x[40, 9] = top, -top
+    check_quantize(x, kernel_device, True, True, False, block_2d, "computed")
+    got = kernels.launch_nvfp4_quantize(x.to(kernel_device), True, True, False, None, None, block_2d, None)
+    row_data, row_scale, col_data, col_scale, amax_row, amax_col = (t.cpu() for t in got)
+    for data, scale, amax in ((row_data, row_scale, amax_row), (col_data, col_scale, amax_col)):
+        x_hat = reference.nvfp4_dequantize(data, scale, amax, dtype)
+        assert torch.isfinite(x_hat).all() and x_hat.abs().max() == top
+
+
+@pytest.mark.parametrize("suite", SUITES)
 @pytest.mark.parametrize("shape", [(0, 32), (32, 0)], ids=str)
 def test_quantize_kernel_handles_empty_input(suite, kernel_device, shape):
     x = torch.ones(shape, dtype=torch.bfloat16)

@@ -331,3 +331,19 @@ def test_compiles_to_one_graph_without_recompiles():
         expected = round_trip(x)
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
     assert not counters["graph_break"]
+
+
+def test_reprs_show_shapes_dtypes_and_flags_not_values():
+    x = random_matrix(64, 32, seed=24)
+    q = lowp_ops.nvfp4_quantize(x, columnwise=True, rht=True)
+    assert repr(q) == (
+        "NVFP4Tensor(shape=(64, 32), rht=True, block_2d=False, row_data=uint8[64, 16], "
+        "row_scale=uint8[128, 4], col_data=uint8[32, 32], col_scale=uint8[128, 4], "
+        "amax_rowwise=float32[1], amax_columnwise=float32[1])"
+    )
+    g = lowp_ops.nvfp4_group_quantize(x, torch.tensor([16, 48]), columnwise=False)
+    assert repr(g) == (
+        "NVFP4GroupedTensor(shape=(64, 32), rht=False, row_data=uint8[64, 16], row_scale=uint8[128, 4], "
+        "col_data=None, col_scale=None, amax_rowwise=float32[2], amax_columnwise=float32[2], "
+        "split_sizes=int64[2])"
+    )

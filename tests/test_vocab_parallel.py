@@ -11,10 +11,25 @@ from __future__ import annotations
 import pytest
 import torch
 import vocab_parallel_checks as checks
-from ce_softmax_oracles import assert_close_fp32, bits, ce_loss_fp32_atol, cross_entropy_oracle, logsumexp64
+from ce_softmax_oracles import (
+    assert_close_fp32,
+    assert_row_stats_close,
+    bits,
+    ce_loss_fp32_atol,
+    cross_entropy_oracle,
+    row_stats32,
+    row_stats64,
+)
 
 import lowp_ops
-from lowp_ops.meta.vocab_parallel import LOGIT_SUM, LSE, SHARD_STATS, TARGET_LOGIT, WIDTH
+from lowp_ops.meta.vocab_parallel import (
+    SHARD_LOG_SUM,
+    SHARD_SHIFT,
+    SHARD_STATS,
+    SHIFTED_SUM,
+    TARGET_LOGIT,
+    WIDTH,
+)
 
 IGNORE = -100
 
@@ -48,18 +63,19 @@ def merge_in_process(logits, target, world, label_smoothing):
 
 def check_packets_and_merge(logits, target, world, label_smoothing):
     shard = logits.shape[1] // world
-    packets, (loss, lse) = merge_in_process(logits, target, world, label_smoothing)
+    packets, (loss, stats) = merge_in_process(logits, target, world, label_smoothing)
     x = logits.cpu().double()
     for r, packet in enumerate(packets):
         assert packet.shape == (len(SHARD_STATS), logits.shape[0]) and packet.dtype == torch.float32
         columns = slice(r * shard, (r + 1) * shard)
-        assert_close_fp32(packet[LSE].cpu(), logsumexp64(x[:, columns]), rtol=1e-6, atol=1e-6, what="lse")
+        assert_row_stats_close(packet[[SHARD_SHIFT, SHARD_LOG_SUM]], x[:, columns], what="shard stats")
         local = target.cpu() - r * shard
         in_shard = (local >= 0) & (local < shard)
         picked = x[:, columns].gather(1, local.clamp(0, shard - 1).unsqueeze(1)).squeeze(1)
         assert torch.equal(packet[TARGET_LOGIT].cpu().double(), torch.where(in_shard, picked, 0.0))
-        want_sum = x[:, columns].sum(1) if label_smoothing > 0 else torch.zeros_like(picked)
-        assert_close_fp32(packet[LOGIT_SUM].cpu(), want_sum, rtol=1e-5, atol=1e-4, what="logit sum")
+        shifted = x[:, columns] - row_stats64(x[:, columns])[0].unsqueeze(1)
+        want_sum = shifted.sum(1) if label_smoothing > 0 else torch.zeros_like(picked)
+        assert_close_fp32(packet[SHIFTED_SUM].cpu(), want_sum, rtol=1e-5, atol=1e-4, what="shifted sum")
         assert torch.all(packet[WIDTH] == shard)
     want_loss, _, _ = cross_entropy_oracle(
         x, target.cpu(), 1.0, label_smoothing=label_smoothing, ignore_index=IGNORE, reduction="none"
@@ -67,9 +83,8 @@ def check_packets_and_merge(logits, target, world, label_smoothing):
     want_loss[2] = float("nan")  # all -inf row
     atol = ce_loss_fp32_atol(logits.cpu())
     assert_close_fp32(loss.cpu(), want_loss, rtol=1e-5, atol=atol, what="loss")
-    want_lse = logsumexp64(x)
-    assert_close_fp32(lse.cpu(), want_lse, rtol=1e-6, atol=1e-6, what="lse")
-    assert lse[2] == float("-inf"), "an all -inf row keeps lse = -inf, like the single-rank forward"
+    assert_row_stats_close(stats, x, what="merged stats")
+    assert stats[1, 2] == float("-inf"), "an all -inf row keeps log_sum = -inf, like the single-rank forward"
 
 
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
@@ -83,8 +98,8 @@ def test_merge_poisons_unequal_shard_widths():
     logits, target = sharded_inputs(9, 2, 64)
     packets, _ = merge_in_process(logits, target, 2, 0.0)
     packets[1][WIDTH] = 32
-    loss, lse = torch.ops.lowp.vocab_parallel_ce_merge(torch.cat(packets), target, 64, 0.0, IGNORE)
-    assert torch.isnan(loss).all() and torch.isnan(lse).all()
+    loss, stats = torch.ops.lowp.vocab_parallel_ce_merge(torch.cat(packets), target, 64, 0.0, IGNORE)
+    assert torch.isnan(loss).all() and torch.isnan(stats).all()
 
 
 def shard_backward_matches_slice(device, label_smoothing, mxfp8, shard=64):
@@ -94,9 +109,9 @@ def shard_backward_matches_slice(device, label_smoothing, mxfp8, shard=64):
     logits, target = sharded_inputs(45, world, shard, device=device, seed=7)
     target[3] = 2 * shard + 5  # in the last shard
     target[4] = world * shard  # out of range: NaN row everywhere
-    _, (_, lse) = merge_in_process(logits, target, world, label_smoothing)
+    _, (_, stats) = merge_in_process(logits, target, world, label_smoothing)
     grad_rows = torch.rand(target.shape, generator=torch.Generator().manual_seed(1)).to(device) + 0.5
-    common = (target, lse, grad_rows, label_smoothing, IGNORE)
+    common = (target, stats, grad_rows, label_smoothing, IGNORE)
     mx = ("e4m3", True, True, "compact")
     op = torch.ops.lowp.cross_entropy_bwd_mxfp8 if mxfp8 else torch.ops.lowp.cross_entropy_bwd
     full = op(logits, *common, *mx) if mxfp8 else op(logits, *common)
@@ -124,10 +139,10 @@ def test_shard_backward_is_the_slice_of_the_full_backward(label_smoothing, mxfp8
 
 def test_shard_backward_defaults_are_the_single_rank_backward():
     logits, target = sharded_inputs(20, 1, 100)
-    lse = torch.logsumexp(logits.float(), 1)
+    stats = row_stats32(logits)
     grad_rows = torch.ones(20)
-    plain = torch.ops.lowp.cross_entropy_bwd(logits, target, lse, grad_rows, 0.1, IGNORE)
-    explicit = torch.ops.lowp.cross_entropy_bwd(logits, target, lse, grad_rows, 0.1, IGNORE, 0, 100)
+    plain = torch.ops.lowp.cross_entropy_bwd(logits, target, stats, grad_rows, 0.1, IGNORE)
+    explicit = torch.ops.lowp.cross_entropy_bwd(logits, target, stats, grad_rows, 0.1, IGNORE, 0, 100)
     assert torch.equal(bits(plain), bits(explicit))
 
 
@@ -137,10 +152,10 @@ def test_shard_backward_defaults_are_the_single_rank_backward():
 )
 def test_bad_shard_arguments_are_named(vocab_start, vocab_total, message):
     logits, target = sharded_inputs(4, 1, 100)
-    lse, grad_rows = torch.zeros(4), torch.ones(4)
+    stats, grad_rows = torch.zeros(2, 4), torch.ones(4)
     with pytest.raises(ValueError, match=message):
         torch.ops.lowp.cross_entropy_bwd(
-            logits, target, lse, grad_rows, 0.0, IGNORE, vocab_start, vocab_total
+            logits, target, stats, grad_rows, 0.0, IGNORE, vocab_start, vocab_total
         )
 
 
@@ -151,9 +166,9 @@ def test_opcheck_vocab_parallel_ops():
     torch.library.opcheck(torch.ops.lowp.vocab_parallel_ce_stats, (shard, target, 64, True))
     gathered = torch.cat(merge_in_process(logits, target, 2, 0.1)[0])
     torch.library.opcheck(torch.ops.lowp.vocab_parallel_ce_merge, (gathered, target, 64, 0.1, IGNORE))
-    lse, grad_rows = torch.zeros(10), torch.ones(10)
+    stats, grad_rows = torch.zeros(2, 10), torch.ones(10)
     torch.library.opcheck(
-        torch.ops.lowp.cross_entropy_bwd, (shard, target, lse, grad_rows, 0.1, IGNORE, 64, 128)
+        torch.ops.lowp.cross_entropy_bwd, (shard, target, stats, grad_rows, 0.1, IGNORE, 64, 128)
     )
 
 

@@ -99,7 +99,12 @@ def loss_is_identical_on_every_rank_and_matches_float64(r: Rank):
         for ls in (0.0, 0.1):
             logits, target = r.inputs(1)
             loss = lowp_ops.cross_entropy(
-                r.shard(logits), target, label_smoothing=ls, reduction=reduction, process_group=r.group
+                r.shard(logits),
+                target,
+                label_smoothing=ls,
+                reduction=reduction,
+                process_group=r.group,
+                classes_last=True,
             )
             assert_same_on_every_rank(r, loss, f"loss {reduction} ls={ls}")
             want, _, _ = cross_entropy_oracle(
@@ -115,7 +120,9 @@ def label_smoothing_exchanges_the_logit_sum(r: Rank):
     far more than the tolerance here, and ours matches the oracle."""
     ls = 0.2
     logits, target = r.inputs(2)
-    loss = lowp_ops.cross_entropy(r.shard(logits), target, label_smoothing=ls, process_group=r.group)
+    loss = lowp_ops.cross_entropy(
+        r.shard(logits), target, label_smoothing=ls, process_group=r.group, classes_last=True
+    )
     want, _, _ = cross_entropy_oracle(
         logits.cpu(), target.cpu(), 1.0, label_smoothing=ls, ignore_index=IGNORE, reduction="mean"
     )
@@ -222,7 +229,7 @@ def unequal_shards_give_nan_on_every_rank(r: Rank):
     width = SHARD + (32 if r.rank == 0 else 0)
     local = torch.randn(ROWS, width, device=r.device).to(torch.bfloat16)
     target = target.clamp(max=SHARD - 1)
-    loss = lowp_ops.cross_entropy(local, target, reduction="none", process_group=r.group)
+    loss = lowp_ops.cross_entropy(local, target, reduction="none", process_group=r.group, classes_last=True)
     assert torch.isnan(loss).all(), "unequal shard widths must poison the loss"
 
 
@@ -275,7 +282,9 @@ def compiled_fullgraph_matches_eager(r: Rank):
     counter = CompileCounterWithBackend(backend)
 
     def step(logits, target):
-        return lowp_ops.cross_entropy(logits, target, label_smoothing=0.1, process_group=r.group)
+        return lowp_ops.cross_entropy(
+            logits, target, label_smoothing=0.1, process_group=r.group, classes_last=True
+        )
 
     compiled = torch.compile(step, fullgraph=True, backend=counter)
     for seed in (9, 10):
@@ -299,7 +308,12 @@ def batched_logits_keep_their_shape(r: Rank):
     logits, target = r.inputs(11, rows=2 * 5)
     shard = r.shard(logits).view(2, 5, SHARD)
     loss, grad = loss_and_grad(
-        lowp_ops.cross_entropy, shard, target.view(2, 5), reduction="none", process_group=r.group
+        lowp_ops.cross_entropy,
+        shard,
+        target.view(2, 5),
+        reduction="none",
+        classes_last=True,
+        process_group=r.group,
     )
     assert loss.shape == (2, 5) and grad.shape == shard.shape
 
@@ -313,7 +327,7 @@ def cuda_graph_replay_matches_eager(r: Rank):
 
     def step():
         loss = lowp_ops.cross_entropy(
-            static_logits, static_target, label_smoothing=0.1, process_group=r.group
+            static_logits, static_target, label_smoothing=0.1, process_group=r.group, classes_last=True
         )
         (grad,) = torch.autograd.grad(loss, static_logits)
         return loss, grad

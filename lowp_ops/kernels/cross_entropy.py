@@ -18,6 +18,8 @@ import triton.language as tl
 
 from ..formats import FP8_DTYPES, FP8_MAX, FP8_MAX_RCP, round_to_fp32
 from ..meta.cross_entropy import (
+    LOG_SUM,
+    SHIFT,
     cross_entropy_bwd_mxfp8_outputs,
     cross_entropy_bwd_output,
     cross_entropy_fwd_outputs,
@@ -25,8 +27,9 @@ from ..meta.cross_entropy import (
 )
 from ..reference.cross_entropy import cross_entropy_reduce
 from .bf16_pairs import round_pairs_to_bf16
+from .launch import cached_launch
 from .mxfp8 import TRITON_FP8, quantize_tile, store_tile, tile_cols, tile_coords
-from .softmax import row_logsumexp_and_sum, rows_with_unit_stride
+from .softmax import finish_log_sum, masked_safe_shift, row_stats_and_shifted_sum, rows_with_unit_stride
 
 INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 FWD_BLOCK = 8192
@@ -43,13 +46,15 @@ BWD_BLOCK_COLS = 128
 TILE_ROWS = 32
 
 
+@cached_launch
 @triton.jit
 def cross_entropy_fwd_kernel(
     logits_ptr,
     stride_row,
     target_ptr,
     loss_ptr,
-    lse_ptr,
+    shift_ptr,
+    log_sum_ptr,
     n_cols,
     ignore_index,
     label_smoothing,
@@ -58,34 +63,49 @@ def cross_entropy_fwd_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
-    lse, sum_x = row_logsumexp_and_sum(row_ptr, n_cols, BLOCK, HAS_SMOOTHING)
+    m, d, shifted_sum = row_stats_and_shifted_sum(row_ptr, n_cols, BLOCK, HAS_SMOOTHING)
+    shift = masked_safe_shift(m)
+    log_sum = finish_log_sum(d)
 
     target = tl.load(target_ptr + row).to(tl.int64)
     is_valid = target != ignore_index
     in_range = (target >= 0) & (target < n_cols)
     target_logit = tl.load(row_ptr + target, mask=is_valid & in_range, other=0.0).to(tl.float32)
-    loss = row_loss(lse, target_logit, sum_x, n_cols, label_smoothing, in_range, is_valid, HAS_SMOOTHING)
+    loss = row_loss(
+        shift, log_sum, target_logit, shifted_sum, n_cols, label_smoothing, in_range, is_valid, HAS_SMOOTHING
+    )
     tl.store(loss_ptr + row, loss)
-    tl.store(lse_ptr + row, lse)
+    tl.store(shift_ptr + row, shift)
+    tl.store(log_sum_ptr + row, log_sum)
 
 
 @triton.jit
 def row_loss(
-    lse, target_logit, logit_sum, n_vocab, label_smoothing, in_range, is_valid, HAS_SMOOTHING: tl.constexpr
+    shift,
+    log_sum,
+    target_logit,
+    shifted_sum,
+    n_vocab,
+    label_smoothing,
+    in_range,
+    is_valid,
+    HAS_SMOOTHING: tl.constexpr,
 ):
-    """fp32 loss of a row from its lse, target logit and (label smoothing) the sum of its logits over the
-    ``n_vocab`` classes: ``lse - x_y``, or ``(1 - ls)(lse - x_y) + ls (lse - sum / n_vocab)``. NaN for an
-    out-of-range target (no host sync can check it), 0 for an ignored row. Every forward calls this."""
-    loss = lse - tl.where(in_range, target_logit, float("nan"))
+    """fp32 loss of a row from its statistics (shift, log_sum), target logit and (label smoothing)
+    ``Σ (x - shift)`` over the ``n_vocab`` classes: ``(shift - x_y) + log_sum``, or ``(1 - ls)`` times that
+    plus ``ls (log_sum - shifted_sum / n_vocab)``. NaN for an out-of-range target (no host sync can check
+    it), 0 for an ignored row. Every forward calls this."""
+    loss = (shift - tl.where(in_range, target_logit, float("nan"))) + log_sum
     if HAS_SMOOTHING:
-        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - logit_sum / n_vocab)
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_sum - shifted_sum / n_vocab)
     return tl.where(is_valid, loss, 0.0)
 
 
 @triton.jit
-def softmax_minus_eps(x, lse, smoothing_eps, HAS_SMOOTHING: tl.constexpr):
-    """``exp(x - lse) - eps`` in fp32, ``lse`` given as ``lse * log2(e)``: one FMA and ex2 per element."""
-    p = tl.exp2(x * 1.4426950408889634 - lse)
+def softmax_minus_eps(x, shift, log2_sum, smoothing_eps, HAS_SMOOTHING: tl.constexpr):
+    """``exp((x - shift) - log_sum) - eps`` in fp32, ``log_sum`` given as ``log_sum * log2(e)``: one FSUB,
+    one FMA and ex2 per element. ``x - shift`` first keeps the digits at any magnitude."""
+    p = tl.exp2((x - shift) * 1.4426950408889634 - log2_sum)
     if HAS_SMOOTHING:
         p = p - smoothing_eps
     return p
@@ -112,16 +132,34 @@ def round_to_dtype(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def load_shift_and_log2_sum(shift_ptr, log_sum_ptr, rows_idx, row_ok):
+    """Rows ``rows_idx`` of the row statistics: (shift, log_sum * log2(e))."""
+    shift = tl.load(shift_ptr + rows_idx, mask=row_ok, other=0.0)
+    log_sum = tl.load(log_sum_ptr + rows_idx, mask=row_ok, other=0.0)
+    return shift, log_sum * 1.4426950408889634
+
+
+@triton.jit
 def load_row_stats(
-    target_ptr, lse_ptr, grad_ptr, grad_stride, rows_idx, rows, n_cols, ignore_index, vocab_start, vocab_total
+    target_ptr,
+    shift_ptr,
+    log_sum_ptr,
+    grad_ptr,
+    grad_stride,
+    rows_idx,
+    rows,
+    n_cols,
+    ignore_index,
+    vocab_start,
+    vocab_total,
 ):
-    """Rows ``rows_idx`` of a tile: (lse * log2(e), int32 target column in this shard (-1 when the
-    target is out of range or in another rank's shard), row_scale, ignored). The logits hold the
+    """Rows ``rows_idx`` of a tile: (shift, log_sum * log2(e), int32 target column in this shard (-1 when
+    the target is out of range or in another rank's shard), row_scale, ignored). The logits hold the
     vocabulary ids ``[vocab_start, vocab_start + n_cols)`` of ``vocab_total`` (single rank: 0 and
     n_cols). ``row_scale`` is dloss of the row, NaN where the target is outside ``[0, vocab_total)``
     (documented: no host sync can check it)."""
     row_ok = rows_idx < rows
-    lse = tl.load(lse_ptr + rows_idx, mask=row_ok, other=0.0)
+    shift, log2_sum = load_shift_and_log2_sum(shift_ptr, log_sum_ptr, rows_idx, row_ok)
     target = tl.load(target_ptr + rows_idx, mask=row_ok, other=ignore_index).to(tl.int64)
     grad_rows = tl.load(grad_ptr + rows_idx.to(tl.int64) * grad_stride, mask=row_ok, other=0.0)
     in_range = (target >= 0) & (target < vocab_total)
@@ -129,7 +167,7 @@ def load_row_stats(
     local_target = target - vocab_start
     in_shard = in_range & (local_target >= 0) & (local_target < n_cols)
     target_col = tl.where(in_shard, local_target, -1).to(tl.int32)
-    return lse * 1.4426950408889634, target_col, row_scale, target == ignore_index
+    return shift, log2_sum, target_col, row_scale, target == ignore_index
 
 
 @triton.jit
@@ -149,7 +187,8 @@ def program_tile_grad(
     logits_ptr,
     stride_row,
     target_ptr,
-    lse_ptr,
+    shift_ptr,
+    log_sum_ptr,
     grad_ptr,
     grad_stride,
     rows,
@@ -174,9 +213,10 @@ def program_tile_grad(
     tile_col0 = col_tile * BLOCK_COLS
     cols = tile_col0 + tl.arange(0, BLOCK_COLS)
     x = load_logits_tile(logits_ptr, stride_row, rows_idx, cols, rows, n_cols, EVEN)
-    lse, target, row_scale, ignored = load_row_stats(
+    shift, log2_sum, target, row_scale, ignored = load_row_stats(
         target_ptr,
-        lse_ptr,
+        shift_ptr,
+        log_sum_ptr,
         grad_ptr,
         grad_stride,
         rows_idx,
@@ -187,7 +227,7 @@ def program_tile_grad(
         vocab_total,
     )
     special = ignored | ((target >= tile_col0) & (target < tile_col0 + BLOCK_COLS))
-    p = softmax_minus_eps(x.to(tl.float32), lse[:, None], smoothing_eps, HAS_SMOOTHING)
+    p = softmax_minus_eps(x.to(tl.float32), shift[:, None], log2_sum[:, None], smoothing_eps, HAS_SMOOTHING)
     if tl.max(special.to(tl.int32), 0) > 0:
         grad = cross_entropy_grad(
             p, cols[None, :], target[:, None], row_scale[:, None], ignored[:, None], target_weight
@@ -197,12 +237,14 @@ def program_tile_grad(
     return row_block, rows_idx, cols, tile_col0, grad
 
 
+@cached_launch
 @triton.jit
 def cross_entropy_bwd_kernel(
     logits_ptr,
     stride_row,
     target_ptr,
-    lse_ptr,
+    shift_ptr,
+    log_sum_ptr,
     grad_ptr,
     grad_stride,
     dlogits_ptr,
@@ -221,7 +263,8 @@ def cross_entropy_bwd_kernel(
         logits_ptr,
         stride_row,
         target_ptr,
-        lse_ptr,
+        shift_ptr,
+        log_sum_ptr,
         grad_ptr,
         grad_stride,
         rows,
@@ -238,12 +281,14 @@ def cross_entropy_bwd_kernel(
     store_tile(dlogits_ptr, rows_idx, cols, rows, n_cols, grad.to(dlogits_ptr.dtype.element_ty), EVEN)
 
 
+@cached_launch
 @triton.jit
 def cross_entropy_bwd_mxfp8_kernel(
     logits_ptr,
     stride_row,
     target_ptr,
-    lse_ptr,
+    shift_ptr,
+    log_sum_ptr,
     grad_ptr,
     grad_stride,
     rows,
@@ -274,7 +319,8 @@ def cross_entropy_bwd_mxfp8_kernel(
         logits_ptr,
         stride_row,
         target_ptr,
-        lse_ptr,
+        shift_ptr,
+        log_sum_ptr,
         grad_ptr,
         grad_stride,
         rows,
@@ -318,6 +364,11 @@ def cross_entropy_bwd_mxfp8_kernel(
     )
 
 
+def stats_rows(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (shift, log_sum) rows of ``(2, N)`` row statistics as unit-stride vectors (views when they are)."""
+    return stats[SHIFT].contiguous(), stats[LOG_SUM].contiguous()
+
+
 def _bwd_scalars(label_smoothing: float, vocab_total: int) -> tuple[float, float]:
     """(eps, 1 - ls) as the fp32 values the reference uses."""
     return round_to_fp32(label_smoothing / vocab_total), 1.0 - label_smoothing
@@ -331,10 +382,10 @@ def launch_cross_entropy_fwd(
     block: int | None = None,
     num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    loss, lse = cross_entropy_fwd_outputs(logits, target, label_smoothing, ignore_index)
+    loss, stats = cross_entropy_fwd_outputs(logits, target, label_smoothing, ignore_index)
     rows, n_cols = logits.shape
     if rows == 0:
-        return loss, lse
+        return loss, stats
     logits = rows_with_unit_stride(logits)
     default_block, default_warps = fwd_config(n_cols)
     block, num_warps = block or default_block, num_warps or default_warps
@@ -343,7 +394,8 @@ def launch_cross_entropy_fwd(
         logits.stride(0),
         target.contiguous(),
         loss,
-        lse,
+        stats[SHIFT],
+        stats[LOG_SUM],
         n_cols,
         ignore_index,
         label_smoothing,
@@ -351,7 +403,7 @@ def launch_cross_entropy_fwd(
         HAS_SMOOTHING=label_smoothing > 0,
         num_warps=num_warps,
     )
-    return loss, lse
+    return loss, stats
 
 
 def _bwd_grid(rows: int, n_cols: int, block_cols: int) -> tuple[int]:
@@ -362,7 +414,7 @@ def _bwd_grid(rows: int, n_cols: int, block_cols: int) -> tuple[int]:
 def launch_cross_entropy_bwd(
     logits: torch.Tensor,
     target: torch.Tensor,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     grad_rows: torch.Tensor,
     label_smoothing: float,
     ignore_index: int,
@@ -374,7 +426,7 @@ def launch_cross_entropy_bwd(
     """``lowp::cross_entropy_bwd``. ``out``: where to write dlogits; may be ``logits`` itself when it is
     contiguous (each program reads its tile before writing it), which the LM-head loss uses."""
     dlogits = cross_entropy_bwd_output(
-        logits, target, lse, grad_rows, label_smoothing, ignore_index, vocab_start, vocab_total, out
+        logits, target, stats, grad_rows, label_smoothing, ignore_index, vocab_start, vocab_total, out
     )
     rows, n_cols = logits.shape
     if rows == 0 or n_cols == 0:
@@ -386,7 +438,7 @@ def launch_cross_entropy_bwd(
         logits,
         logits.stride(0),
         target.contiguous(),
-        lse.contiguous(),
+        *stats_rows(stats),
         grad_rows,
         grad_rows.stride(0),
         dlogits,
@@ -408,7 +460,7 @@ def launch_cross_entropy_bwd(
 def launch_cross_entropy_bwd_mxfp8(
     logits: torch.Tensor,
     target: torch.Tensor,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     grad_rows: torch.Tensor,
     label_smoothing: float,
     ignore_index: int,
@@ -429,7 +481,7 @@ def launch_cross_entropy_bwd_mxfp8(
     outputs = cross_entropy_bwd_mxfp8_outputs(
         logits,
         target,
-        lse,
+        stats,
         grad_rows,
         label_smoothing,
         ignore_index,
@@ -472,7 +524,7 @@ def launch_cross_entropy_bwd_mxfp8(
         logits,
         logits.stride(0),
         target.contiguous(),
-        lse.contiguous(),
+        *stats_rows(stats),
         grad_rows,
         grad_rows.stride(0),
         rows,
@@ -509,6 +561,7 @@ REDUCE_BLOCK = 4096
 REDUCE_MAX_ROWS = 16 * REDUCE_BLOCK
 
 
+@cached_launch
 @triton.jit
 def cross_entropy_reduce_kernel(
     loss_rows_ptr,

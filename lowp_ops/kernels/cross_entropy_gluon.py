@@ -21,6 +21,7 @@ and Triton builds without Gluon. GPU tests hold the two kernels to the same byte
 from __future__ import annotations
 
 from .cross_entropy import cross_entropy_grad, load_row_stats, round_to_dtype, softmax_minus_eps
+from .launch import cached_launch
 from .mxfp8 import block_amax, cast_satfinite, e8m0_from_amax, quantize_multiplier, swizzled_scale_offset
 
 try:
@@ -35,12 +36,14 @@ NUM_WARPS = 2
 
 if gluon is not None:
 
+    @cached_launch
     @gluon.jit
     def cross_entropy_bwd_mxfp8_gluon_kernel(
         logits_ptr,
         stride_row,
         target_ptr,
-        lse_ptr,
+        shift_ptr,
+        log_sum_ptr,
         grad_ptr,
         grad_stride,
         rows,
@@ -98,9 +101,10 @@ if gluon is not None:
         # would cost ~5 instructions per element); the tile layout loads only the two floats it needs.
         one_row_per_lane: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
         lane_rows = row_block * 32 + gl.arange(0, 32, layout=one_row_per_lane)
-        _, target, row_scale, ignored = load_row_stats(
+        _, _, target, row_scale, ignored = load_row_stats(
             target_ptr,
-            lse_ptr,
+            shift_ptr,
+            log_sum_ptr,
             grad_ptr,
             grad_stride,
             lane_rows,
@@ -115,8 +119,12 @@ if gluon is not None:
         in_tile = (target >= tile_col0) & (target < tile_col0 + 128)
         special = ignored | in_tile | (row_scale != row_scale)
         row_ok = rows_idx < rows
-        lse = gl.load(lse_ptr + rows_idx, mask=row_ok, other=0.0) * 1.4426950408889634
-        p = softmax_minus_eps(x.to(gl.float32), lse[:, None, None], smoothing_eps, HAS_SMOOTHING)
+        # The row statistics as the Triton kernel's load_shift_and_log2_sum forms them (same bits).
+        shift = gl.load(shift_ptr + rows_idx, mask=row_ok, other=0.0)
+        log2_sum = gl.load(log_sum_ptr + rows_idx, mask=row_ok, other=0.0) * 1.4426950408889634
+        p = softmax_minus_eps(
+            x.to(gl.float32), shift[:, None, None], log2_sum[:, None, None], smoothing_eps, HAS_SMOOTHING
+        )
         if gl.max(special.to(gl.int32), 0) > 0:
             tile_rows: gl.constexpr = gl.SliceLayout(1, by_row)
             packed = gl.convert_layout(gl.where(ignored, -2, target), tile_rows)  # -2: an ignored row

@@ -21,6 +21,7 @@ from ..meta.linear_cross_entropy import check_scale_by_args
 from ..reference.linear_cross_entropy import Steps, backward_chunks, forward_chunks, fwd_bwd_chunks, scale_by_
 from .cross_entropy import launch_cross_entropy_bwd, launch_cross_entropy_bwd_mxfp8, launch_cross_entropy_fwd
 from .cross_entropy_columns import column_cross_entropy_bwd_in_place, column_cross_entropy_fwd
+from .launch import cached_launch
 from .mxfp8 import launch_mxfp8_dequantize, launch_mxfp8_quantize
 from .mxfp8_gemm import mxfp8_gemm_into
 
@@ -83,10 +84,10 @@ def _quantize_columnwise(x: torch.Tensor, fp8_dtype: str) -> tuple[torch.Tensor,
     return col_data, col_scale
 
 
-def cross_entropy_bwd_in_place(logits, target, lse, grad_rows, label_smoothing, ignore_index, *vocab):
+def cross_entropy_bwd_in_place(logits, target, stats, grad_rows, label_smoothing, ignore_index, *vocab):
     """The bf16 cross-entropy backward written over the chunk's own logits (no second C x V buffer)."""
     return launch_cross_entropy_bwd(
-        logits, target, lse, grad_rows, label_smoothing, ignore_index, *vocab, out=logits.contiguous()
+        logits, target, stats, grad_rows, label_smoothing, ignore_index, *vocab, out=logits.contiguous()
     )
 
 
@@ -136,7 +137,7 @@ def fwd_bwd_in_gradient_buffer(
     element ``V·H - (V-R)·N + a·N`` onwards, past the written range ``[0, (a + R)·H)`` whenever
     ``N <= H``, so no GEMM overwrites logits it or a later GEMM still reads. ``dweight`` is rounded
     once. Peak memory beyond the gradients: ``R·N`` elements, plus at most 2 MiB of partial row statistics
-    during the forward (before ``dhidden`` exists)."""
+    (3 MiB with label smoothing) during the forward (before ``dhidden`` exists)."""
     n_tokens, n_hidden = hidden.shape
     n_vocab = weight.shape[0]
     outside = min(n_vocab, LOGITS_OUTSIDE_ROWS)
@@ -149,8 +150,8 @@ def fwd_bwd_in_gradient_buffer(
     torch.mm(weight[inside:], hidden.t(), out=logits_outside)
     pieces = [logits_inside, logits_outside]
     target = target.contiguous()
-    loss_rows, lse = column_cross_entropy_fwd(pieces, target, label_smoothing, ignore_index)
-    column_cross_entropy_bwd_in_place(pieces, target, lse, row_weight, label_smoothing, ignore_index)
+    loss_rows, stats = column_cross_entropy_fwd(pieces, target, label_smoothing, ignore_index)
+    column_cross_entropy_bwd_in_place(pieces, target, stats, row_weight, label_smoothing, ignore_index)
     dhidden = hidden.new_empty((0,))
     if compute_dhidden:
         dhidden = torch.mm(logits_outside.t(), weight[inside:])
@@ -175,6 +176,7 @@ def launch_linear_cross_entropy_fwd_bwd(*args):
     return fwd_bwd_chunks(*args, steps=KERNEL_STEPS)
 
 
+@cached_launch
 @triton.jit
 def scale_by_kernel(x_ptr, scale_ptr, n, BLOCK: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from ..formats import FP8_DTYPES, FP8_MAX, FP8_MAX_RCP, MXFP8_BLOCK_SIZE
 from ..meta.mxfp8 import flat_2d_dims, mxfp8_dequantize_output, mxfp8_quantize_outputs
+from .launch import cached_launch
 
 TILE_ROWS = MXFP8_BLOCK_SIZE
 SOFTWARE_FP8_CAST = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
@@ -261,6 +262,7 @@ def quantize_tile(
         )
 
 
+@cached_launch
 @triton.jit
 def mxfp8_quantize_kernel(
     x_ptr,
@@ -323,6 +325,7 @@ def mxfp8_quantize_kernel(
     )
 
 
+@cached_launch
 @triton.jit
 def mxfp8_dequantize_kernel(
     data_ptr,

@@ -20,6 +20,7 @@ import triton.language as tl
 from ..formats import FP8_DTYPES
 from ..meta.mxfp8_gemm import gemm_dims, mxfp8_gemm_output
 from ..reference.mxfp8 import swizzle_scales
+from .launch import cached_launch
 from .mxfp8 import dequantize_multiplier
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -42,6 +43,7 @@ def scale_tile_along_k(values, codes, BLOCK_K: tl.constexpr, K_AXIS: tl.constexp
         return tl.reshape(blocks, [BLOCK_K, cols])
 
 
+@cached_launch
 @triton.jit
 def mxfp8_gemm_kernel(
     a_ptr,

@@ -37,6 +37,7 @@ from ..formats import RHT_SIGN_MASK, SCALE_TILE_COLS, round_to_fp32
 from ..meta.mxfp8 import flat_2d_dims
 from ..meta.nvfp4 import group_split_multiple, nvfp4_group_quantize_outputs, nvfp4_quantize_outputs
 from .bf16_pairs import round_pairs_to_bf16
+from .launch import cached_launch
 from .split_sizes import effective_sizes
 
 INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
@@ -484,6 +485,7 @@ def tile_coordinates(
 # ------------------------------------------------------------------------------------------- kernels
 
 
+@cached_launch
 @triton.jit
 def nvfp4_amax_kernel(
     x_ptr,
@@ -640,6 +642,7 @@ def quantize_tile(
         )
 
 
+@cached_launch
 @triton.jit
 def nvfp4_quantize_kernel(
     x_ptr,

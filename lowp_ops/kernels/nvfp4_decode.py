@@ -22,6 +22,7 @@ from ..meta.nvfp4_decode import (
     nvfp4_decode_rows_output,
     nvfp4_group_decode_columns_output,
 )
+from .launch import cached_launch
 from .split_sizes import effective_sizes
 
 SCALE_COLS_MULTIPLE = tl.constexpr(SCALE_TILE_COLS)
@@ -98,6 +99,7 @@ def decode_tile(
     tl.store(out_ptrs, values.to(tl.bfloat16), mask=out_ok)
 
 
+@cached_launch
 @triton.jit
 def nvfp4_decode_rows_kernel(
     data_ptr,
@@ -160,6 +162,7 @@ def token_tile_coordinates(split_ptr, experts, tokens, tile, TILE: tl.constexpr,
     return decodable, n_tokens, start, size, (tile - first_tile) * TILE, scale_col0
 
 
+@cached_launch
 @triton.jit
 def nvfp4_group_decode_columns_kernel(
     col_data_ptr,

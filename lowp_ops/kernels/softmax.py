@@ -1,9 +1,14 @@
 """Masked-safe online softmax (Triton): row statistics shared with the cross entropy, and the
 softmax / log_softmax / logsumexp forward and backward kernels.
 
+A row's statistics are its running maximum ``m`` and ``d = Σ exp(x - shift(m))``; every consumer forms
+``x - shift`` first and subtracts ``log d`` from that (never ``x - lse`` with a rounded ``lse``), so the
+digits survive at any magnitude. Each element costs one FSUB, one FMUL and one ``ex2``.
+
 Masked-safe (te_cross_entropy_mxfp8.md D.3): the running sum is rescaled by ``exp(m_old - s)`` with the
-shift ``s = 0`` until a finite maximum has been seen, so a row whose first blocks are all ``-inf`` keeps
-``d = 0`` instead of turning NaN (``exp(-inf - -inf)``). Finite rows are bit-unchanged (``s = m``).
+shift ``s = 0`` while the maximum is infinite, so a row whose first blocks are all ``-inf`` keeps
+``d = 0`` instead of turning NaN (``exp(-inf - -inf)``), and a row holding ``+inf`` has ``d = inf``
+(``logsumexp = inf``, as PyTorch). Finite rows use ``s = m``.
 """
 
 from __future__ import annotations
@@ -13,75 +18,94 @@ import triton
 import triton.language as tl
 
 from ..meta.softmax import logsumexp_output, softmax_bwd_output, softmax_fwd_output
+from .launch import cached_launch
 
 MAX_BLOCK = 4096
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
+def masked_safe_shift(m):
+    """The shift of a row whose (running) maximum is ``m``: ``m``, or 0 when ``m`` is infinite."""
+    return tl.where(tl.abs(m) == float("inf"), 0.0, m)
+
+
+@triton.jit
 def online_softmax_update(m, d, block):
-    """Fold an fp32 block (masked lanes = -inf) into the running max ``m`` and sum ``d = Σ exp(x - m)``.
-    Each element costs one FMA and one ``ex2``: ``exp(x - s) = 2^(x log2e - s log2e)``."""
+    """Fold an fp32 block (masked lanes = -inf) into the running max ``m`` and ``d = Σ exp(x - shift)``
+    along axis 0. Returns ``(m, d, block - shift)``: the differences serve label smoothing's sum."""
     m_new = tl.maximum(m, tl.max(block, 0))
-    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    d = d * tl.exp(m - shift) + tl.sum(tl.exp2(block * LOG2E - shift * LOG2E), 0)
-    return m_new, d
+    shift = masked_safe_shift(m_new)
+    shifted = block - shift
+    d = d * tl.exp(m - shift) + tl.sum(tl.exp2(shifted * LOG2E), 0)
+    return m_new, d, shifted
 
 
 @triton.jit
-def finish_logsumexp(m, d):
-    """``lse = s + log d`` with the masked-safe shift; an all -inf row gives ``-inf`` (d = 0)."""
-    return tl.where(m == float("-inf"), 0.0, m) + tl.log(d)
+def rebase_shifted_sum(total, count, m_old, m_new):
+    """``Σ (x - shift(m_old))`` over ``count`` elements -> the same sum relative to ``shift(m_new)``. A
+    sum over ``-inf`` elements only (``m_old = -inf``) stays as it is (0 or -inf)."""
+    delta = masked_safe_shift(m_old) - masked_safe_shift(m_new)
+    return tl.where(m_old == float("-inf"), total, total + count * delta)
 
 
 @triton.jit
-def row_logsumexp_and_sum(row_ptr, n_cols, BLOCK: tl.constexpr, WITH_SUM: tl.constexpr):
-    """(masked-safe log-sum-exp, sum of the values) in fp32 of one row of ``n_cols`` contiguous elements,
-    from one pass; the sum (label smoothing needs it) is 0 unless ``WITH_SUM``. Whole blocks load
-    without masks; only the tail block is masked."""
+def finish_log_sum(d):
+    """``log d``, NaN for a row holding ``+inf`` (its probabilities and loss are NaN, as PyTorch's; a
+    finite shift bounds ``d`` by the row length, so ``log d = inf`` only there). All -inf: ``-inf``."""
+    log_sum = tl.log(d)
+    return tl.where(log_sum == float("inf"), float("nan"), log_sum)
+
+
+@triton.jit
+def row_stats_and_shifted_sum(row_ptr, n_cols, BLOCK: tl.constexpr, WITH_SUM: tl.constexpr):
+    """(max m, ``d = Σ exp(x - shift(m))``, ``Σ (x - shift(m))``) in fp32 of one row of ``n_cols``
+    contiguous elements, from one pass; the sum (label smoothing needs it) is 0 unless ``WITH_SUM``.
+    Whole blocks load without masks; only the tail block is masked."""
     m = float("-inf")
     d = 0.0
     total = 0.0
     n_whole = n_cols - n_cols % BLOCK
     for start in range(0, n_whole, BLOCK):
         block = tl.load(row_ptr + start + tl.arange(0, BLOCK)).to(tl.float32)
-        m, d = online_softmax_update(m, d, block)
+        m_old = m
+        m, d, shifted = online_softmax_update(m, d, block)
         if WITH_SUM:
-            total += tl.sum(block, 0)
+            total = rebase_shifted_sum(total, start * 1.0, m_old, m) + tl.sum(shifted, 0)
     if n_whole < n_cols:
         cols = n_whole + tl.arange(0, BLOCK)
         block = tl.load(row_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-        m, d = online_softmax_update(m, d, block)
+        m_old = m
+        m, d, shifted = online_softmax_update(m, d, block)
         if WITH_SUM:
-            total += tl.sum(tl.where(cols < n_cols, block, 0.0), 0)
-    return finish_logsumexp(m, d), total
+            total = rebase_shifted_sum(total, n_whole * 1.0, m_old, m)
+            total += tl.sum(tl.where(cols < n_cols, shifted, 0.0), 0)
+    return m, d, total
 
 
-@triton.jit
-def row_logsumexp(row_ptr, n_cols, BLOCK: tl.constexpr):
-    """Masked-safe log-sum-exp (fp32) of one row of ``n_cols`` contiguous elements."""
-    return row_logsumexp_and_sum(row_ptr, n_cols, BLOCK, False)[0]
-
-
+@cached_launch
 @triton.jit
 def logsumexp_kernel(x_ptr, stride_row, lse_ptr, n_cols, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    tl.store(lse_ptr + row, row_logsumexp(x_ptr + row * stride_row, n_cols, BLOCK))
+    m, d, _ = row_stats_and_shifted_sum(x_ptr + row * stride_row, n_cols, BLOCK, False)
+    tl.store(lse_ptr + row, masked_safe_shift(m) + tl.log(d))
 
 
 @triton.jit
-def softmax_values(x, lse, LOG: tl.constexpr, MASKED_ROWS_ZERO: tl.constexpr):
-    """softmax (``exp(x - lse)``) or log_softmax (``x - lse``) of fp32 values given the row's lse."""
+def softmax_values(shifted, log_sum, LOG: tl.constexpr, MASKED_ROWS_ZERO: tl.constexpr):
+    """softmax (``exp(shifted - log_sum)``) or log_softmax (``shifted - log_sum``) of fp32 ``x - shift``
+    given the row's ``log_sum`` (:func:`finish_log_sum`)."""
     if LOG:  # noqa: SIM108  (a constexpr branch reads better than a ternary in a kernel)
-        out = x - lse
+        out = shifted - log_sum
     else:
-        out = tl.exp(x - lse)
+        out = tl.exp2(shifted * LOG2E - log_sum * LOG2E)
     if MASKED_ROWS_ZERO:
-        # An all -inf row (lse = -inf) gives probabilities 0 (log-probabilities -inf) instead of NaN.
-        out = tl.where(lse == float("-inf"), float("-inf") if LOG else 0.0, out)
+        # An all -inf row (log_sum = -inf) gives probabilities 0 (log-probabilities -inf) instead of NaN.
+        out = tl.where(log_sum == float("-inf"), float("-inf") if LOG else 0.0, out)
     return out
 
 
+@cached_launch
 @triton.jit
 def softmax_fwd_kernel(
     x_ptr,
@@ -100,26 +124,30 @@ def softmax_fwd_kernel(
         # The row fits in one block: one read, statistics and output from registers.
         cols = tl.arange(0, BLOCK)
         x = tl.load(row_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-        m, d = online_softmax_update(float("-inf"), 0.0, x)
-        out = softmax_values(x, finish_logsumexp(m, d), LOG, MASKED_ROWS_ZERO)
+        _, d, shifted = online_softmax_update(float("-inf"), 0.0, x)
+        out = softmax_values(shifted, finish_log_sum(d), LOG, MASKED_ROWS_ZERO)
         tl.store(out_row_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
     else:
-        lse = row_logsumexp(row_ptr, n_cols, BLOCK)
+        m, d, _ = row_stats_and_shifted_sum(row_ptr, n_cols, BLOCK, False)
+        shift = masked_safe_shift(m)
+        log_sum = finish_log_sum(d)
         for start in range(0, n_cols, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(row_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-            out = softmax_values(x, lse, LOG, MASKED_ROWS_ZERO)
+            out = softmax_values(x - shift, log_sum, LOG, MASKED_ROWS_ZERO)
             tl.store(out_row_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
 
 
+@cached_launch
 @triton.jit
 def softmax_bwd_kernel(out_ptr, grad_ptr, dx_ptr, n_cols, BLOCK: tl.constexpr, LOG: tl.constexpr):
     """softmax: ``dx = y * (dy - Σ dy*y)``; log_softmax: ``dx = dy - exp(y) * Σ dy``. A row whose output
-    is all -inf (a masked row under ``masked_rows="zero"``) gets dx = 0."""
+    is all -inf (a masked row under ``masked_rows="zero"``) gets dx = 0; a NaN row (an all -inf row
+    under ``"nan"``) gets NaN, as the reference and PyTorch."""
     row = tl.program_id(0).to(tl.int64)
     offset = row * n_cols
     total = 0.0
-    y_max = float("-inf")
+    not_minus_inf = 0
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -127,7 +155,8 @@ def softmax_bwd_kernel(out_ptr, grad_ptr, dx_ptr, n_cols, BLOCK: tl.constexpr, L
         dy = tl.load(grad_ptr + offset + cols, mask=mask, other=0.0).to(tl.float32)
         if LOG:
             total += tl.sum(dy, 0)
-            y_max = tl.maximum(y_max, tl.max(tl.where(mask, y, float("-inf")), 0))
+            # NaN != -inf: a NaN row is not a masked one (a maximum could drop the NaN).
+            not_minus_inf += tl.sum((mask & (y != float("-inf"))).to(tl.int32), 0)
         else:
             total += tl.sum(dy * y, 0)
     for start in range(0, n_cols, BLOCK):
@@ -137,7 +166,7 @@ def softmax_bwd_kernel(out_ptr, grad_ptr, dx_ptr, n_cols, BLOCK: tl.constexpr, L
         dy = tl.load(grad_ptr + offset + cols, mask=mask, other=0.0).to(tl.float32)
         if LOG:
             dx = dy - tl.exp(y) * total
-            dx = tl.where(y_max == float("-inf"), 0.0, dx)
+            dx = tl.where(not_minus_inf == 0, 0.0, dx)
         else:
             dx = y * (dy - total)
         tl.store(dx_ptr + offset + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)

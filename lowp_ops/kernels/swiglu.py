@@ -25,6 +25,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ..meta.swiglu import dglu_outputs, swiglu_fwd_output
+from .launch import cached_launch
 from .split_sizes import effective_bounds
 
 INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
@@ -75,6 +76,7 @@ def _max_keep_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
+@cached_launch
 @triton.jit
 def swiglu_fwd_kernel(
     c_ptr,
@@ -112,6 +114,7 @@ def swiglu_fwd_kernel(
         tl.store(out_ptrs, h, mask=mask)
 
 
+@cached_launch
 @triton.jit
 def dglu_kernel(
     grad_ptr,

@@ -2,7 +2,7 @@
 and the merge of the gathered packets in rank order (semantics: :mod:`lowp_ops.reference.vocab_parallel`).
 
 The backward needs no kernel of its own: it is ``lowp::cross_entropy_bwd`` (or ``_bwd_mxfp8``) on the shard
-with the merged lse, ``vocab_start`` and ``vocab_total``.
+with the merged row statistics, ``vocab_start`` and ``vocab_total``.
 """
 
 from __future__ import annotations
@@ -11,17 +11,19 @@ import torch
 import triton
 import triton.language as tl
 
+from ..meta.cross_entropy import LOG_SUM, SHIFT
 from ..meta.vocab_parallel import (
-    LOGIT_SUM,
-    LSE,
+    SHARD_LOG_SUM,
+    SHARD_SHIFT,
     SHARD_STATS,
+    SHIFTED_SUM,
     TARGET_LOGIT,
     WIDTH,
     vocab_parallel_ce_merge_outputs,
     vocab_parallel_ce_stats_output,
 )
 from .cross_entropy import fwd_config, row_loss
-from .softmax import row_logsumexp_and_sum, rows_with_unit_stride
+from .softmax import finish_log_sum, masked_safe_shift, row_stats_and_shifted_sum, rows_with_unit_stride
 
 MERGE_BLOCK_ROWS = 1024
 
@@ -38,22 +40,24 @@ def vocab_parallel_ce_stats_kernel(
     width_value,
     BLOCK: tl.constexpr,
     LOGIT_SUM_ON: tl.constexpr,
-    LSE_ROW: tl.constexpr,
+    SHIFT_ROW: tl.constexpr,
+    LOG_SUM_ROW: tl.constexpr,
     TARGET_ROW: tl.constexpr,
     SUM_ROW: tl.constexpr,
     WIDTH_ROW: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
-    # An all -inf shard gives lse = -inf (d = 0), which the merge's exp turns into a 0 contribution.
-    lse, logit_sum = row_logsumexp_and_sum(row_ptr, n_cols, BLOCK, LOGIT_SUM_ON)
+    # An all -inf shard gives log_sum = -inf (d = 0), which the merge's exp turns into a 0 contribution.
+    m, d, shifted_sum = row_stats_and_shifted_sum(row_ptr, n_cols, BLOCK, LOGIT_SUM_ON)
 
     local_target = tl.load(target_ptr + row).to(tl.int64) - vocab_start
     in_shard = (local_target >= 0) & (local_target < n_cols)
     target_logit = tl.load(row_ptr + local_target, mask=in_shard, other=0.0).to(tl.float32)
-    tl.store(stats_ptr + LSE_ROW * rows + row, lse)
+    tl.store(stats_ptr + SHIFT_ROW * rows + row, masked_safe_shift(m))
+    tl.store(stats_ptr + LOG_SUM_ROW * rows + row, finish_log_sum(d))
     tl.store(stats_ptr + TARGET_ROW * rows + row, target_logit)
-    tl.store(stats_ptr + SUM_ROW * rows + row, logit_sum)
+    tl.store(stats_ptr + SUM_ROW * rows + row, shifted_sum)
     tl.store(stats_ptr + WIDTH_ROW * rows + row, width_value)
 
 
@@ -62,7 +66,8 @@ def vocab_parallel_ce_merge_kernel(
     gathered_ptr,
     target_ptr,
     loss_ptr,
-    lse_ptr,
+    shift_ptr,
+    log_sum_ptr,
     rows,
     n_ranks,
     shard_width_value,
@@ -73,39 +78,50 @@ def vocab_parallel_ce_merge_kernel(
     BLOCK_ROWS: tl.constexpr,
     N_STATS: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
-    LSE_ROW: tl.constexpr,
+    SHIFT_ROW: tl.constexpr,
+    LOG_SUM_ROW: tl.constexpr,
     TARGET_ROW: tl.constexpr,
     SUM_ROW: tl.constexpr,
     WIDTH_ROW: tl.constexpr,
 ):
+    """The reference's merge (:mod:`lowp_ops.reference.vocab_parallel`), ranks in order."""
     rows_idx = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_ok = rows_idx < rows
     row_max = tl.full((BLOCK_ROWS,), float("-inf"), tl.float32)
     for rank in range(n_ranks):
-        lse_ptr_of_rank = gathered_ptr + (rank * N_STATS + LSE_ROW) * rows + rows_idx
-        row_max = tl.maximum(row_max, tl.load(lse_ptr_of_rank, mask=row_ok, other=0.0))
-    shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+        packet_ptr = gathered_ptr + rank * N_STATS * rows + rows_idx
+        shard_shift = tl.load(packet_ptr + SHIFT_ROW * rows, mask=row_ok, other=0.0)
+        shard_log_sum = tl.load(packet_ptr + LOG_SUM_ROW * rows, mask=row_ok, other=0.0)
+        row_max = tl.maximum(row_max, tl.where(shard_log_sum == float("-inf"), float("-inf"), shard_shift))
+    shift = masked_safe_shift(row_max)
     sum_exp = tl.zeros((BLOCK_ROWS,), tl.float32)
     target_logit = tl.zeros((BLOCK_ROWS,), tl.float32)
-    logit_sum = tl.zeros((BLOCK_ROWS,), tl.float32)
+    shifted_sum = tl.zeros((BLOCK_ROWS,), tl.float32)
     bad_widths = tl.zeros((BLOCK_ROWS,), tl.int32)
     for rank in range(n_ranks):  # rank order: every rank adds in the same order
         packet_ptr = gathered_ptr + rank * N_STATS * rows + rows_idx
-        sum_exp += tl.exp(tl.load(packet_ptr + LSE_ROW * rows, mask=row_ok, other=0.0) - shift)
+        shard_shift = tl.load(packet_ptr + SHIFT_ROW * rows, mask=row_ok, other=0.0)
+        shard_log_sum = tl.load(packet_ptr + LOG_SUM_ROW * rows, mask=row_ok, other=0.0)
+        sum_exp += tl.exp((shard_shift - shift) + shard_log_sum)
         target_logit += tl.load(packet_ptr + TARGET_ROW * rows, mask=row_ok, other=0.0)
-        logit_sum += tl.load(packet_ptr + SUM_ROW * rows, mask=row_ok, other=0.0)
+        if HAS_SMOOTHING:
+            shard_sum = tl.load(packet_ptr + SUM_ROW * rows, mask=row_ok, other=0.0)
+            rebased = shard_sum + shard_width_value * (shard_shift - shift)
+            shifted_sum += tl.where(shard_log_sum == float("-inf"), shard_sum, rebased)
         width = tl.load(packet_ptr + WIDTH_ROW * rows, mask=row_ok, other=0.0)
         bad_widths += (width != shard_width_value).to(tl.int32)
-    lse = shift + tl.log(sum_exp)
+    log_sum = tl.log(sum_exp)
 
     target = tl.load(target_ptr + rows_idx, mask=row_ok, other=ignore_index).to(tl.int64)
     in_range = (target >= 0) & (target < vocab_total)
     loss = row_loss(
-        lse, target_logit, logit_sum, vocab_total_value, label_smoothing, in_range, target != ignore_index,
-        HAS_SMOOTHING,
+        shift, log_sum, target_logit, shifted_sum, vocab_total_value, label_smoothing, in_range,
+        target != ignore_index, HAS_SMOOTHING,
     )  # fmt: skip
-    tl.store(loss_ptr + rows_idx, tl.where(bad_widths == 0, loss, float("nan")), mask=row_ok)
-    tl.store(lse_ptr + rows_idx, tl.where(bad_widths == 0, lse, float("nan")), mask=row_ok)
+    widths_ok = bad_widths == 0
+    tl.store(loss_ptr + rows_idx, tl.where(widths_ok, loss, float("nan")), mask=row_ok)
+    tl.store(shift_ptr + rows_idx, tl.where(widths_ok, shift, float("nan")), mask=row_ok)
+    tl.store(log_sum_ptr + rows_idx, tl.where(widths_ok, log_sum, float("nan")), mask=row_ok)
 
 
 def launch_vocab_parallel_ce_stats(
@@ -128,9 +144,10 @@ def launch_vocab_parallel_ce_stats(
         float(n_cols),
         BLOCK=block,
         LOGIT_SUM_ON=logit_sum,
-        LSE_ROW=LSE,
+        SHIFT_ROW=SHARD_SHIFT,
+        LOG_SUM_ROW=SHARD_LOG_SUM,
         TARGET_ROW=TARGET_LOGIT,
-        SUM_ROW=LOGIT_SUM,
+        SUM_ROW=SHIFTED_SUM,
         WIDTH_ROW=WIDTH,
         num_warps=num_warps,
     )
@@ -140,10 +157,12 @@ def launch_vocab_parallel_ce_stats(
 def launch_vocab_parallel_ce_merge(
     gathered: torch.Tensor, target: torch.Tensor, shard_width: int, label_smoothing: float, ignore_index: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    loss, lse = vocab_parallel_ce_merge_outputs(gathered, target, shard_width, label_smoothing, ignore_index)
+    loss, stats = vocab_parallel_ce_merge_outputs(
+        gathered, target, shard_width, label_smoothing, ignore_index
+    )
     rows = gathered.shape[1]
     if rows == 0:
-        return loss, lse
+        return loss, stats
     n_ranks = gathered.shape[0] // len(SHARD_STATS)
     vocab_total = n_ranks * shard_width
     # Widths and vocab_total go in as fp32 scalars too (an int argument equal to 1 becomes a constexpr).
@@ -151,7 +170,8 @@ def launch_vocab_parallel_ce_merge(
         gathered.contiguous(),
         target.contiguous(),
         loss,
-        lse,
+        stats[SHIFT],
+        stats[LOG_SUM],
         rows,
         n_ranks,
         float(shard_width),
@@ -162,10 +182,11 @@ def launch_vocab_parallel_ce_merge(
         BLOCK_ROWS=MERGE_BLOCK_ROWS,
         N_STATS=len(SHARD_STATS),
         HAS_SMOOTHING=label_smoothing > 0,
-        LSE_ROW=LSE,
+        SHIFT_ROW=SHARD_SHIFT,
+        LOG_SUM_ROW=SHARD_LOG_SUM,
         TARGET_ROW=TARGET_LOGIT,
-        SUM_ROW=LOGIT_SUM,
+        SUM_ROW=SHIFTED_SUM,
         WIDTH_ROW=WIDTH,
         num_warps=4,
     )
-    return loss, lse
+    return loss, stats

@@ -1,4 +1,8 @@
-"""Argument checks and output allocation for the cross-entropy ops on ``(N, V)`` logits."""
+"""Argument checks and output allocation for the cross-entropy ops on ``(N, V)`` logits.
+
+The forward's row statistics, which the backward takes, are one ``(2, N)`` fp32 tensor, rows in the
+order of :data:`ROW_STATS`.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,11 @@ from ..formats import HIGH_PRECISION_DTYPES
 from .checks import require
 from .mxfp8 import mxfp8_quantize_outputs
 
+ROW_STATS = ("shift", "log_sum")
+"""Rows of ``row_stats``: the masked-safe row maximum (the maximum; 0 when it is infinite) and
+``log Σ exp(x - shift)`` (-inf for an all -inf row, NaN for a row holding +inf or NaN). The
+log-sum-exp is their sum; kept apart, ``x - shift`` and ``log_sum`` keep their digits at any magnitude."""
+SHIFT, LOG_SUM = range(len(ROW_STATS))
 REDUCTIONS = ("none", "mean", "sum")
 TARGET_DTYPES = (torch.int64, torch.int32)
 
@@ -48,11 +57,29 @@ def _check_rows(logits: torch.Tensor, target: torch.Tensor) -> None:
 def cross_entropy_fwd_outputs(
     logits: torch.Tensor, target: torch.Tensor, label_smoothing: float, ignore_index: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(loss (N,) fp32, lse (N,) fp32)``."""
+    """``(loss (N,) fp32, row_stats (2, N) fp32)``."""
     _check_rows(logits, target)
     check_label_smoothing(label_smoothing)
     rows = logits.shape[0]
-    return logits.new_empty((rows,), dtype=torch.float32), logits.new_empty((rows,), dtype=torch.float32)
+    return row_loss_and_stats_outputs(logits, rows)
+
+
+def row_loss_and_stats_outputs(like: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss (rows,) fp32, row_stats (2, rows) fp32)`` on ``like``'s device."""
+    return like.new_empty((rows,), dtype=torch.float32), like.new_empty(
+        (len(ROW_STATS), rows), dtype=torch.float32
+    )
+
+
+def check_row_stats(stats: torch.Tensor, rows: int) -> None:
+    """``stats`` is a ``(2, rows)`` fp32 row-statistics tensor (any strides)."""
+    require(
+        stats.dtype == torch.float32 and stats.shape == (len(ROW_STATS), rows),
+        lambda: (
+            f"row_stats must be float32 of shape ({len(ROW_STATS)}, {rows}) (the forward's shift and "
+            f"log_sum), got {stats.dtype} {tuple(stats.shape)}"
+        ),
+    )
 
 
 def check_vocab_shard(n_cols: int, vocab_start: int, vocab_total: int) -> None:
@@ -69,11 +96,11 @@ def check_vocab_shard(n_cols: int, vocab_start: int, vocab_total: int) -> None:
     require(vocab_total != 0 or vocab_start == 0, lambda: "vocab_start must be 0 when vocab_total is 0")
 
 
-def _check_bwd_inputs(logits, target, lse, grad_rows, vocab_start=0, vocab_total=0) -> None:
+def _check_bwd_inputs(logits, target, stats, grad_rows, vocab_start=0, vocab_total=0) -> None:
     _check_rows(logits, target)
     check_vocab_shard(logits.shape[1], vocab_start, vocab_total)
     rows = logits.shape[0]
-    require(lse.dtype == torch.float32 and lse.shape == (rows,), lambda: "lse must be float32 of shape (N,)")
+    check_row_stats(stats, rows)
     require(
         grad_rows.dtype == torch.float32 and grad_rows.shape == (rows,),
         lambda: (
@@ -85,7 +112,7 @@ def _check_bwd_inputs(logits, target, lse, grad_rows, vocab_start=0, vocab_total
 def cross_entropy_bwd_output(
     logits: torch.Tensor,
     target: torch.Tensor,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     grad_rows: torch.Tensor,
     label_smoothing: float,
     ignore_index: int,
@@ -95,7 +122,7 @@ def cross_entropy_bwd_output(
 ) -> torch.Tensor:
     """dlogits: ``(N, V)`` contiguous, logits' dtype; ``out`` (launchers only), when given, is checked and
     returned instead of a new tensor. It may be ``logits`` itself when that is contiguous."""
-    _check_bwd_inputs(logits, target, lse, grad_rows, vocab_start, vocab_total)
+    _check_bwd_inputs(logits, target, stats, grad_rows, vocab_start, vocab_total)
     if out is None:
         return logits.new_empty(logits.shape)
     require(
@@ -112,7 +139,7 @@ def cross_entropy_bwd_output(
 def cross_entropy_bwd_mxfp8_outputs(
     logits: torch.Tensor,
     target: torch.Tensor,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     grad_rows: torch.Tensor,
     label_smoothing: float,
     ignore_index: int,
@@ -124,7 +151,7 @@ def cross_entropy_bwd_mxfp8_outputs(
     vocab_total: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The MXFP8 payload of dlogits, as :func:`lowp_ops.meta.mxfp8.mxfp8_quantize_outputs` of logits."""
-    _check_bwd_inputs(logits, target, lse, grad_rows, vocab_start, vocab_total)
+    _check_bwd_inputs(logits, target, stats, grad_rows, vocab_start, vocab_total)
     return mxfp8_quantize_outputs(logits, fp8_dtype, rowwise, columnwise, scale_layout)
 
 

@@ -6,7 +6,7 @@ Tokens are processed ``chunk_size`` rows at a time, so only one chunk's logits e
 Peak extra memory (beyond inputs and the ``dhidden (N, H)`` / ``dweight (V, H)`` gradients), with
 ``C = chunk_size`` and ``b`` the inputs' element size:
 
-- forward without gradients: ``C·V·b`` (one logits chunk) + 8 N bytes (loss, lse);
+- forward without gradients: ``C·V·b`` (one logits chunk) + 12 N bytes (loss, row statistics);
 - gradient, ``grad_format=None``: ``C·V·b`` on CUDA (the gradient is written over its logits chunk),
   ``2·C·V·b`` in the CPU reference;
 - gradient, MXFP8: ``C·V·(b + 2 + 1/16)`` (logits chunk, row- and column-wise FP8 copies, E8M0 scales),
@@ -17,7 +17,7 @@ The reduced losses (mean, sum) compute the gradients in the forward and scale th
 backward, so ``dhidden`` and ``dweight`` exist once. With the automatic chunk, a bf16 gradient that
 ``weight`` needs and ``N <= H`` tokens, the CUDA (and interpreted) op keeps the whole ``V x N`` logits
 inside ``dweight``'s storage instead (``lowp_ops.kernels.linear_cross_entropy.fwd_bwd_in_gradient_buffer``):
-peak extra ``min(V, 3072)·N·b`` bytes plus at most 2 MiB of row statistics.
+peak extra ``min(V, 3072)·N·b`` bytes plus at most 2 MiB of row statistics (3 MiB with label smoothing).
 
 The default chunk keeps a logits chunk near 512 MiB of bf16: at V = 129280 that is 2048 tokens, half
 the size of ``dweight`` at H = 4096.
@@ -29,7 +29,7 @@ import torch
 
 from ..formats import HIGH_PRECISION_DTYPES
 from .checks import require
-from .cross_entropy import TARGET_DTYPES, check_label_smoothing
+from .cross_entropy import TARGET_DTYPES, check_label_smoothing, check_row_stats, row_loss_and_stats_outputs
 from .mxfp8_gemm import check_other_operand
 
 GRAD_FORMATS = ("none", "mxfp8_e4m3", "mxfp8_e5m2")
@@ -133,19 +133,19 @@ def linear_cross_entropy_fwd_outputs(
     other_operand: str,
     chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(loss (N,) fp32, lse (N,) fp32)``; ``grad_format`` and ``other_operand`` are for the backward."""
+    """``(loss (N,) fp32, row_stats (2, N) fp32)`` (:mod:`lowp_ops.meta.cross_entropy`); ``grad_format``
+    and ``other_operand`` are for the backward."""
     _check_rows(hidden, weight, target, label_smoothing, chunk_size)
     check_grad_format(grad_format)
     check_other_operand(other_operand)
-    rows = hidden.shape[0]
-    return hidden.new_empty((rows,), dtype=torch.float32), hidden.new_empty((rows,), dtype=torch.float32)
+    return row_loss_and_stats_outputs(hidden, hidden.shape[0])
 
 
 def linear_cross_entropy_bwd_outputs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     grad_rows: torch.Tensor,
     label_smoothing: float,
     ignore_index: int,
@@ -158,8 +158,7 @@ def linear_cross_entropy_bwd_outputs(
     """``(dhidden, dweight)`` as :func:`_grad_outputs`."""
     _check_rows(hidden, weight, target, label_smoothing, chunk_size)
     _check_grad_args(hidden, grad_format, other_operand, "grad_rows", grad_rows)
-    rows = hidden.shape[0]
-    require(lse.dtype == torch.float32 and lse.shape == (rows,), lambda: "lse must be float32 of shape (N,)")
+    check_row_stats(stats, hidden.shape[0])
     return _grad_outputs(hidden, weight, compute_dhidden, compute_dweight)
 
 

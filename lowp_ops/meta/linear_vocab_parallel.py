@@ -49,7 +49,7 @@ def linear_vocab_parallel_ce_bwd_outputs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     grad_rows: torch.Tensor,
     label_smoothing: float,
     ignore_index: int,
@@ -62,13 +62,13 @@ def linear_vocab_parallel_ce_bwd_outputs(
     vocab_total: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dhidden (N, H), dweight (V_shard, H))`` in the inputs' dtype (an empty ``(0,)`` when not
-    computed); ``dhidden`` is this shard's partial sum, ``lse`` the global one."""
+    computed); ``dhidden`` is this shard's partial sum, ``stats`` the global row statistics (2, N)."""
     check_weight_shard(weight, vocab_start, vocab_total)
     return linear_cross_entropy_bwd_outputs(
         hidden,
         weight,
         target,
-        lse,
+        stats,
         grad_rows,
         label_smoothing,
         ignore_index,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import (
+    FP8_DTYPE_NAMES,
     FP8_DTYPES,
     HIGH_PRECISION_DTYPES,
     MXFP8_BLOCK_SIZE,
@@ -44,25 +45,32 @@ def col_scale_shape(rows, cols) -> tuple[int, int]:
     return _round_up(row_blocks, SCALE_TILE_COLS), _round_up(cols, SCALE_TILE_ROWS)
 
 
-_FP8_DTYPE_NAMES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
-
-
 def normalize_fp8_dtype(fp8_dtype, name: str = "fp8_dtype") -> str:
     """``"e4m3"`` / ``"e5m2"`` from that name or from ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``;
     anything else raises a ValueError naming ``name``."""
     if isinstance(fp8_dtype, torch.dtype):
-        fp8_dtype = _FP8_DTYPE_NAMES.get(fp8_dtype, fp8_dtype)
+        fp8_dtype = FP8_DTYPE_NAMES.get(fp8_dtype, fp8_dtype)
     require(
         isinstance(fp8_dtype, str) and fp8_dtype in FP8_DTYPES,
-        lambda: f"{name} must be one of {sorted(FP8_DTYPES)}, torch.float8_e4m3fn or torch.float8_e5m2, "
-        f"got {fp8_dtype!r}",
+        lambda: (
+            f"{name} must be one of {sorted(FP8_DTYPES)}, torch.float8_e4m3fn or torch.float8_e5m2, "
+            f"got {fp8_dtype!r}"
+        ),
     )
     return fp8_dtype
 
 
-def check_fp8_dtype(fp8_dtype: str) -> None:
+def check_fp8_dtype(fp8_dtype: str, name: str = "fp8_dtype") -> None:
+    """``fp8_dtype`` is a format name, ``"e4m3"`` or ``"e5m2"`` (what the ops take; the public functions
+    turn torch dtypes into names with :func:`normalize_fp8_dtype` first), else a ValueError naming
+    ``name``."""
+    normalized = normalize_fp8_dtype(fp8_dtype, name)
     require(
-        fp8_dtype in FP8_DTYPES, lambda: f"fp8_dtype must be one of {sorted(FP8_DTYPES)}, got {fp8_dtype!r}"
+        normalized == fp8_dtype,
+        lambda: (
+            f"{name} must be the format name {normalized!r} here, got {fp8_dtype!r} "
+            "(lowp_ops.meta.mxfp8.normalize_fp8_dtype converts it)"
+        ),
     )
 
 

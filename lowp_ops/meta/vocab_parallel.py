@@ -9,13 +9,20 @@ from __future__ import annotations
 import torch
 
 from .checks import require
-from .cross_entropy import TARGET_DTYPES, check_label_smoothing, check_logits_target
+from .cross_entropy import (
+    TARGET_DTYPES,
+    check_label_smoothing,
+    check_logits_target,
+    row_loss_and_stats_outputs,
+)
 
-SHARD_STATS = ("lse", "target_logit", "logit_sum", "width")
-"""Packet rows: the shard's masked-safe log-sum-exp; the target's logit where this shard holds the
-target, else 0; the sum of the shard's logits (label smoothing), else 0; the shard width (the merge
-checks that all ranks hold equally wide shards)."""
-LSE, TARGET_LOGIT, LOGIT_SUM, WIDTH = range(len(SHARD_STATS))
+SHARD_STATS = ("shift", "log_sum", "target_logit", "shifted_sum", "width")
+"""Packet rows: the shard's row statistics (its masked-safe maximum and ``log Σ exp(x - shift)``, as the
+single-rank ``row_stats`` of :mod:`lowp_ops.meta.cross_entropy`); the target's logit where this shard
+holds the target, else 0; ``Σ (x - shift)`` over the shard (label smoothing), else 0; the shard width
+(the merge checks that all ranks hold equally wide shards). No row is a raw logit sum or a rounded
+log-sum-exp: the merge keeps the digits at any magnitude."""
+SHARD_SHIFT, SHARD_LOG_SUM, TARGET_LOGIT, SHIFTED_SUM, WIDTH = range(len(SHARD_STATS))
 MAX_EXACT_WIDTH = 1 << 24
 """Widths travel as fp32, exact up to 2**24."""
 
@@ -37,7 +44,8 @@ def vocab_parallel_ce_stats_output(
 def vocab_parallel_ce_merge_outputs(
     gathered: torch.Tensor, target: torch.Tensor, shard_width: int, label_smoothing: float, ignore_index: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(loss (N,) fp32, lse (N,) fp32)`` from the gathered packets ``(W * SHARD_STATS, N)`` fp32."""
+    """``(loss (N,) fp32, global row_stats (2, N) fp32)`` from the gathered packets ``(W * SHARD_STATS, N)``
+    fp32."""
     n_stats = len(SHARD_STATS)
     require(
         gathered.dtype == torch.float32 and gathered.dim() == 2 and gathered.shape[0] % n_stats == 0,
@@ -54,5 +62,4 @@ def vocab_parallel_ce_merge_outputs(
     )
     require(shard_width >= 1, lambda: f"shard_width must be >= 1, got {shard_width}")
     check_label_smoothing(label_smoothing)
-    rows = gathered.shape[1]
-    return gathered.new_empty((rows,)), gathered.new_empty((rows,))
+    return row_loss_and_stats_outputs(gathered, gathered.shape[1])

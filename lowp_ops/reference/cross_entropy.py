@@ -1,19 +1,24 @@
-"""Cross entropy on ``(N, V)`` logits with a masked-safe log-sum-exp, in fp32.
+"""Cross entropy on ``(N, V)`` logits with masked-safe row statistics, in fp32.
 
-Per non-ignored row, with ``lse = log Σ exp(x)`` (masked-safe), ``ls`` the label smoothing and
-``eps = fp32(ls / V)``:
+The forward keeps per row ``row_stats = (shift, log_sum)`` (:mod:`lowp_ops.meta.cross_entropy`): the
+masked-safe row maximum and ``log Σ exp(x - shift)``, never their rounded sum ``lse``, so every
+difference below is formed between values of similar magnitude and the digits survive at any logit
+magnitude (as in PyTorch's fp32). With ``ls`` the label smoothing and ``eps = fp32(ls / V)``, per
+non-ignored row:
 
-- loss ``= (1 - ls) * (lse - x_y) + ls * (lse - Σ x / V)``; ignored rows: 0; a target outside
-  ``[0, V)`` that is not ``ignore_index``: NaN (documented; no host sync checks it);
-- gradient ``g = (exp(x - lse) - eps - (1 - ls) [i == y]) * grad_row`` rounded to the logits' dtype;
-  ignored rows: exactly 0 (also when the row is all -inf, where PyTorch gives NaN).
+- loss ``= (1 - ls) * ((shift - x_y) + log_sum) + ls * (log_sum - Σ (x - shift) / V)`` (the smoothing
+  term never sums raw logits, which overflows at 3e38); ignored rows: 0; a target outside ``[0, V)`` that
+  is not ``ignore_index``: NaN (documented; no host sync checks it);
+- gradient ``g = (exp((x - shift) - log_sum) - eps - (1 - ls) [i == y]) * grad_row`` rounded to the
+  logits' dtype; ignored rows: exactly 0 (also when the row is all -inf, where PyTorch gives NaN).
 
 The backward also serves one rank of a vocabulary-parallel loss (:mod:`lowp_ops.distributed`): its logits
-are the ids ``[vocab_start, vocab_start + V)`` of ``vocab_total``, ``lse`` is the global one, ``eps =
+are the ids ``[vocab_start, vocab_start + V)`` of ``vocab_total``, ``row_stats`` the global ones, ``eps =
 fp32(ls / vocab_total)``, a target in another rank's shard gets no one-hot and a target outside
 ``[0, vocab_total)`` gives NaN. With the defaults (0, 0 = V) it is the single-rank backward.
 
-An all -inf row gives NaN loss and gradient like PyTorch; ``-inf`` at the target gives loss +inf.
+An all -inf row gives NaN loss and gradient like PyTorch (``log_sum = -inf``), and so does a row holding
+``+inf`` (``log_sum`` NaN); ``-inf`` at the target gives loss +inf.
 """
 
 from __future__ import annotations
@@ -22,13 +27,15 @@ import torch
 
 from ..formats import round_to_fp32
 from ..meta.cross_entropy import (
+    LOG_SUM,
+    SHIFT,
     cross_entropy_bwd_output,
     cross_entropy_fwd_outputs,
     cross_entropy_reduce_outputs,
 )
 from ..meta.mxfp8 import check_quantize_args
 from .mxfp8 import mxfp8_quantize
-from .softmax import masked_safe_logsumexp
+from .softmax import finish_log_sum, row_stats
 
 
 def _target_logit(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -39,27 +46,48 @@ def _target_logit(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.where(in_range, picked, float("nan"))
 
 
+def row_loss(
+    shift: torch.Tensor,
+    log_sum: torch.Tensor,
+    target_logit: torch.Tensor,
+    shifted_sum: torch.Tensor,
+    n_vocab: int,
+    label_smoothing: float,
+) -> torch.Tensor:
+    """fp32 loss of rows from their statistics, the target logit (NaN: out of range) and, for label
+    smoothing, ``Σ (x - shift)`` over the ``n_vocab`` classes (ignored rows are the caller's)."""
+    loss = (shift - target_logit) + log_sum
+    if label_smoothing > 0:
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_sum - shifted_sum / n_vocab)
+    return loss
+
+
 def cross_entropy_fwd(
     logits: torch.Tensor, target: torch.Tensor, label_smoothing: float, ignore_index: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (per-row loss (N,) fp32, lse (N,) fp32)."""
-    loss, lse = cross_entropy_fwd_outputs(logits, target, label_smoothing, ignore_index)
+    """-> (per-row loss (N,) fp32, row_stats (2, N) fp32)."""
+    loss, stats = cross_entropy_fwd_outputs(logits, target, label_smoothing, ignore_index)
     x = logits.float()
-    row_lse = masked_safe_logsumexp(x)
-    row_loss = row_lse - _target_logit(x, target)
-    if label_smoothing > 0:
-        row_loss = (1.0 - label_smoothing) * row_loss + label_smoothing * (
-            row_lse - x.sum(dim=1) / x.shape[1]
-        )
-    loss.copy_(torch.where(target != ignore_index, row_loss, 0.0))
-    lse.copy_(row_lse)
-    return loss, lse
+    shift, log_sum, shifted = row_stats(x)
+    log_sum = finish_log_sum(log_sum)
+    shifted_sum = shifted.sum(dim=1) if label_smoothing > 0 else None
+    loss_rows = row_loss(shift, log_sum, _target_logit(x, target), shifted_sum, x.shape[1], label_smoothing)
+    loss.copy_(torch.where(target != ignore_index, loss_rows, 0.0))
+    stats[SHIFT] = shift
+    stats[LOG_SUM] = log_sum
+    return loss, stats
+
+
+def probabilities(logits: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+    """fp32 ``exp((x - shift) - log_sum)`` of ``(N, V)`` logits given their ``(2, N)`` row statistics."""
+    shift, log_sum = stats[SHIFT].unsqueeze(1), stats[LOG_SUM].unsqueeze(1)
+    return torch.exp((logits.float() - shift) - log_sum)
 
 
 def cross_entropy_grad_fp32(
     logits: torch.Tensor,
     target: torch.Tensor,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     grad_rows: torch.Tensor,
     label_smoothing: float,
     ignore_index: int,
@@ -71,7 +99,7 @@ def cross_entropy_grad_fp32(
     n_cols = x.shape[1]
     vocab_total = vocab_total or n_cols
     eps = round_to_fp32(label_smoothing / vocab_total)
-    grad = torch.exp(x - lse.unsqueeze(1)) - eps
+    grad = probabilities(x, stats) - eps
     # A target in another rank's shard matches no column of this one.
     is_target = torch.arange(n_cols, device=x.device).unsqueeze(0) == (target - vocab_start).unsqueeze(1)
     grad = torch.where(is_target, grad - (1.0 - label_smoothing), grad)
@@ -84,18 +112,21 @@ def cross_entropy_grad_fp32(
 def cross_entropy_bwd(
     logits: torch.Tensor,
     target: torch.Tensor,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     grad_rows: torch.Tensor,
     label_smoothing: float,
     ignore_index: int,
     vocab_start: int = 0,
     vocab_total: int = 0,
 ) -> torch.Tensor:
-    """-> dlogits (N, V) in the logits' dtype; ``grad_rows`` (N,) fp32 is dloss per row."""
+    """-> dlogits (N, V) in the logits' dtype; ``stats`` (2, N) fp32 the forward's row statistics,
+    ``grad_rows`` (N,) fp32 dloss per row."""
     shard = (vocab_start, vocab_total)
-    dlogits = cross_entropy_bwd_output(logits, target, lse, grad_rows, label_smoothing, ignore_index, *shard)
+    dlogits = cross_entropy_bwd_output(
+        logits, target, stats, grad_rows, label_smoothing, ignore_index, *shard
+    )
     dlogits.copy_(
-        cross_entropy_grad_fp32(logits, target, lse, grad_rows, label_smoothing, ignore_index, *shard)
+        cross_entropy_grad_fp32(logits, target, stats, grad_rows, label_smoothing, ignore_index, *shard)
     )
     return dlogits
 
@@ -103,7 +134,7 @@ def cross_entropy_bwd(
 def cross_entropy_bwd_mxfp8(
     logits: torch.Tensor,
     target: torch.Tensor,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     grad_rows: torch.Tensor,
     label_smoothing: float,
     ignore_index: int,
@@ -118,7 +149,7 @@ def cross_entropy_bwd_mxfp8(
     # Reject bad MXFP8 arguments before computing the gradient (the bf16 backward checks the rest).
     check_quantize_args(logits, fp8_dtype, rowwise, columnwise, scale_layout)
     dlogits = cross_entropy_bwd(
-        logits, target, lse, grad_rows, label_smoothing, ignore_index, vocab_start, vocab_total
+        logits, target, stats, grad_rows, label_smoothing, ignore_index, vocab_start, vocab_total
     )
     return mxfp8_quantize(dlogits, fp8_dtype, rowwise, columnwise, scale_layout)
 

@@ -3,7 +3,7 @@
 Per chunk of rows ``c``:
 
 - ``logits_c = dtype(hidden_c @ weight^T)`` (fp32 accumulation, one rounding to the inputs' dtype);
-- the cross-entropy forward of :mod:`lowp_ops.reference.cross_entropy` (per-row loss and lse);
+- the cross-entropy forward of :mod:`lowp_ops.reference.cross_entropy` (per-row loss and row statistics);
 - ``dlogits_c`` by the cross-entropy backward for the given per-row gradient: in the inputs' dtype, or
   its MXFP8 payload (E4M3/E5M2, row- and column-wise copies, compact scales), byte for byte
   ``cross_entropy_bwd_mxfp8`` of the same logits;
@@ -110,8 +110,8 @@ class GradientWriter:
     def compute_dweight(self) -> bool:
         return self.dweight.dim() == 2
 
-    def write(self, start: int, end: int, hidden_c, logits_c, target_c, lse_c, grad_rows_c) -> None:
-        args = (logits_c, target_c, lse_c, grad_rows_c, self.label_smoothing, self.ignore_index)
+    def write(self, start: int, end: int, hidden_c, logits_c, target_c, stats_c, grad_rows_c) -> None:
+        args = (logits_c, target_c, stats_c, grad_rows_c, self.label_smoothing, self.ignore_index)
         if self.grad_format == "none":
             dlogits = self.steps.ce_bwd(*args)
             if self.on_dlogits is not None:
@@ -183,35 +183,35 @@ class GradientWriter:
 def forward_chunks(
     hidden, weight, target, label_smoothing, ignore_index, grad_format, other_operand, chunk_size, *, steps
 ):
-    """``lowp::linear_cross_entropy_fwd`` with the given steps: ``(loss (N,), lse (N,))`` fp32."""
-    loss, lse = linear_cross_entropy_fwd_outputs(
+    """``lowp::linear_cross_entropy_fwd`` with the given steps: ``(loss (N,), row_stats (2, N))`` fp32."""
+    loss, stats = linear_cross_entropy_fwd_outputs(
         hidden, weight, target, label_smoothing, ignore_index, grad_format, other_operand, chunk_size
     )
     for start, end in chunk_bounds(hidden.shape[0], weight.shape[0], chunk_size):
         logits_c = steps.logits(hidden[start:end], weight)
-        loss_c, lse_c = steps.ce_fwd(logits_c, target[start:end], label_smoothing, ignore_index)
+        loss_c, stats_c = steps.ce_fwd(logits_c, target[start:end], label_smoothing, ignore_index)
         loss[start:end] = loss_c
-        lse[start:end] = lse_c
+        stats[:, start:end] = stats_c
         del logits_c
-    return loss, lse
+    return loss, stats
 
 
 def gradient_chunks(
-    hidden, weight, target, lse, per_row, writer: GradientWriter, chunk_size, loss_rows=None
+    hidden, weight, target, stats, per_row, writer: GradientWriter, chunk_size, loss_rows=None
 ) -> None:
-    """The gradient of ``Σ per_row[r] · loss[r]`` into ``writer``. With ``lse`` None (fused forward), the
-    forward runs on the same logits chunk, fills ``loss_rows`` and supplies the lse."""
+    """The gradient of ``Σ per_row[r] · loss[r]`` into ``writer``. With ``stats`` None (fused forward),
+    the forward runs on the same logits chunk, fills ``loss_rows`` and supplies the row statistics."""
     for start, end in chunk_bounds(hidden.shape[0], weight.shape[0], chunk_size):
         hidden_c, target_c = hidden[start:end], target[start:end]
         logits_c = writer.steps.logits(hidden_c, weight)
-        if lse is None:
-            loss_c, lse_c = writer.steps.ce_fwd(
+        if stats is None:
+            loss_c, stats_c = writer.steps.ce_fwd(
                 logits_c, target_c, writer.label_smoothing, writer.ignore_index
             )
             loss_rows[start:end] = loss_c
         else:
-            lse_c = lse[start:end]
-        writer.write(start, end, hidden_c, logits_c, target_c, lse_c, per_row[start:end])
+            stats_c = stats[:, start:end]
+        writer.write(start, end, hidden_c, logits_c, target_c, stats_c, per_row[start:end])
         del logits_c  # before the next chunk's logits exist: one chunk at a time
     writer.finish()
 
@@ -220,7 +220,7 @@ def backward_chunks(
     hidden,
     weight,
     target,
-    lse,
+    stats,
     grad_rows,
     label_smoothing,
     ignore_index,
@@ -237,7 +237,7 @@ def backward_chunks(
         hidden,
         weight,
         target,
-        lse,
+        stats,
         grad_rows,
         label_smoothing,
         ignore_index,
@@ -258,7 +258,7 @@ def backward_chunks(
         steps,
         on_dlogits=on_dlogits,
     )
-    gradient_chunks(hidden, weight, target, lse, grad_rows, writer, chunk_size)
+    gradient_chunks(hidden, weight, target, stats, grad_rows, writer, chunk_size)
     return dhidden, dweight
 
 

@@ -6,13 +6,14 @@ Rank ``r`` holds the weight rows of the vocabulary ids ``[vocab_start, vocab_sta
 - Forward (``lowp::linear_vocab_parallel_ce_stats``): per chunk of tokens, ``logits_c = dtype(hidden_c @
   weight^T)`` exactly as the single-rank op computes them, then the shard's per-row packet of
   :func:`lowp_ops.reference.vocab_parallel.vocab_parallel_ce_stats`; only one chunk's logits exist. The
-  packets are then all-gathered and merged (``lowp::vocab_parallel_ce_merge``) into the loss and global lse.
+  packets are then all-gathered and merged (``lowp::vocab_parallel_ce_merge``) into the loss and global
+  row statistics.
 - Backward (``lowp::linear_vocab_parallel_ce_bwd``): the single-rank chunk schedule
   (:func:`~lowp_ops.reference.linear_cross_entropy.backward_chunks`) whose cross-entropy steps know the
   shard (``vocab_start``, ``vocab_total``: global ``eps``, one-hot only on the rank holding the target).
-  Given the same global lse, its dlogits (bf16, or the MXFP8 payload when ``V`` is a multiple of 32) are
-  the columns of the single-rank dlogits, so ``dweight`` is this rank's rows of the single-rank ``dweight``;
-  ``dhidden`` is this shard's partial sum (the caller all-reduces it over ranks).
+  Given the same global row statistics, its dlogits (bf16, or the MXFP8 payload when ``V`` is a multiple
+  of 32) are the columns of the single-rank dlogits, so ``dweight`` is this rank's rows of the
+  single-rank ``dweight``; ``dhidden`` is this shard's partial sum (the caller all-reduces it over ranks).
 """
 
 from __future__ import annotations
