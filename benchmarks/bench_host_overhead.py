@@ -78,58 +78,93 @@ def eager_cases(device: str) -> list[tuple[str, object, str, object]]:
     target = torch.randint(0, 32000, (512,), device=device, generator=gen)
     torch_ce = fwd_bwd(lambda: F.cross_entropy(logits, target), logits)
     cases.append(
-        ("cross_entropy fwd+bwd 512x32000", fwd_bwd(lambda: lowp_ops.cross_entropy(logits, target), logits),
-         "F.cross_entropy fwd+bwd", torch_ce)
+        (
+            "cross_entropy fwd+bwd 512x32000",
+            fwd_bwd(lambda: lowp_ops.cross_entropy(logits, target), logits),
+            "F.cross_entropy fwd+bwd",
+            torch_ce,
+        )
     )
     plain = logits.detach()
     cases.append(
-        ("cross_entropy_with_mxfp8_grad 512x32000",
-         lambda: lowp_ops.cross_entropy_with_mxfp8_grad(plain, target), "F.cross_entropy fwd+bwd", torch_ce)
+        (
+            "cross_entropy_with_mxfp8_grad 512x32000",
+            lambda: lowp_ops.cross_entropy_with_mxfp8_grad(plain, target),
+            "F.cross_entropy fwd+bwd",
+            torch_ce,
+        )
     )
     # softmax family, 256 x 4096
     x = randn(256, 4096, grad=True)
+    xd = x.detach()
     for name, ours, theirs in (
         ("softmax", lowp_ops.softmax, torch.softmax),
         ("log_softmax", lowp_ops.log_softmax, torch.log_softmax),
         ("logsumexp", lowp_ops.logsumexp, torch.logsumexp),
     ):
-        xd = x.detach()
-        cases.append((f"{name} fwd 256x4096", lambda o=ours: o(xd, -1), f"torch.{name} fwd", lambda t=theirs: t(xd, -1)))
         cases.append(
-            (f"{name} fwd+bwd 256x4096", fwd_bwd(lambda o=ours: o(x, -1), x), f"torch.{name} fwd+bwd",
-             fwd_bwd(lambda t=theirs: t(x, -1), x))
+            (
+                f"{name} fwd 256x4096",
+                lambda o=ours: o(xd, -1),
+                f"torch.{name} fwd",
+                lambda t=theirs: t(xd, -1),
+            )
+        )
+        cases.append(
+            (
+                f"{name} fwd+bwd 256x4096",
+                fwd_bwd(lambda o=ours: o(x, -1), x),
+                f"torch.{name} fwd+bwd",
+                fwd_bwd(lambda t=theirs: t(x, -1), x),
+            )
         )
     # formats, 256 x 4096 bf16; the baseline is one aten reduction
     xq = randn(256, 4096)
-    amax = lambda: xq.abs().amax()  # noqa: E731
+    amax = lambda: xq.abs().amax()
     q = lowp_ops.mxfp8_quantize(xq)
-    cases.append(("mxfp8_quantize row+col 256x4096", lambda: lowp_ops.mxfp8_quantize(xq), "x.abs().amax()", amax))
+    cases.append(
+        ("mxfp8_quantize row+col 256x4096", lambda: lowp_ops.mxfp8_quantize(xq), "x.abs().amax()", amax)
+    )
     cases.append(("mxfp8_dequantize 256x4096", lambda: lowp_ops.mxfp8_dequantize(q), "x.abs().amax()", amax))
     given = xq.abs().amax().float().reshape(1)
     cases.append(
-        ("nvfp4_quantize row+col RHT, given amax",
-         lambda: lowp_ops.nvfp4_quantize(xq, columnwise=True, rht=True, amax_rowwise=given, amax_columnwise=given),
-         "x.abs().amax()", amax)
+        (
+            "nvfp4_quantize row+col RHT, given amax",
+            lambda: lowp_ops.nvfp4_quantize(
+                xq, columnwise=True, rht=True, amax_rowwise=given, amax_columnwise=given
+            ),
+            "x.abs().amax()",
+            amax,
+        )
     )
     cases.append(
-        ("nvfp4_quantize row+col RHT, amax + SR",
-         lambda: lowp_ops.nvfp4_quantize(xq, columnwise=True, rht=True, stochastic_rounding=True),
-         "x.abs().amax()", amax)
+        (
+            "nvfp4_quantize row+col RHT, amax + SR",
+            lambda: lowp_ops.nvfp4_quantize(xq, columnwise=True, rht=True, stochastic_rounding=True),
+            "x.abs().amax()",
+            amax,
+        )
     )
     nq = lowp_ops.nvfp4_quantize(xq, columnwise=True, rht=True)
     cases.append(("nvfp4_dequantize rowwise", lambda: lowp_ops.nvfp4_dequantize(nq), "x.abs().amax()", amax))
     splits = torch.tensor([64, 0, 96, 32, 0, 32, 16, 16], device=device)
     cases.append(
-        ("nvfp4_group_quantize row+col RHT, 8 experts",
-         lambda: lowp_ops.nvfp4_group_quantize(xq, splits, columnwise=True, rht=True), "x.abs().amax()", amax)
+        (
+            "nvfp4_group_quantize row+col RHT, 8 experts",
+            lambda: lowp_ops.nvfp4_group_quantize(xq, splits, columnwise=True, rht=True),
+            "x.abs().amax()",
+            amax,
+        )
     )
     # LM head + loss: 512 tokens, H 1024, V 32000
     hidden, weight = randn(512, 1024, grad=True), randn(32000, 1024, grad=True)
     cases.append(
-        ("linear_cross_entropy fwd+bwd 512x1024x32000",
-         fwd_bwd(lambda: lowp_ops.linear_cross_entropy(hidden, weight, target), hidden, weight),
-         "F.linear + F.cross_entropy(float) fwd+bwd",
-         fwd_bwd(lambda: F.cross_entropy(F.linear(hidden, weight).float(), target), hidden, weight))
+        (
+            "linear_cross_entropy fwd+bwd 512x1024x32000",
+            fwd_bwd(lambda: lowp_ops.linear_cross_entropy(hidden, weight, target), hidden, weight),
+            "F.linear + F.cross_entropy(float) fwd+bwd",
+            fwd_bwd(lambda: F.cross_entropy(F.linear(hidden, weight).float(), target), hidden, weight),
+        )
     )
     # grouped MLP: 512 tokens, 8 experts, H 1024, F 512
     tokens, experts, h, f = 512, 8, 1024, 512
@@ -148,27 +183,51 @@ def eager_cases(device: str) -> list[tuple[str, object, str, object]]:
     plain_step = fwd_bwd(plain_mlp, xt, w1, w2, probs)
     for recipe in ("bf16", "mxfp8", "nvfp4"):
         cases.append(
-            (f"grouped_swiglu_mlp {recipe} fwd+bwd T512 E8",
-             fwd_bwd(lambda r=recipe: lowp_ops.grouped_swiglu_mlp(xt, w1, w2, mlp_splits, probs, recipe=r),
-                     xt, w1, w2, probs),
-             "2x torch._grouped_mm + silu*lin*probs fwd+bwd", plain_step)
+            (
+                f"grouped_swiglu_mlp {recipe} fwd+bwd T512 E8",
+                fwd_bwd(
+                    lambda r=recipe: lowp_ops.grouped_swiglu_mlp(xt, w1, w2, mlp_splits, probs, recipe=r),
+                    xt,
+                    w1,
+                    w2,
+                    probs,
+                ),
+                "2x torch._grouped_mm + silu*lin*probs fwd+bwd",
+                plain_step,
+            )
         )
     module = lowp_ops.nn.GroupedSwiGLUMLP(num_experts=experts, hidden=h, ffn=f, recipe="bf16", device=device)
     cases.append(
-        ("nn.GroupedSwiGLUMLP bf16 fwd+bwd T512 E8", fwd_bwd(lambda: module(xt, mlp_splits, probs), xt, probs),
-         "2x torch._grouped_mm + silu*lin*probs fwd+bwd", plain_step)
+        (
+            "nn.GroupedSwiGLUMLP bf16 fwd+bwd T512 E8",
+            fwd_bwd(lambda: module(xt, mlp_splits, probs), xt, probs),
+            "2x torch._grouped_mm + silu*lin*probs fwd+bwd",
+            plain_step,
+        )
     )
     c = randn(tokens, 2 * f, grad=True)
     cases.append(
-        ("swiglu fwd+bwd T512 F512", fwd_bwd(lambda: lowp_ops.swiglu(c, probs), c, probs),
-         "silu*lin*probs fwd+bwd",
-         fwd_bwd(lambda: (F.silu(c[:, :f].float()) * c[:, f:].float() * probs.unsqueeze(-1)).to(torch.bfloat16),
-                 c, probs))
+        (
+            "swiglu fwd+bwd T512 F512",
+            fwd_bwd(lambda: lowp_ops.swiglu(c, probs), c, probs),
+            "silu*lin*probs fwd+bwd",
+            fwd_bwd(
+                lambda: (F.silu(c[:, :f].float()) * c[:, f:].float() * probs.unsqueeze(-1)).to(
+                    torch.bfloat16
+                ),
+                c,
+                probs,
+            ),
+        )
     )
     grad_h = randn(tokens, f)
     cases.append(
-        ("dglu T512 F512", lambda: lowp_ops.dglu(grad_h, c.detach(), probs.detach(), mlp_splits),
-         "x.abs().amax()", amax)
+        (
+            "dglu T512 F512",
+            lambda: lowp_ops.dglu(grad_h, c.detach(), probs.detach(), mlp_splits),
+            "x.abs().amax()",
+            amax,
+        )
     )
     return cases
 
@@ -177,29 +236,41 @@ def compiled_cases(device: str) -> list[tuple[str, object, str, object]]:
     """The same function written with lowp ops and with plain PyTorch, each under torch.compile."""
     bf16 = torch.bfloat16
     gen = torch.Generator(device=device).manual_seed(1)
-    randn = lambda *s: torch.randn(*s, device=device, generator=gen).to(bf16).requires_grad_(True)  # noqa: E731
+    randn = lambda *s: torch.randn(*s, device=device, generator=gen).to(bf16).requires_grad_(True)
     cases = []
     logits = randn(512, 32000)
     target = torch.randint(0, 32000, (512,), device=device, generator=gen)
     ours = torch.compile(lambda lg, t: lowp_ops.cross_entropy(lg, t))
     theirs = torch.compile(lambda lg, t: F.cross_entropy(lg, t))
     cases.append(
-        ("compiled cross_entropy fwd+bwd", fwd_bwd(lambda: ours(logits, target), logits),
-         "compiled F.cross_entropy", fwd_bwd(lambda: theirs(logits, target), logits))
+        (
+            "compiled cross_entropy fwd+bwd",
+            fwd_bwd(lambda: ours(logits, target), logits),
+            "compiled F.cross_entropy",
+            fwd_bwd(lambda: theirs(logits, target), logits),
+        )
     )
     x = randn(256, 4096)
     ours_sm = torch.compile(lambda v: lowp_ops.softmax(v, -1))
     theirs_sm = torch.compile(lambda v: torch.softmax(v, -1))
     cases.append(
-        ("compiled softmax fwd+bwd", fwd_bwd(lambda: ours_sm(x), x), "compiled torch.softmax",
-         fwd_bwd(lambda: theirs_sm(x), x))
+        (
+            "compiled softmax fwd+bwd",
+            fwd_bwd(lambda: ours_sm(x), x),
+            "compiled torch.softmax",
+            fwd_bwd(lambda: theirs_sm(x), x),
+        )
     )
     hidden, weight = randn(512, 1024), randn(32000, 1024)
     ours_lm = torch.compile(lambda a, w, t: lowp_ops.linear_cross_entropy(a, w, t))
     theirs_lm = torch.compile(lambda a, w, t: F.cross_entropy(F.linear(a, w).float(), t))
     cases.append(
-        ("compiled linear_cross_entropy fwd+bwd", fwd_bwd(lambda: ours_lm(hidden, weight, target), hidden, weight),
-         "compiled F.linear + F.cross_entropy", fwd_bwd(lambda: theirs_lm(hidden, weight, target), hidden, weight))
+        (
+            "compiled linear_cross_entropy fwd+bwd",
+            fwd_bwd(lambda: ours_lm(hidden, weight, target), hidden, weight),
+            "compiled F.linear + F.cross_entropy",
+            fwd_bwd(lambda: theirs_lm(hidden, weight, target), hidden, weight),
+        )
     )
     tokens, experts, h, f = 512, 8, 1024, 512
     xt, w1, w2 = randn(tokens, h), randn(experts, 2 * f, h), randn(experts, h, f)
@@ -216,8 +287,12 @@ def compiled_cases(device: str) -> list[tuple[str, object, str, object]]:
     ours_mlp = torch.compile(lambda a, u, v, s, p: lowp_ops.grouped_swiglu_mlp(a, u, v, s, p))
     theirs_mlp = torch.compile(plain_mlp)
     cases.append(
-        ("compiled grouped_swiglu_mlp bf16 fwd+bwd", fwd_bwd(lambda: ours_mlp(xt, w1, w2, splits, probs), xt, w1, w2, probs),
-         "compiled plain grouped MLP", fwd_bwd(lambda: theirs_mlp(xt, w1, w2, splits, probs), xt, w1, w2, probs))
+        (
+            "compiled grouped_swiglu_mlp bf16 fwd+bwd",
+            fwd_bwd(lambda: ours_mlp(xt, w1, w2, splits, probs), xt, w1, w2, probs),
+            "compiled plain grouped MLP",
+            fwd_bwd(lambda: theirs_mlp(xt, w1, w2, splits, probs), xt, w1, w2, probs),
+        )
     )
     return cases
 
@@ -247,15 +322,26 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cases = eager_cases(device) + ([] if args.no_compile else compiled_cases(device))
     rows = []
-    print(f"{'case':52s} {'ours us':>9s} {'base us':>9s} {'ratio':>6s}  baseline   (host us/call; wall in JSON)")
+    print(
+        f"{'case':52s} {'ours us':>9s} {'base us':>9s} {'ratio':>6s}  baseline   (host us/call; wall in JSON)"
+    )
     for name, ours, base_name, base in cases:
         if args.only and args.only not in name:
             continue
         ours_host, ours_wall = host_and_wall_us(ours, args.calls, args.repeats)
         base_host, base_wall = host_and_wall_us(base, args.calls, args.repeats)
         ratio = ours_host / base_host
-        rows.append(dict(case=name, ours_host_us=ours_host, ours_wall_us=ours_wall, baseline=base_name,
-                         baseline_host_us=base_host, baseline_wall_us=base_wall, ratio=ratio))
+        rows.append(
+            dict(
+                case=name,
+                ours_host_us=ours_host,
+                ours_wall_us=ours_wall,
+                baseline=base_name,
+                baseline_host_us=base_host,
+                baseline_wall_us=base_wall,
+                ratio=ratio,
+            )
+        )
         print(f"{name:52s} {ours_host:9.1f} {base_host:9.1f} {ratio:6.2f}  {base_name}", flush=True)
         if args.profile:
             print(profile(ours))

@@ -1,4 +1,5 @@
-"""Probe: where a Triton launch inside a Python autograd backward on the CUDA engine thread spends host time."""
+"""Probe: where a Triton launch inside a Python autograd backward on the CUDA engine thread spends
+host time (``python benchmarks/probe_autograd_thread.py`` on a CUDA machine)."""
 
 import cProfile
 import io
@@ -50,7 +51,8 @@ for _ in range(n):
     step()
 e = time.perf_counter()
 torch.cuda.synchronize()
-print(f"fwd+bwd {(e - s) / n * 1e6:.1f} us; launcher inside backward {sum(INSIDE) / len(INSIDE) * 1e6:.1f} us")
+inside_us = sum(INSIDE) / len(INSIDE) * 1e6
+print(f"fwd+bwd {(e - s) / n * 1e6:.1f} us; launcher inside backward {inside_us:.1f} us")
 s = time.perf_counter()
 for _ in range(n):
     library.softmax_bwd.launcher()(x.detach(), g, False)
