@@ -597,9 +597,7 @@ def test_cuda_host_check_mode_raises_like_cpu():
         with pytest.raises(ValueError, match="sum to at most"):
             lowp_ops.dglu(grad, c, p, torch.tensor([16, 17], device="cuda"))
         with pytest.raises(ValueError, match="non-decreasing"):
-            torch.ops.lowp.grouped_mm(
-                x, w2.transpose(1, 2), torch.tensor([20, 10, 32], device="cuda", dtype=torch.int32)
-            )
+            torch.ops.lowp.grouped_mm(x, w2, torch.tensor([20, 10, 32], device="cuda", dtype=torch.int32))
     finally:
         split_meta.set_split_size_checks(previous)
 
