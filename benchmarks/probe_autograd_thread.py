@@ -1,20 +1,31 @@
-"""Probe: where a Triton launch inside a Python autograd backward on the CUDA engine thread spends
-host time (``python benchmarks/probe_autograd_thread.py`` on a CUDA machine)."""
+"""Probe: host cost of a Triton launch made inside a Python autograd backward, which runs on autograd's
+CUDA worker thread (``python benchmarks/probe_autograd_thread.py`` on a CUDA machine).
 
-import cProfile
-import io
-import pstats
+Variants of one softmax forward + backward: the backward calls the launcher (Python work: checks,
+allocation, key, launch); or only allocates and calls the compiled binary's launcher with arguments
+bound in the forward; or does nothing (identity). Also the same launcher on the main thread."""
+
 import time
 
 import torch
 
 from lowp_ops import library
-
-PROFILE = cProfile.Profile()
-INSIDE = []
+from lowp_ops.kernels import softmax as softmax_kernels
 
 
-class LaunchesSoftmaxBwd(torch.autograd.Function):
+def us(fn, n=300):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    end = time.perf_counter()
+    torch.cuda.synchronize()
+    return (end - start) / n * 1e6
+
+
+class FullLauncher(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         y = library.softmax_fwd.launcher()(x, False, "nan")
@@ -24,41 +35,69 @@ class LaunchesSoftmaxBwd(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         (y,) = ctx.saved_tensors
-        start = time.perf_counter()
-        PROFILE.enable()
-        out = library.softmax_bwd.launcher()(y, g, False)
-        PROFILE.disable()
-        INSIDE.append(time.perf_counter() - start)
+        return library.softmax_bwd.launcher()(y, g, False)
+
+
+def bound_backward_launch(y):
+    """Everything but the gradient and output pointers, resolved on the main thread."""
+    kernel = softmax_kernels.softmax_bwd_kernel
+    dx = torch.empty_like(y)
+    block = softmax_kernels.row_block(y.shape[1])
+    kernel[(y.shape[0],)](y, y, dx, y.shape[1], BLOCK=block, LOG=False)  # compiles / caches the binary
+    binary, run, function = next(v for v in kernel._binaries.values() if v is not None)
+    stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
+    rows, cols = y.shape
+    return lambda g, out: run(
+        rows, 1, 1, stream, function, binary.packed_metadata, None, None, None, y, g, out, cols, block, False
+    )
+
+
+class BoundLaunch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = library.softmax_fwd.launcher()(x, False, "nan")
+        ctx.launch = bound_backward_launch(y)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        out = torch.empty_like(y)
+        ctx.launch(g, out)
         return out
+
+
+class Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
 
 
 x = torch.randn(256, 4096, device="cuda", requires_grad=True)
 g = torch.ones(256, 4096, device="cuda")
 
 
-def step():
-    x.grad = None
-    LaunchesSoftmaxBwd.apply(x).backward(g)
+def step(fn):
+    def run():
+        x.grad = None
+        fn(x).backward(g)
+
+    return run
 
 
-for _ in range(20):
-    step()
-torch.cuda.synchronize()
-INSIDE.clear()
-n = 300
-s = time.perf_counter()
-for _ in range(n):
-    step()
-e = time.perf_counter()
-torch.cuda.synchronize()
-inside_us = sum(INSIDE) / len(INSIDE) * 1e6
-print(f"fwd+bwd {(e - s) / n * 1e6:.1f} us; launcher inside backward {inside_us:.1f} us")
-s = time.perf_counter()
-for _ in range(n):
-    library.softmax_bwd.launcher()(x.detach(), g, False)
-e = time.perf_counter()
-torch.cuda.synchronize()
-print(f"launcher in main thread {(e - s) / n * 1e6:.1f} us")
-out = io.StringIO()
-pstats.Stats(PROFILE, stream=out).sort_stats("tottime").print_stats(20)
-print(out.getvalue())
+for name, fn in (
+    ("torch.softmax", lambda v: torch.softmax(v, -1)),
+    ("identity backward", Identity.apply),
+    ("launcher in backward", FullLauncher.apply),
+    ("bound launch in backward", BoundLaunch.apply),
+):
+    print(f"{name:28s} fwd+bwd {us(step(fn)):7.1f} us")
+y = torch.softmax(x.detach(), -1)
+print(f"{'launcher, main thread':28s} {us(lambda: library.softmax_bwd.launcher()(y, g, False)):7.1f} us")
+launch = bound_backward_launch(y)
+print(f"{'bound launch, main thread':28s} {us(lambda: launch(g, torch.empty_like(y))):7.1f} us")

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from . import library
-from .meta.checks import require
+from .meta.checks import require, require_tensor
 from .meta.grouped_mlp import RECIPES
+from .meta.split_sizes import check_split_sizes
 
 
 def grouped_swiglu_mlp(
@@ -24,8 +25,10 @@ def grouped_swiglu_mlp(
 
     Args:
         x: (T, H) bf16 tokens sorted by expert: expert ``e`` owns rows ``[sum(split_sizes[:e]),
-            sum(split_sizes[:e+1]))``. ``sum(split_sizes)`` must equal T (not checked on CUDA: that
-            would be a host sync; rows past it come out unspecified there, zero on CPU).
+            sum(split_sizes[:e+1]))``. ``sum(split_sizes)`` must equal T: checked on CPU (ValueError);
+            on CUDA, without a host sync, malformed sizes follow the effective-boundary rule of
+            :mod:`lowp_ops.meta.split_sizes` (rows of no expert give y = 0 and zero gradients), and
+            ``LOWP_OPS_CHECK_SPLIT_SIZES=1`` checks them on the host.
         fc1_weight: (E, 2F, H) bf16, per expert ``nn.Linear(H, 2F)``; gate rows first (TE's order) or,
             with ``glu_interleave_size=32``, alternating 32-row gate/linear blocks.
         fc2_weight: (E, H, F) bf16, per expert ``nn.Linear(F, H)``.
@@ -43,6 +46,8 @@ def grouped_swiglu_mlp(
     get ``bf16(fp32 dprobs)``.
     """
     require(recipe in RECIPES, lambda: f"recipe must be one of {RECIPES}, got {recipe!r}")
+    require_tensor(x, "x")
+    check_split_sizes(split_sizes, experts=fc1_weight.shape[0], device=x.device)
     require(
         glu_interleave_size in (None, 32),
         lambda: f"glu_interleave_size must be None or 32, got {glu_interleave_size!r}",

@@ -85,8 +85,10 @@ def nvfp4_group_quantize(
     alone, with the expert's amaxes (``amax_*``: fp32 (E,) used as is; computed per expert otherwise).
 
     The split sizes never leave the device, so output shapes depend on T, K, E only (layout:
-    :class:`~lowp_ops.formats.NVFP4GroupedTensor`). Not checked on the device: ``sum(m_e) == T``, every
-    m_e even with ``columnwise`` and a multiple of 16 with ``rht`` (TE needs 128). 1x16 blocks only.
+    :class:`~lowp_ops.formats.NVFP4GroupedTensor`). Preconditions: ``sum(m_e) == T``, every m_e even
+    with ``columnwise`` and a multiple of 16 with ``rht`` (TE needs 128); checked on CPU (ValueError),
+    on CUDA malformed sizes follow :mod:`lowp_ops.meta.split_sizes`'s effective-boundary rule (no host
+    sync; ``LOWP_OPS_CHECK_SPLIT_SIZES=1`` checks on the host). 1x16 blocks only.
     """
     sr_seed = _sr_seed(stochastic_rounding, sr_seed, x.device)
     check_group_quantize_args(
