@@ -66,6 +66,8 @@ def _class_rows(
     check_logits_target(logits, target)
     n_cols = logits.shape[-1]
     require(n_cols >= 1, lambda: "logits must have a non-empty class dimension")
+    if logits.dim() == 2:  # already rows: no view to build
+        return logits, target
     return logits.reshape(-1, n_cols), target.reshape(-1)
 
 
@@ -261,7 +263,7 @@ def _check_softmax_input(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Te
 def _as_rows(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, tuple[int, ...] | None]:
     """``x`` as (rows, x.shape[dim]) and, when ``dim`` is not last, the moved shape to undo it."""
     if dim == -1 or dim == x.dim() - 1:
-        return x.reshape(-1, x.shape[-1]), None
+        return (x if x.dim() == 2 else x.reshape(-1, x.shape[-1])), None
     moved = x.movedim(dim, -1)
     return moved.reshape(-1, moved.shape[-1]), moved.shape
 
