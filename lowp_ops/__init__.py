@@ -19,6 +19,9 @@ from .moe import grouped_swiglu_mlp
 from .mxfp8 import mxfp8_dequantize, mxfp8_quantize
 from .nvfp4 import nvfp4_dequantize, nvfp4_group_quantize, nvfp4_quantize
 
+# The one place the version is written: pyproject.toml reads it from here.
+__version__ = "0.1.0"
+
 __all__ = [
     "MXFP8Tensor",
     "NVFP4GroupedTensor",

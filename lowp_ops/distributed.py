@@ -33,6 +33,13 @@ import torch.distributed._functional_collectives as funcol
 
 from . import library  # noqa: F401  (registers the ops)
 
+__all__ = [
+    "linear_vocab_parallel_cross_entropy_rows",
+    "linear_vocab_parallel_cross_entropy_stats",
+    "vocab_parallel_cross_entropy_rows",
+    "vocab_parallel_cross_entropy_stats",
+]
+
 # torch 2.13 deprecates all_gather_tensor for all_gather_single, which torch 2.11 lacks.
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 

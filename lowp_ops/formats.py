@@ -12,6 +12,26 @@ from dataclasses import dataclass
 import torch
 from torch.utils import _pytree as pytree
 
+__all__ = [
+    "E2M1_MAGNITUDES",
+    "E8M0_EXPONENT_BIAS",
+    "E8M0_NAN",
+    "F4E2M1_MAX",
+    "F8E4M3_MAX",
+    "F8E5M2_MAX",
+    "FP8_DTYPES",
+    "MXFP8_BLOCK_SIZE",
+    "NVFP4_BLOCK_SIZE",
+    "NVFP4_GLOBAL_SCALE_NUMERATOR",
+    "RHT_SIGN_MASK",
+    "SCALE_LAYOUTS",
+    "SCALE_TILE_COLS",
+    "SCALE_TILE_ROWS",
+    "MXFP8Tensor",
+    "NVFP4GroupedTensor",
+    "NVFP4Tensor",
+]
+
 MXFP8_BLOCK_SIZE = 32
 """Elements that share one E8M0 scale (1x32 row-wise, 32x1 column-wise)."""
 

@@ -14,6 +14,16 @@ from .meta.mxfp8 import check_scale_layout, normalize_fp8_dtype
 from .meta.softmax import check_masked_rows
 from .meta.split_sizes import check_split_sizes
 
+__all__ = [
+    "cross_entropy",
+    "cross_entropy_with_mxfp8_grad",
+    "dglu",
+    "log_softmax",
+    "logsumexp",
+    "softmax",
+    "swiglu",
+]
+
 _SOFT_TARGET_ERROR = (
     "target holds class probabilities (a floating tensor); lowp_ops.cross_entropy takes class indices "
     "(int64/int32) only: use torch.nn.functional.cross_entropy for probability targets"

@@ -13,6 +13,8 @@ from .meta.cross_entropy import check_label_smoothing, check_reduction
 from .meta.linear_cross_entropy import check_chunk_size, check_hidden_weight_target
 from .meta.mxfp8_gemm import check_other_operand
 
+__all__ = ["linear_cross_entropy"]
+
 PUBLIC_GRAD_FORMATS = (None, "mxfp8_e4m3", "mxfp8_e5m2")
 
 

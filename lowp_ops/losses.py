@@ -17,6 +17,8 @@ from .lm_head import linear_cross_entropy
 from .meta.checks import require
 from .meta.cross_entropy import check_label_smoothing, check_reduction
 
+__all__ = ["CrossEntropyLoss", "LinearCrossEntropyLoss"]
+
 
 def _check_options(ignore_index: int, reduction: str, label_smoothing: float) -> None:
     require(

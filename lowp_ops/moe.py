@@ -9,6 +9,8 @@ from .meta.checks import require, require_tensor
 from .meta.grouped_mlp import RECIPES
 from .meta.split_sizes import check_split_sizes
 
+__all__ = ["grouped_swiglu_mlp"]
+
 
 def grouped_swiglu_mlp(
     x: torch.Tensor,

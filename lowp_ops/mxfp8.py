@@ -9,6 +9,8 @@ from .formats import FP8_DTYPES, MXFP8Tensor
 from .meta.checks import check_float_dtype, require_tensor
 from .meta.mxfp8 import check_quantize_args, normalize_fp8_dtype
 
+__all__ = ["mxfp8_dequantize", "mxfp8_quantize"]
+
 
 def mxfp8_quantize(
     x: torch.Tensor,

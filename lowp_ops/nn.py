@@ -6,10 +6,12 @@ import math
 
 import torch
 
-from .losses import CrossEntropyLoss, LinearCrossEntropyLoss  # noqa: F401  (lowp_ops.nn.*)
+from .losses import CrossEntropyLoss, LinearCrossEntropyLoss
 from .meta.checks import require
 from .meta.grouped_mlp import RECIPES
 from .moe import grouped_swiglu_mlp
+
+__all__ = ["CrossEntropyLoss", "GroupedSwiGLUMLP", "LinearCrossEntropyLoss"]
 
 
 class GroupedSwiGLUMLP(torch.nn.Module):

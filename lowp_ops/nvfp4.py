@@ -9,6 +9,8 @@ from .formats import NVFP4GroupedTensor, NVFP4Tensor
 from .meta.checks import check_float_dtype, require
 from .meta.nvfp4 import check_group_quantize_args, check_quantize_args
 
+__all__ = ["nvfp4_dequantize", "nvfp4_group_quantize", "nvfp4_quantize"]
+
 
 def _sr_seed(stochastic_rounding: bool, sr_seed: torch.Tensor | None, device) -> torch.Tensor | None:
     """The int64 [seed, offset] of stochastic rounding: the caller's, or drawn on the device from torch's
