@@ -7,38 +7,55 @@
 - LM head + loss: ``lowp_ops.linear_cross_entropy`` with the logits gradient written as MXFP8 and fed
   to the dgrad / wgrad GEMMs.
 
-The model runs under ``torch.compile(fullgraph=True)``; on CUDA the whole training step (forward,
-backward, AdamW) is captured in one CUDA graph and replayed. The text is generated deterministically
-(a small grammar, byte-level tokens), so the run needs no download. The last line printed is::
+``--baseline`` trains the same model (same parameters and initialization) in plain PyTorch instead:
+``torch.softmax``, bf16 experts on two ``torch._grouped_mm`` with ``silu(gate) * linear * probs`` between
+them, and ``F.cross_entropy`` on the full logits.
 
-    steps=<n> first_loss=<x> last_loss=<y> graph_breaks=<k> recompiles=<r> tokens_per_s=<t>
+``--mode`` picks how a step runs: ``graph`` (the default on CUDA: the step under
+``torch.compile(fullgraph=True)``, then captured in one CUDA graph with AdamW and replayed),
+``compiled`` (the default on CPU: ``torch.compile`` without CUDA graphs) or ``eager`` (no compile). The
+text is generated deterministically (a small grammar, byte-level tokens), so the run needs no download.
+Each run prints one line (wrapped here)::
 
-Usage: ``python examples/train_tiny_moe.py --steps 30`` (CPU, reference kernels), or
-``--device cuda`` (Triton kernels, CUDA graph), ``--recipe mxfp8``, ``--plot losses.png`` (trains the
-three recipes and saves their loss curves side by side).
+    model=<lowp|baseline> recipe=<r> device=<d> mode=<m> steps=<n> first_loss=<x> last_loss=<y>
+    graph_breaks=<k> recompiles=<r> tokens_per_s=<t> peak_memory_mib=<MiB, or n/a on CPU>
+
+tokens/s counts the steps after the first ``WARMUP_STEPS + 1`` (compilation, warm-up and
+the CUDA-graph capture happen there). Usage: ``python examples/train_tiny_moe.py --steps 30`` (CPU,
+reference kernels), ``--device cuda`` (Triton kernels), ``--recipe mxfp8``, ``--plot losses.png``
+(trains the three recipes, and the baseline with ``--baseline``, and plots their loss curves).
+Needs the ``examples`` extra (tqdm, matplotlib): ``pip install -e ".[examples]"``.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import random
-import struct
 import sys
 import time
-import zlib
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
 import lowp_ops
 
+try:
+    from tqdm import tqdm
+except ImportError as error:  # pragma: no cover - the message is the point
+    raise SystemExit(f'{error}: install the examples extra: pip install -e ".[examples]"') from error
+
 RECIPES = ("bf16", "mxfp8", "nvfp4")
+MODES = ("graph", "compiled", "eager")
 VOCAB = 256  # bytes
 # Expert groups are padded to this many rows on the device (MXFP8 blocks run 32 tokens along a group).
 GROUP_ALIGN = 32
+WARMUP_STEPS = 3  # steps run before the CUDA-graph capture (mode "graph")
+LOSS_DISPLAY_EVERY = 10  # the progress bar reads the loss (a host sync) this often
+
+Softmax = Callable[..., torch.Tensor]
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -60,8 +77,10 @@ def tiny_corpus(n_chars: int, seed: int = 0) -> bytes:
     return "".join(parts).encode()[:n_chars]
 
 
-def batches(data: torch.Tensor, batch: int, seq: int, steps: int, seed: int = 0):
-    """``steps`` (inputs, targets) pairs of shape (batch, seq), drawn with a fixed generator."""
+def batches(
+    data: torch.Tensor, batch: int, seq: int, steps: int, seed: int = 0
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``steps`` (inputs, targets) int64 pairs of shape (batch, seq), drawn with a fixed generator."""
     generator = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         starts = torch.randint(0, data.numel() - seq - 1, (batch,), generator=generator)
@@ -73,9 +92,11 @@ def batches(data: torch.Tensor, batch: int, seq: int, steps: int, seed: int = 0)
 
 
 class CausalSelfAttention(torch.nn.Module):
-    def __init__(self, dim: int, heads: int):
+    """Multi-head causal attention whose probabilities come from ``softmax`` (lowp's or torch's)."""
+
+    def __init__(self, dim: int, heads: int, softmax: Softmax):
         super().__init__()
-        self.heads = heads
+        self.heads, self.softmax = heads, softmax
         self.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)
         self.out = torch.nn.Linear(dim, dim, bias=False)
 
@@ -85,8 +106,25 @@ class CausalSelfAttention(torch.nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         scores = q @ k.transpose(-1, -2) / math.sqrt(dim // self.heads)
         causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
-        probs = lowp_ops.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
+        probs = self.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
         return self.out((probs @ v).transpose(1, 2).reshape(batch, seq, dim))
+
+
+class PlainGroupedSwiGLUMLP(lowp_ops.nn.GroupedSwiGLUMLP):
+    """The baseline's experts: the parameters and initialization of ``GroupedSwiGLUMLP`` (recipe bf16),
+    computed in plain PyTorch: ``torch._grouped_mm`` for FC1 and FC2, ``silu(gate) * linear * probs``
+    between them, autograd for the backward. x (T, H) bf16 sorted by expert, split_sizes (E,) integer,
+    probs (T,) fp32 -> (T, H) bf16."""
+
+    def __init__(self, num_experts: int, hidden: int, ffn: int):
+        super().__init__(num_experts, hidden, ffn, recipe="bf16")
+
+    def forward(self, x: torch.Tensor, split_sizes: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        group_ends = torch.cumsum(split_sizes, 0, dtype=torch.int32)
+        fc1 = torch._grouped_mm(x, self.fc1_weight.transpose(-2, -1), offs=group_ends)
+        gate, linear = fc1.chunk(2, dim=-1)  # gate rows first, as GroupedSwiGLUMLP
+        hidden = (F.silu(gate) * linear * probs.unsqueeze(-1)).to(x.dtype)
+        return torch._grouped_mm(hidden, self.fc2_weight.transpose(-2, -1), offs=group_ends)
 
 
 class MoELayer(torch.nn.Module):
@@ -94,16 +132,20 @@ class MoELayer(torch.nn.Module):
     group is padded to ``GROUP_ALIGN`` rows inside a buffer of static size (padding rows carry
     probability 0), so no shape depends on the routing and nothing leaves the device."""
 
-    def __init__(self, dim: int, ffn: int, experts: int, top_k: int, recipe: str):
+    def __init__(self, dim: int, ffn: int, experts: int, top_k: int, recipe: str, baseline: bool):
         super().__init__()
         self.experts, self.top_k = experts, top_k
+        self.softmax = torch.softmax if baseline else lowp_ops.softmax
         self.router = torch.nn.Linear(dim, experts, bias=False)
-        self.mlp = lowp_ops.nn.GroupedSwiGLUMLP(experts, dim, ffn, recipe=recipe)
+        if baseline:
+            self.mlp = PlainGroupedSwiGLUMLP(experts, dim, ffn)
+        else:
+            self.mlp = lowp_ops.nn.GroupedSwiGLUMLP(experts, dim, ffn, recipe=recipe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens, dim = x.shape
         assignments = tokens * self.top_k
-        router_probs = lowp_ops.softmax(self.router(x).float(), dim=-1)
+        router_probs = self.softmax(self.router(x).float(), dim=-1)
         top_probs, top_experts = router_probs.topk(self.top_k, dim=-1)
         top_probs = top_probs / top_probs.sum(-1, keepdim=True)
         expert = top_experts.reshape(-1)  # assignment a = token * top_k + j
@@ -132,12 +174,12 @@ class MoELayer(torch.nn.Module):
 
 
 class Block(torch.nn.Module):
-    def __init__(self, dim: int, heads: int, ffn: int, experts: int, top_k: int, recipe: str):
+    def __init__(self, dim: int, heads: int, ffn: int, experts: int, top_k: int, recipe: str, baseline: bool):
         super().__init__()
         self.norm1 = torch.nn.RMSNorm(dim)
-        self.attn = CausalSelfAttention(dim, heads)
+        self.attn = CausalSelfAttention(dim, heads, torch.softmax if baseline else lowp_ops.softmax)
         self.norm2 = torch.nn.RMSNorm(dim)
-        self.moe = MoELayer(dim, ffn, experts, top_k, recipe)
+        self.moe = MoELayer(dim, ffn, experts, top_k, recipe, baseline)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
@@ -146,22 +188,31 @@ class Block(torch.nn.Module):
 
 
 class TinyMoELM(torch.nn.Module):
-    def __init__(self, dim=64, heads=4, layers=2, ffn=128, experts=4, top_k=2, recipe="bf16", seq=64):
+    """Byte-level MoE LM. ``baseline=False``: lowp ops with the experts' ``recipe``; ``baseline=True``:
+    the same model (same parameters, drawn in the same order) in plain PyTorch with bf16 experts."""
+
+    def __init__(
+        self, dim=64, heads=4, layers=2, ffn=128, experts=4, top_k=2, recipe="bf16", seq=64, baseline=False
+    ):
         super().__init__()
+        self.baseline = baseline
         # Token and position embeddings as one-hot matmuls: deterministic backward on every device.
         self.embed = torch.nn.Parameter(torch.randn(VOCAB, dim) * 0.02)
         self.position = torch.nn.Parameter(torch.randn(seq, dim) * 0.02)
         self.blocks = torch.nn.ModuleList(
-            Block(dim, heads, ffn, experts, top_k, recipe) for _ in range(layers)
+            Block(dim, heads, ffn, experts, top_k, recipe, baseline) for _ in range(layers)
         )
         self.norm = torch.nn.RMSNorm(dim)
         self.head = torch.nn.Parameter(torch.randn(VOCAB, dim, dtype=torch.bfloat16) * 0.02)
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-byte cross entropy (fp32 scalar) of int64 (batch, seq) inputs and targets."""
         x = F.one_hot(inputs, VOCAB).float() @ self.embed + self.position[: inputs.shape[1]]
         for block in self.blocks:
             x = block(x)
         hidden = self.norm(x).to(torch.bfloat16).reshape(-1, x.shape[-1])
+        if self.baseline:
+            return F.cross_entropy(F.linear(hidden, self.head).float(), targets.reshape(-1))
         return lowp_ops.linear_cross_entropy(hidden, self.head, targets.reshape(-1), grad_format="mxfp8_e4m3")
 
 
@@ -178,16 +229,19 @@ def dynamo_counts() -> tuple[int, int]:
 
 
 class Trainer:
-    """One training step = compiled forward + backward + AdamW. On CUDA (``cuda_graph``) the first
-    ``warmup`` steps run as is, then the step is captured in a CUDA graph and replayed with each new
-    batch copied into its static inputs."""
+    """One training step = forward + backward + AdamW; the loss compiled unless ``mode == "eager"``.
+    With ``mode == "graph"`` (CUDA) the first ``warmup`` steps run as is, then the step is captured in a
+    CUDA graph and replayed with each new batch copied into its static inputs."""
 
-    def __init__(self, model, device: str, batch: int, seq: int, cuda_graph: bool, warmup: int = 3):
+    def __init__(
+        self, model: TinyMoELM, device: str, batch: int, seq: int, mode: str, warmup: int = WARMUP_STEPS
+    ):
         self.model, self.device = model, device
-        self.loss_fn = torch.compile(model.loss, fullgraph=True)
+        self.loss_fn = model.loss if mode == "eager" else torch.compile(model.loss, fullgraph=True)
+        # Capturable on every CUDA run, so that graph and compiled runs take the same optimizer steps.
         capturable = device == "cuda"
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, capturable=capturable)
-        self.cuda_graph, self.warmup = cuda_graph, warmup
+        self.cuda_graph, self.warmup = mode == "graph", warmup
         self.inputs = torch.zeros(batch, seq, dtype=torch.long, device=device)
         self.targets = torch.zeros(batch, seq, dtype=torch.long, device=device)
         self.graph = None
@@ -201,6 +255,7 @@ class Trainer:
         return loss.detach()
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One step on a (batch, seq) batch -> its loss, an fp32 scalar on the device (not synced)."""
         self.inputs.copy_(inputs)
         self.targets.copy_(targets)
         if not self.cuda_graph or self.steps_done < self.warmup:
@@ -217,145 +272,157 @@ class Trainer:
         return loss
 
 
-def progress(step: int, total: int, loss: float, start: float) -> None:
-    width = 30
-    filled = width * step // total
-    rate = step / max(time.perf_counter() - start, 1e-9)
-    bar = "#" * filled + "." * (width - filled)
-    print(f"\r[{bar}] {step}/{total} loss {loss:.4f} {rate:.1f} it/s", end="", file=sys.stderr, flush=True)
-    if step == total:
-        print(file=sys.stderr)
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
-def train(args, recipe: str) -> dict:
+def run_label(baseline: bool, recipe: str) -> str:
+    return "plain PyTorch bf16" if baseline else f"lowp {recipe}"
+
+
+def train(args: argparse.Namespace, recipe: str, baseline: bool) -> dict:
+    """Train one model for ``args.steps`` steps -> its losses, Dynamo counts, tokens/s and peak memory."""
     torch.manual_seed(args.seed)
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     data = torch.frombuffer(bytearray(tiny_corpus(200_000, args.seed)), dtype=torch.uint8)
-    model = TinyMoELM(recipe=recipe, seq=args.seq).to(args.device)
-    trainer = Trainer(
-        model, args.device, args.batch, args.seq, cuda_graph=args.device == "cuda" and not args.no_cuda_graph
-    )
-    losses = []
+    model = TinyMoELM(recipe=recipe, seq=args.seq, baseline=baseline).to(args.device)
+    trainer = Trainer(model, args.device, args.batch, args.seq, args.mode)
+    untimed = min(WARMUP_STEPS + 1, args.steps - 1)
     start = time.perf_counter()
-    first_step_done = None
+    losses = []
+    bar = tqdm(total=args.steps, desc=run_label(baseline, recipe), unit="step", disable=None, file=sys.stderr)
     for step, (inputs, targets) in enumerate(batches(data, args.batch, args.seq, args.steps, args.seed), 1):
-        loss = trainer.step(inputs.to(args.device), targets.to(args.device))
-        losses.append(loss.item())
-        if step == 1:
-            first_step_done = time.perf_counter()
-        progress(step, args.steps, losses[-1], start)
-    elapsed = time.perf_counter() - (first_step_done if args.steps > 1 else start)
-    timed_steps = max(args.steps - 1, 1)
+        if step == untimed + 1:
+            synchronize(args.device)
+            start = time.perf_counter()
+        losses.append(trainer.step(inputs.to(args.device), targets.to(args.device)))
+        bar.update(1)
+        if not bar.disable and (step % LOSS_DISPLAY_EVERY == 0 or step == args.steps):
+            bar.set_postfix(loss=f"{losses[-1].item():.4f}")
+    synchronize(args.device)
+    elapsed = time.perf_counter() - start
+    bar.close()
     breaks, recompiles = dynamo_counts()
+    peak = torch.cuda.max_memory_allocated() / 2**20 if args.device == "cuda" else None
     return {
+        "model": "baseline" if baseline else "lowp",
         "recipe": recipe,
-        "losses": losses,
+        "losses": torch.stack(losses).tolist(),
         "graph_breaks": breaks,
         "recompiles": recompiles,
-        "tokens_per_s": timed_steps * args.batch * args.seq / elapsed,
+        "tokens_per_s": (args.steps - untimed) * args.batch * args.seq / elapsed,
+        "peak_memory_mib": peak,
     }
+
+
+def summary(args: argparse.Namespace, run: dict) -> str:
+    """The one-line result of a run (the module docstring gives its fields)."""
+    peak = "n/a" if run["peak_memory_mib"] is None else f"{run['peak_memory_mib']:.1f}"
+    return (
+        f"model={run['model']} recipe={run['recipe']} device={args.device} mode={args.mode} "
+        f"steps={args.steps} first_loss={run['losses'][0]:.4f} last_loss={run['losses'][-1]:.4f} "
+        f"graph_breaks={run['graph_breaks']} recompiles={run['recompiles']} "
+        f"tokens_per_s={run['tokens_per_s']:.0f} peak_memory_mib={peak}"
+    )
 
 
 # ------------------------------------------------------------------------------------------------ plot
 
 
-def save_plot(path: str, runs: list[dict]) -> None:
-    """Loss curves of the runs side by side: matplotlib when installed, else a plain PNG (curves only)."""
-    try:
-        import matplotlib
+def loss_figure(runs: list[dict], title: str):
+    """A matplotlib Figure with every run's loss per step on one titled, labelled axis with a legend."""
+    from matplotlib.figure import Figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        _save_plain_png(path, [run["losses"] for run in runs])
-        return
-    figure, axes = plt.subplots(1, len(runs), figsize=(4 * len(runs), 3), sharey=True)
-    for axis, run in zip(axes if len(runs) > 1 else [axes], runs, strict=True):
-        axis.plot(range(1, len(run["losses"]) + 1), run["losses"])
-        axis.set_title(f"recipe={run['recipe']}")
-        axis.set_xlabel("step")
-    (axes[0] if len(runs) > 1 else axes).set_ylabel("loss")
+    figure = Figure(figsize=(7, 4.5))
+    axis = figure.add_subplot()
+    for run in runs:
+        steps = range(1, len(run["losses"]) + 1)
+        baseline = run["model"] == "baseline"
+        style = "--" if baseline else "-"
+        axis.plot(steps, run["losses"], style, label=run_label(baseline, run["recipe"]))
+    axis.set_title(title)
+    axis.set_xlabel("training step")
+    axis.set_ylabel("cross-entropy loss (nats per byte)")
+    axis.grid(alpha=0.3)
+    axis.legend()
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
-
-
-def _save_plain_png(path: str, curves: list[list[float]], width: int = 300, height: int = 200) -> None:
-    """A grey-scale PNG with one panel per curve (shared y range), drawn without any plotting library."""
-    low = min(min(c) for c in curves)
-    high = max(max(c) for c in curves)
-    span = (high - low) or 1.0
-    canvas = [[255] * (width * len(curves)) for _ in range(height)]
-    for panel, curve in enumerate(curves):
-        x0 = panel * width
-        for y in range(height):
-            canvas[y][x0] = 0  # panel border
-        points = [
-            (x0 + 5 + i * (width - 10) // max(len(curve) - 1, 1), 5 + int((high - v) / span * (height - 10)))
-            for i, v in enumerate(curve)
-        ]
-        for (xa, ya), (xb, yb) in itertools.pairwise(points):
-            for t in range(max(abs(xb - xa), abs(yb - ya)) + 1):
-                f = t / max(abs(xb - xa), abs(yb - ya), 1)
-                canvas[round(ya + f * (yb - ya))][round(xa + f * (xb - xa))] = 0
-    raw = b"".join(b"\x00" + bytes(row) for row in canvas)
-
-    def chunk(kind: bytes, payload: bytes) -> bytes:
-        return (
-            struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
-        )
-
-    header = struct.pack(">IIBBBBB", width * len(curves), height, 8, 0, 0, 0, 0)
-    with open(path, "wb") as f:
-        f.write(
-            b"\x89PNG\r\n\x1a\n"
-            + chunk(b"IHDR", header)
-            + chunk(b"IDAT", zlib.compress(raw))
-            + chunk(b"IEND", b"")
-        )
+    return figure
 
 
 # ------------------------------------------------------------------------------------------------ main
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--recipe", choices=RECIPES, default="mxfp8")
-    parser.add_argument("--plot", default=None, help="PNG path: train all three recipes, plot their losses")
+    parser.add_argument(
+        "--mode", choices=MODES, default=None, help="default: graph on CUDA, compiled on CPU (see above)"
+    )
+    parser.add_argument("--recipe", choices=RECIPES, default=None, help="the experts' recipe (mxfp8)")
+    parser.add_argument(
+        "--baseline", action="store_true", help="the same model in plain PyTorch (bf16 experts)"
+    )
+    parser.add_argument(
+        "--plot", default=None, help="PNG path: train the three recipes (and --baseline), plot the losses"
+    )
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-cuda-graph", action="store_true", help="CUDA: run the compiled step eagerly")
-    parser.add_argument("--losses", default=None, help="write the per-step losses (JSON) to this path")
+    parser.add_argument("--losses", default=None, help="write each run's per-step losses (JSON) here")
     args = parser.parse_args(argv)
-    if args.steps < 1:
-        parser.error(f"--steps must be at least 1, got {args.steps}")
+    for name in ("steps", "batch", "seq"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
-
-    recipes = [r for r in RECIPES if r != args.recipe] + [args.recipe] if args.plot else [args.recipe]
-    runs = []
-    for recipe in recipes:
-        torch._dynamo.reset()
-        from torch._dynamo.utils import counters
-
-        counters.clear()
-        runs.append(train(args, recipe))
-        if args.plot:
-            losses = runs[-1]["losses"]
-            print(f"recipe={recipe} first_loss={losses[0]:.4f} last_loss={losses[-1]:.4f}")
+    args.mode = args.mode or ("graph" if args.device == "cuda" else "compiled")
+    if args.mode == "graph" and args.device != "cuda":
+        parser.error("--mode graph captures a CUDA graph: it needs --device cuda (use compiled or eager)")
+    if args.baseline and args.recipe not in (None, "bf16"):
+        parser.error(f"--baseline trains bf16 experts: --recipe must be bf16 or left out, got {args.recipe}")
+    if args.plot and args.recipe is not None:
+        parser.error("--plot trains every recipe: leave --recipe out")
     if args.plot:
-        save_plot(args.plot, sorted(runs, key=lambda run: RECIPES.index(run["recipe"])))
-    run = runs[-1]
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error('--plot needs matplotlib: pip install -e ".[examples]"')
+    return args
+
+
+def planned_runs(args: argparse.Namespace) -> list[tuple[str, bool]]:
+    """(recipe, baseline) of each run, in order."""
+    if args.plot:
+        return [(recipe, False) for recipe in RECIPES] + ([("bf16", True)] if args.baseline else [])
+    if args.baseline:
+        return [("bf16", True)]
+    return [(args.recipe or "mxfp8", False)]
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    from torch._dynamo.utils import counters
+
+    runs = []
+    for recipe, baseline in planned_runs(args):
+        torch._dynamo.reset()
+        counters.clear()
+        runs.append(train(args, recipe, baseline))
+        print(summary(args, runs[-1]), flush=True)
+    if args.plot:
+        title = f"Tiny MoE LM on {args.device}, mode {args.mode}: training loss"
+        loss_figure(runs, title).savefig(args.plot, dpi=100)
     if args.losses:
         with open(args.losses, "w") as f:
-            json.dump({"recipe": run["recipe"], "losses": [float.hex(v) for v in run["losses"]]}, f)
-    print(
-        f"steps={args.steps} first_loss={run['losses'][0]:.4f} last_loss={run['losses'][-1]:.4f} "
-        f"graph_breaks={run['graph_breaks']} recompiles={run['recompiles']} "
-        f"tokens_per_s={run['tokens_per_s']:.0f}"
-    )
-    return run
+            fields = ("model", "recipe")
+            records = [
+                {**{k: run[k] for k in fields}, "losses": [v.hex() for v in run["losses"]]} for run in runs
+            ]
+            json.dump({"runs": records}, f)
+    return runs
 
 
 if __name__ == "__main__":
