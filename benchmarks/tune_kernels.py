@@ -100,7 +100,9 @@ def tune_cross_entropy(copy_tbs: float, results: list) -> None:
     logits = (torch.randn(n_rows, vocab, device="cuda") * 3).to(torch.bfloat16)
     target = torch.randint(0, vocab, (n_rows,), device="cuda")
     forward = {
-        f"block={b} warps={w}": (lambda b=b, w=w: launch_cross_entropy_fwd(logits, target, 0.0, -100, b, w))
+        f"block={b} warps={w}": (
+            lambda b=b, w=w: launch_cross_entropy_fwd(logits, target, 0.0, -100, block=b, num_warps=w)
+        )
         for b, w in [(4096, 2), (4096, 4), (8192, 4), (8192, 8), (16384, 8)]
     }
     sweep("ce fwd", 2, logits.numel(), copy_tbs, forward, results)

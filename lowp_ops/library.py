@@ -337,7 +337,8 @@ softmax_fwd.register_autograd(_softmax_backward, setup_context=_softmax_setup)
 
 cross_entropy_fwd = _define(
     "cross_entropy_fwd",
-    "(Tensor logits, Tensor target, float label_smoothing, SymInt ignore_index) -> (Tensor, Tensor)",
+    "(Tensor logits, Tensor target, float label_smoothing, SymInt ignore_index, Tensor? weight=None)"
+    " -> (Tensor, Tensor)",
     ce_ref.cross_entropy_fwd,
     "cross_entropy.launch_cross_entropy_fwd",
     ce_meta.cross_entropy_fwd_outputs,
@@ -346,7 +347,7 @@ cross_entropy_fwd = _define(
 cross_entropy_bwd = _define(
     "cross_entropy_bwd",
     "(Tensor logits, Tensor target, Tensor row_stats, Tensor grad_rows, float label_smoothing,"
-    " SymInt ignore_index, SymInt vocab_start=0, SymInt vocab_total=0) -> Tensor",
+    " SymInt ignore_index, SymInt vocab_start=0, SymInt vocab_total=0, Tensor? weight=None) -> Tensor",
     ce_ref.cross_entropy_bwd,
     "cross_entropy.launch_cross_entropy_bwd",
     ce_meta.cross_entropy_bwd_output,
@@ -356,7 +357,7 @@ cross_entropy_bwd_mxfp8 = _define(
     "cross_entropy_bwd_mxfp8",
     "(Tensor logits, Tensor target, Tensor row_stats, Tensor grad_rows, float label_smoothing,"
     " SymInt ignore_index, str fp8_dtype, bool rowwise, bool columnwise, str scale_layout,"
-    " SymInt vocab_start=0, SymInt vocab_total=0) -> (Tensor, Tensor, Tensor, Tensor)",
+    " SymInt vocab_start=0, SymInt vocab_total=0, Tensor? weight=None) -> (Tensor, Tensor, Tensor, Tensor)",
     ce_ref.cross_entropy_bwd_mxfp8,
     "cross_entropy.launch_cross_entropy_bwd_mxfp8",
     ce_meta.cross_entropy_bwd_mxfp8_outputs,
@@ -364,27 +365,32 @@ cross_entropy_bwd_mxfp8 = _define(
 
 
 def _cross_entropy_setup(ctx, inputs, output):
-    logits, target, label_smoothing, ignore_index = inputs
+    # inputs: (logits, target, label_smoothing, ignore_index[, weight]); class weights get no gradient.
+    logits, target, label_smoothing, ignore_index, *rest = inputs
+    weight = rest[0] if rest else None
+    if weight is not None and weight.requires_grad:
+        raise ValueError("weight (class weights) must not require grad: lowp_ops gives it no gradient")
     ctx.label_smoothing = label_smoothing
     ctx.ignore_index = ignore_index
-    ctx.save_for_backward(logits, target, output[1])
+    ctx.save_for_backward(logits, target, output[1], weight)
     ctx.mark_non_differentiable(output[1])
 
 
 def _cross_entropy_backward(ctx, grad_loss, _grad_row_stats):
-    logits, target, row_stats = ctx.saved_tensors
+    logits, target, row_stats, weight = ctx.saved_tensors
     # grad_loss may be an expanded (stride-0) view: the kernel reads it through its stride.
     dlogits = cross_entropy_bwd(
-        logits, target, row_stats, grad_loss.float(), ctx.label_smoothing, ctx.ignore_index
+        logits, target, row_stats, grad_loss.float(), ctx.label_smoothing, ctx.ignore_index, 0, 0, weight
     )
-    return dlogits, None, None, None
+    return dlogits, None, None, None, None
 
 
 cross_entropy_fwd.register_autograd(_cross_entropy_backward, setup_context=_cross_entropy_setup)
 
 cross_entropy_reduce = _define(
     "cross_entropy_reduce",
-    "(Tensor loss_rows, Tensor target, SymInt ignore_index, bool mean) -> (Tensor, Tensor)",
+    "(Tensor loss_rows, Tensor target, SymInt ignore_index, bool mean, Tensor? weight=None)"
+    " -> (Tensor, Tensor)",
     ce_ref.cross_entropy_reduce,
     "cross_entropy.launch_cross_entropy_reduce",
     ce_meta.cross_entropy_reduce_outputs,
@@ -399,7 +405,7 @@ def _cross_entropy_reduce_setup(ctx, inputs, output):
 
 def _cross_entropy_reduce_backward(ctx, grad_loss, _grad_scale):
     (grad_scale,) = ctx.saved_tensors
-    return (grad_loss.float() * grad_scale).expand(ctx.rows), None, None, None
+    return (grad_loss.float() * grad_scale).expand(ctx.rows), None, None, None, None
 
 
 cross_entropy_reduce.register_autograd(

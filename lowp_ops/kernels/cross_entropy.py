@@ -25,11 +25,18 @@ from ..meta.cross_entropy import (
     cross_entropy_fwd_outputs,
     cross_entropy_reduce_outputs,
 )
-from ..reference.cross_entropy import cross_entropy_reduce
+from ..reference.cross_entropy import cross_entropy_reduce, smoothing_weight_total
 from .bf16_pairs import round_pairs_to_bf16
 from .launch import cached_launch
 from .mxfp8 import TRITON_FP8, quantize_tile, store_tile, tile_cols, tile_coords
-from .softmax import finish_log_sum, masked_safe_shift, row_stats_and_shifted_sum, rows_with_unit_stride
+from .softmax import (
+    finish_log_sum,
+    masked_safe_shift,
+    online_softmax_update,
+    rebase_shifted_sum,
+    row_stats_and_shifted_sum,
+    rows_with_unit_stride,
+)
 
 INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 FWD_BLOCK = 8192
@@ -58,12 +65,21 @@ def cross_entropy_fwd_kernel(
     n_cols,
     ignore_index,
     label_smoothing,
+    weight_ptr,
+    smooth_total_ptr,
+    smoothing_eps,
     BLOCK: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
-    m, d, shifted_sum = row_stats_and_shifted_sum(row_ptr, n_cols, BLOCK, HAS_SMOOTHING)
+    if HAS_WEIGHT:
+        m, d, shifted_sum = row_stats_and_weighted_shifted_sum(
+            row_ptr, weight_ptr, n_cols, BLOCK, HAS_SMOOTHING
+        )
+    else:
+        m, d, shifted_sum = row_stats_and_shifted_sum(row_ptr, n_cols, BLOCK, HAS_SMOOTHING)
     shift = masked_safe_shift(m)
     log_sum = finish_log_sum(d)
 
@@ -71,9 +87,24 @@ def cross_entropy_fwd_kernel(
     is_valid = target != ignore_index
     in_range = (target >= 0) & (target < n_cols)
     target_logit = tl.load(row_ptr + target, mask=is_valid & in_range, other=0.0).to(tl.float32)
-    loss = row_loss(
-        shift, log_sum, target_logit, shifted_sum, n_cols, label_smoothing, in_range, is_valid, HAS_SMOOTHING
-    )
+    if HAS_WEIGHT:
+        target_class_weight = tl.load(weight_ptr + target, mask=is_valid & in_range, other=0.0)
+        loss = weighted_row_loss(
+            shift, log_sum, target_logit, target_class_weight, shifted_sum, smooth_total_ptr, smoothing_eps,
+            label_smoothing, in_range, is_valid, HAS_SMOOTHING,
+        )  # fmt: skip
+    else:
+        loss = row_loss(
+            shift,
+            log_sum,
+            target_logit,
+            shifted_sum,
+            n_cols,
+            label_smoothing,
+            in_range,
+            is_valid,
+            HAS_SMOOTHING,
+        )
     tl.store(loss_ptr + row, loss)
     tl.store(shift_ptr + row, shift)
     tl.store(log_sum_ptr + row, log_sum)
@@ -102,6 +133,55 @@ def row_loss(
 
 
 @triton.jit
+def row_stats_and_weighted_shifted_sum(
+    row_ptr, weight_ptr, n_cols, BLOCK: tl.constexpr, WITH_SUM: tl.constexpr
+):
+    """``row_stats_and_shifted_sum`` with the class-weighted sum ``Σ_c w_c (x_c - shift(m))`` (fp32
+    weights ``weight_ptr``), rebased by the weight seen so far as the shift moves."""
+    m = float("-inf")
+    d = 0.0
+    total = 0.0
+    weight_seen = 0.0
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        in_row = cols < n_cols
+        block = tl.load(row_ptr + cols, mask=in_row, other=float("-inf")).to(tl.float32)
+        m_old = m
+        m, d, shifted = online_softmax_update(m, d, block)
+        if WITH_SUM:
+            w = tl.load(weight_ptr + cols, mask=in_row, other=0.0)
+            total = rebase_shifted_sum(total, weight_seen, m_old, m)
+            # Masked lanes hold 0 * -inf: excluded (a real -inf logit of weight 0 gives NaN, as torch).
+            total += tl.sum(tl.where(in_row, w * shifted, 0.0), 0)
+            weight_seen += tl.sum(w, 0)
+    return m, d, total
+
+
+@triton.jit
+def weighted_row_loss(
+    shift,
+    log_sum,
+    target_logit,
+    target_class_weight,
+    weighted_shifted_sum,
+    smooth_total_ptr,
+    smoothing_eps,
+    label_smoothing,
+    in_range,
+    is_valid,
+    HAS_SMOOTHING: tl.constexpr,
+):
+    """fp32 class-weighted loss of a row: ``(1 - ls) w_y ((shift - x_y) + log_sum)`` plus, with label
+    smoothing, ``s_w log_sum - eps Σ_c w_c (x_c - shift)`` (``s_w = eps Σ_c w_c`` at ``smooth_total_ptr``).
+    NaN for an out-of-range target, 0 for an ignored row."""
+    nll = (shift - tl.where(in_range, target_logit, float("nan"))) + log_sum
+    loss = (1.0 - label_smoothing) * target_class_weight * nll
+    if HAS_SMOOTHING:
+        loss = loss + (tl.load(smooth_total_ptr) * log_sum - smoothing_eps * weighted_shifted_sum)
+    return tl.where(is_valid, loss, 0.0)
+
+
+@triton.jit
 def softmax_minus_eps(x, shift, log2_sum, smoothing_eps, HAS_SMOOTHING: tl.constexpr):
     """``exp((x - shift) - log_sum) - eps`` in fp32, ``log_sum`` given as ``log_sum * log2(e)``: one FSUB,
     one FMA and ex2 per element. ``x - shift`` first keeps the digits at any magnitude."""
@@ -119,6 +199,38 @@ def cross_entropy_grad(p, cols, target, row_scale, ignored, target_weight):
     kernel), which is what makes the MXFP8 kernels' bytes equal quantize(bf16 kernel's output)."""
     p = tl.where(cols == target, p - target_weight, p)
     return tl.where(ignored, 0.0, p * row_scale)
+
+
+@triton.jit
+def load_class_weight_terms(
+    target_ptr, weight_ptr, smooth_total_ptr, rows_idx, rows, vocab_total, ignore_index, target_weight
+):
+    """Class weights, rows ``rows_idx``: (``w_y``, ``α = (1 - ls) w_y + s_w``) in fp32, one FMA, so that
+    every kernel forms the same bits (0 and ``s_w`` where the target is out of range: its row scale is
+    NaN anyway). ``target_weight`` is ``1 - ls``."""
+    row_ok = rows_idx < rows
+    target = tl.load(target_ptr + rows_idx, mask=row_ok, other=ignore_index).to(tl.int64)
+    in_range = (target >= 0) & (target < vocab_total)
+    class_weight = tl.load(weight_ptr + target, mask=row_ok & in_range, other=0.0)
+    smooth_total = tl.load(smooth_total_ptr + rows_idx * 0)  # one value, in the rows' layout
+    return class_weight, tl.fma(target_weight, class_weight, smooth_total)
+
+
+@triton.jit
+def class_weighted_probs(p, alpha, column_eps, HAS_SMOOTHING: tl.constexpr):
+    """``p α - eps w_i`` from ``p = softmax_minus_eps(x)`` (no eps there), ``column_eps = eps * w_i``:
+    one explicit FMA (no contraction left to the compiler, which could differ between kernels)."""
+    if HAS_SMOOTHING:
+        return tl.fma(p, alpha, -column_eps)
+    return p * alpha
+
+
+@triton.jit
+def weighted_cross_entropy_grad(q, cols, target, row_scale, ignored, target_weight, class_weight):
+    """:func:`cross_entropy_grad` with class weights: ``(q - (1 - ls) w_y [col == y]) * row_scale``, the
+    target term one FMA; ``q = class_weighted_probs(...)``, row values broadcast to q's shape."""
+    q = tl.where(cols == target, tl.fma(-target_weight, class_weight, q), q)
+    return tl.where(ignored, 0.0, q * row_scale)
 
 
 @triton.jit
@@ -198,9 +310,12 @@ def program_tile_grad(
     vocab_total,
     smoothing_eps,
     target_weight,
+    weight_ptr,
+    smooth_total_ptr,
     BLOCK_COLS: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     EVEN: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
 ):
     """This program's 32 x BLOCK_COLS tile: (row_block, rows_idx, cols, tile_col0, fp32 gradient).
 
@@ -227,13 +342,30 @@ def program_tile_grad(
         vocab_total,
     )
     special = ignored | ((target >= tile_col0) & (target < tile_col0 + BLOCK_COLS))
-    p = softmax_minus_eps(x.to(tl.float32), shift[:, None], log2_sum[:, None], smoothing_eps, HAS_SMOOTHING)
-    if tl.max(special.to(tl.int32), 0) > 0:
-        grad = cross_entropy_grad(
-            p, cols[None, :], target[:, None], row_scale[:, None], ignored[:, None], target_weight
+    if HAS_WEIGHT:
+        class_weight, alpha = load_class_weight_terms(
+            target_ptr, weight_ptr, smooth_total_ptr, rows_idx, rows, vocab_total, ignore_index, target_weight
         )
+        column_weight = tl.load(weight_ptr + vocab_start + cols, mask=cols < n_cols, other=0.0)
+        p = softmax_minus_eps(x.to(tl.float32), shift[:, None], log2_sum[:, None], 0.0, False)
+        q = class_weighted_probs(p, alpha[:, None], (smoothing_eps * column_weight)[None, :], HAS_SMOOTHING)
+        if tl.max(special.to(tl.int32), 0) > 0:
+            grad = weighted_cross_entropy_grad(
+                q, cols[None, :], target[:, None], row_scale[:, None], ignored[:, None], target_weight,
+                class_weight[:, None],
+            )  # fmt: skip
+        else:
+            grad = q * row_scale[:, None]
     else:
-        grad = p * row_scale[:, None]
+        p = softmax_minus_eps(
+            x.to(tl.float32), shift[:, None], log2_sum[:, None], smoothing_eps, HAS_SMOOTHING
+        )
+        if tl.max(special.to(tl.int32), 0) > 0:
+            grad = cross_entropy_grad(
+                p, cols[None, :], target[:, None], row_scale[:, None], ignored[:, None], target_weight
+            )
+        else:
+            grad = p * row_scale[:, None]
     return row_block, rows_idx, cols, tile_col0, grad
 
 
@@ -255,9 +387,12 @@ def cross_entropy_bwd_kernel(
     vocab_total,
     smoothing_eps,
     target_weight,
+    weight_ptr,
+    smooth_total_ptr,
     BLOCK_COLS: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     EVEN: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
 ):
     _, rows_idx, cols, _, grad = program_tile_grad(
         logits_ptr,
@@ -274,9 +409,12 @@ def cross_entropy_bwd_kernel(
         vocab_total,
         smoothing_eps,
         target_weight,
+        weight_ptr,
+        smooth_total_ptr,
         BLOCK_COLS,
         HAS_SMOOTHING,
         EVEN,
+        HAS_WEIGHT,
     )
     store_tile(dlogits_ptr, rows_idx, cols, rows, n_cols, grad.to(dlogits_ptr.dtype.element_ty), EVEN)
 
@@ -298,6 +436,8 @@ def cross_entropy_bwd_mxfp8_kernel(
     vocab_total,
     smoothing_eps,
     target_weight,
+    weight_ptr,
+    smooth_total_ptr,
     row_data_ptr,
     row_scale_ptr,
     row_scale_cols,
@@ -308,6 +448,7 @@ def cross_entropy_bwd_mxfp8_kernel(
     BLOCK_COLS: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     EVEN: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
     FP8_MAX: tl.constexpr,
     MAX_RCP: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
@@ -330,9 +471,12 @@ def cross_entropy_bwd_mxfp8_kernel(
         vocab_total,
         smoothing_eps,
         target_weight,
+        weight_ptr,
+        smooth_total_ptr,
         BLOCK_COLS,
         HAS_SMOOTHING,
         EVEN,
+        HAS_WEIGHT,
     )
     # Quantize exactly what the other kernel stores: the gradient rounded to the logits' dtype.
     grad = round_to_dtype(grad, logits_ptr.dtype.element_ty)
@@ -374,21 +518,37 @@ def _bwd_scalars(label_smoothing: float, vocab_total: int) -> tuple[float, float
     return round_to_fp32(label_smoothing / vocab_total), 1.0 - label_smoothing
 
 
+def class_weight_args(
+    weight: torch.Tensor | None, eps: float, placeholder: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 contiguous class weights, 0-d ``s_w = eps * Σ w`` on the device) for the kernels; without
+    weights a placeholder fp32 tensor for both (``HAS_WEIGHT=False`` never reads it)."""
+    if weight is None:
+        return placeholder, placeholder
+    weight = weight.float().contiguous()
+    return weight, smoothing_weight_total(weight, eps)
+
+
 def launch_cross_entropy_fwd(
     logits: torch.Tensor,
     target: torch.Tensor,
     label_smoothing: float,
     ignore_index: int,
+    weight: torch.Tensor | None = None,
+    *,
     block: int | None = None,
     num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    loss, stats = cross_entropy_fwd_outputs(logits, target, label_smoothing, ignore_index)
+    """``lowp::cross_entropy_fwd``; ``block`` / ``num_warps`` override the launch configuration."""
+    loss, stats = cross_entropy_fwd_outputs(logits, target, label_smoothing, ignore_index, weight)
     rows, n_cols = logits.shape
     if rows == 0:
         return loss, stats
     logits = rows_with_unit_stride(logits)
     default_block, default_warps = fwd_config(n_cols)
     block, num_warps = block or default_block, num_warps or default_warps
+    eps = round_to_fp32(label_smoothing / n_cols)
+    class_weights, smooth_total = class_weight_args(weight, eps, loss)
     cross_entropy_fwd_kernel[(rows,)](
         logits,
         logits.stride(0),
@@ -399,8 +559,12 @@ def launch_cross_entropy_fwd(
         n_cols,
         ignore_index,
         label_smoothing,
+        class_weights,
+        smooth_total,
+        eps,
         BLOCK=block,
         HAS_SMOOTHING=label_smoothing > 0,
+        HAS_WEIGHT=weight is not None,
         num_warps=num_warps,
     )
     return loss, stats
@@ -420,13 +584,14 @@ def launch_cross_entropy_bwd(
     ignore_index: int,
     vocab_start: int = 0,
     vocab_total: int = 0,
+    weight: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``lowp::cross_entropy_bwd``. ``out``: where to write dlogits; may be ``logits`` itself when it is
     contiguous (each program reads its tile before writing it), which the LM-head loss uses."""
     dlogits = cross_entropy_bwd_output(
-        logits, target, stats, grad_rows, label_smoothing, ignore_index, vocab_start, vocab_total, out
+        logits, target, stats, grad_rows, label_smoothing, ignore_index, vocab_start, vocab_total, weight, out
     )
     rows, n_cols = logits.shape
     if rows == 0 or n_cols == 0:
@@ -434,6 +599,7 @@ def launch_cross_entropy_bwd(
     logits = rows_with_unit_stride(logits)
     vocab_total = vocab_total or n_cols
     eps, target_weight = _bwd_scalars(label_smoothing, vocab_total)
+    class_weights, smooth_total = class_weight_args(weight, eps, grad_rows)
     cross_entropy_bwd_kernel[_bwd_grid(rows, n_cols, BWD_BLOCK_COLS)](
         logits,
         logits.stride(0),
@@ -449,9 +615,12 @@ def launch_cross_entropy_bwd(
         vocab_total,
         eps,
         target_weight,
+        class_weights,
+        smooth_total,
         BLOCK_COLS=BWD_BLOCK_COLS,
         HAS_SMOOTHING=label_smoothing > 0,
         EVEN=rows % TILE_ROWS == 0 and n_cols % BWD_BLOCK_COLS == 0,
+        HAS_WEIGHT=weight is not None,
         num_warps=4,
     )
     return dlogits
@@ -470,6 +639,7 @@ def launch_cross_entropy_bwd_mxfp8(
     scale_layout: str,
     vocab_start: int = 0,
     vocab_total: int = 0,
+    weight: torch.Tensor | None = None,
     *,
     gluon: bool | None = None,
     block_cols: int | None = None,
@@ -491,6 +661,7 @@ def launch_cross_entropy_bwd_mxfp8(
         scale_layout,
         vocab_start,
         vocab_total,
+        weight,
     )
     row_data, row_scale, col_data, col_scale = outputs
     rows, n_cols = logits.shape
@@ -499,6 +670,7 @@ def launch_cross_entropy_bwd_mxfp8(
     logits = rows_with_unit_stride(logits)
     vocab_total = vocab_total or n_cols
     eps, target_weight = _bwd_scalars(label_smoothing, vocab_total)
+    class_weights, smooth_total = class_weight_args(weight, eps, grad_rows)
     data_dtype = FP8_DTYPES[fp8_dtype]
     from . import cross_entropy_gluon  # here: it imports this module's helpers
 
@@ -534,6 +706,8 @@ def launch_cross_entropy_bwd_mxfp8(
         vocab_total,
         eps,
         target_weight,
+        class_weights,
+        smooth_total,
         row_data.view(data_dtype),
         row_scale,
         row_scale.shape[1] if rowwise else 0,
@@ -544,6 +718,7 @@ def launch_cross_entropy_bwd_mxfp8(
         **tile_config,
         HAS_SMOOTHING=label_smoothing > 0,
         EVEN=rows % TILE_ROWS == 0 and n_cols % block_cols == 0,
+        HAS_WEIGHT=weight is not None,
         FP8_MAX=FP8_MAX[fp8_dtype],
         MAX_RCP=FP8_MAX_RCP[fp8_dtype],
         OUT_DTYPE=TRITON_FP8[fp8_dtype],
@@ -570,37 +745,54 @@ def cross_entropy_reduce_kernel(
     ignore_index,
     loss_ptr,
     grad_scale_ptr,
+    weight_ptr,
+    n_classes,
     MEAN: tl.constexpr,
     BLOCK: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
 ):
     """One program: the fp32 sum of the row losses (fixed order: deterministic) and, for the mean, the
-    non-ignored count, then ``loss`` and ``grad_scale`` with IEEE divisions."""
+    non-ignored count (with class weights: the sum of those rows' target weights, NaN for a target
+    outside ``[0, n_classes)``), then ``loss`` (NaN when the count is 0) and ``grad_scale`` with IEEE
+    divisions."""
     total = tl.zeros([BLOCK], tl.float32)
     count = tl.zeros([BLOCK], tl.int32)
+    weight_sum = tl.zeros([BLOCK], tl.float32)
     for start in range(0, n_rows, BLOCK):
         idx = start + tl.arange(0, BLOCK)
         in_bounds = idx < n_rows
         total += tl.load(loss_rows_ptr + idx, mask=in_bounds, other=0.0)
         if MEAN:
-            target = tl.load(target_ptr + idx, mask=in_bounds, other=ignore_index)
-            count += (target != ignore_index).to(tl.int32)
+            target = tl.load(target_ptr + idx, mask=in_bounds, other=ignore_index).to(tl.int64)
+            valid = target != ignore_index
+            if HAS_WEIGHT:
+                in_range = (target >= 0) & (target < n_classes)
+                class_weight = tl.load(weight_ptr + target, mask=valid & in_range, other=0.0)
+                weight_sum += tl.where(valid & ~in_range, float("nan"), class_weight)
+            else:
+                count += valid.to(tl.int32)
     loss = tl.sum(total, 0)
     scale = 1.0
     if MEAN:
-        rows = tl.sum(count, 0).to(tl.float32)
-        loss = tl.math.div_rn(loss, rows)
+        rows = tl.sum(weight_sum, 0) if HAS_WEIGHT else tl.sum(count, 0).to(tl.float32)
+        loss = tl.where(rows == 0, float("nan"), tl.math.div_rn(loss, rows))
         scale = tl.math.div_rn(1.0, rows)
     tl.store(loss_ptr, loss)
     tl.store(grad_scale_ptr, scale)
 
 
 def launch_cross_entropy_reduce(
-    loss_rows: torch.Tensor, target: torch.Tensor, ignore_index: int, mean: bool
+    loss_rows: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    mean: bool,
+    weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``lowp::cross_entropy_reduce``: one launch for what took five to eight small PyTorch kernels."""
     if loss_rows.shape[0] > REDUCE_MAX_ROWS:
-        return cross_entropy_reduce(loss_rows, target, ignore_index, mean)
-    loss, grad_scale = cross_entropy_reduce_outputs(loss_rows, target, ignore_index, mean)
+        return cross_entropy_reduce(loss_rows, target, ignore_index, mean, weight)
+    loss, grad_scale = cross_entropy_reduce_outputs(loss_rows, target, ignore_index, mean, weight)
+    class_weights = loss_rows if weight is None else weight.float().contiguous()
     cross_entropy_reduce_kernel[(1,)](
         loss_rows.contiguous(),
         target.contiguous(),
@@ -608,8 +800,11 @@ def launch_cross_entropy_reduce(
         ignore_index,
         loss,
         grad_scale,
+        class_weights,
+        0 if weight is None else weight.shape[0],
         MEAN=mean,
         BLOCK=REDUCE_BLOCK,
+        HAS_WEIGHT=weight is not None,
         num_warps=8,
     )
     return loss, grad_scale

@@ -20,7 +20,15 @@ and Triton builds without Gluon. GPU tests hold the two kernels to the same byte
 
 from __future__ import annotations
 
-from .cross_entropy import cross_entropy_grad, load_row_stats, round_to_dtype, softmax_minus_eps
+from .cross_entropy import (
+    class_weighted_probs,
+    cross_entropy_grad,
+    load_class_weight_terms,
+    load_row_stats,
+    round_to_dtype,
+    softmax_minus_eps,
+    weighted_cross_entropy_grad,
+)
 from .launch import cached_launch
 from .mxfp8 import block_amax, cast_satfinite, e8m0_from_amax, quantize_multiplier, swizzled_scale_offset
 
@@ -53,6 +61,8 @@ if gluon is not None:
         vocab_total,
         smoothing_eps,
         target_weight,
+        weight_ptr,
+        smooth_total_ptr,
         row_data_ptr,
         row_scale_ptr,
         row_scale_cols,
@@ -62,6 +72,7 @@ if gluon is not None:
         col_scale_cols,
         HAS_SMOOTHING: gl.constexpr,
         EVEN: gl.constexpr,
+        HAS_WEIGHT: gl.constexpr,
         FP8_MAX: gl.constexpr,
         MAX_RCP: gl.constexpr,
         OUT_DTYPE: gl.constexpr,
@@ -122,15 +133,32 @@ if gluon is not None:
         # The row statistics as the Triton kernel's load_shift_and_log2_sum forms them (same bits).
         shift = gl.load(shift_ptr + rows_idx, mask=row_ok, other=0.0)
         log2_sum = gl.load(log_sum_ptr + rows_idx, mask=row_ok, other=0.0) * 1.4426950408889634
-        p = softmax_minus_eps(
-            x.to(gl.float32), shift[:, None, None], log2_sum[:, None, None], smoothing_eps, HAS_SMOOTHING
-        )
+        tile_rows: gl.constexpr = gl.SliceLayout(1, by_row)
+        if HAS_WEIGHT:
+            # Class weights: the Triton kernel's helpers, per lane for the rows, per tile column for eps.
+            class_weight, alpha = load_class_weight_terms(
+                target_ptr, weight_ptr, smooth_total_ptr, lane_rows, rows, vocab_total, ignore_index,
+                target_weight,
+            )  # fmt: skip
+            column_weight = gl.load(weight_ptr + vocab_start + cols, mask=cols < n_cols, other=0.0)
+            p = softmax_minus_eps(x.to(gl.float32), shift[:, None, None], log2_sum[:, None, None], 0.0, False)
+            alpha3 = gl.convert_layout(alpha, tile_rows)[:, None, None]
+            p = class_weighted_probs(p, alpha3, smoothing_eps * column_weight, HAS_SMOOTHING)
+        else:
+            p = softmax_minus_eps(
+                x.to(gl.float32), shift[:, None, None], log2_sum[:, None, None], smoothing_eps, HAS_SMOOTHING
+            )
         if gl.max(special.to(gl.int32), 0) > 0:
-            tile_rows: gl.constexpr = gl.SliceLayout(1, by_row)
             packed = gl.convert_layout(gl.where(ignored, -2, target), tile_rows)  # -2: an ignored row
             scale = gl.convert_layout(row_scale, tile_rows)[:, None, None]
             is_ignored = (packed == -2)[:, None, None]
-            grad = cross_entropy_grad(p, cols, packed[:, None, None], scale, is_ignored, target_weight)
+            if HAS_WEIGHT:
+                weight3 = gl.convert_layout(class_weight, tile_rows)[:, None, None]
+                grad = weighted_cross_entropy_grad(
+                    p, cols, packed[:, None, None], scale, is_ignored, target_weight, weight3
+                )
+            else:
+                grad = cross_entropy_grad(p, cols, packed[:, None, None], scale, is_ignored, target_weight)
         else:
             first_row = grad_ptr + (row_block * 32).to(gl.int64) * grad_stride
             grad_rows = gl.load(first_row + (rows_idx - row_block * 32) * grad_stride, mask=row_ok, other=0.0)

@@ -49,17 +49,43 @@ def check_reduction(reduction: str) -> None:
     )
 
 
+def check_class_weight(weight: torch.Tensor | None, n_classes: int, logits: torch.Tensor) -> None:
+    """``weight`` (class weights, ``F.cross_entropy``'s ``weight=``) is None or a float32/bf16/fp16
+    ``(n_classes,)`` tensor on the logits' device (computed with in fp32)."""
+    if weight is None:
+        return
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a Tensor or None, got {type(weight).__name__}")
+    require(
+        weight.dtype in HIGH_PRECISION_DTYPES,
+        lambda: f"weight must be float32, bfloat16 or float16, got {weight.dtype}",
+    )
+    require(
+        weight.dim() == 1 and weight.shape[0] == n_classes,
+        lambda: f"weight must have shape ({n_classes},) (one per class), got {tuple(weight.shape)}",
+    )
+    require(
+        weight.device == logits.device,
+        lambda: f"weight must be on the logits' device {logits.device}, got {weight.device}",
+    )
+
+
 def _check_rows(logits: torch.Tensor, target: torch.Tensor) -> None:
     require(logits.dim() == 2, lambda: f"logits must be 2-D (N, V) here, got {logits.dim()}-D")
     check_logits_target(logits, target)
 
 
 def cross_entropy_fwd_outputs(
-    logits: torch.Tensor, target: torch.Tensor, label_smoothing: float, ignore_index: int
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(loss (N,) fp32, row_stats (2, N) fp32)``."""
+    """``(loss (N,) fp32, row_stats (2, N) fp32)``; ``weight``: optional class weights (V,)."""
     _check_rows(logits, target)
     check_label_smoothing(label_smoothing)
+    check_class_weight(weight, logits.shape[1], logits)
     rows = logits.shape[0]
     return row_loss_and_stats_outputs(logits, rows)
 
@@ -96,9 +122,10 @@ def check_vocab_shard(n_cols: int, vocab_start: int, vocab_total: int) -> None:
     require(vocab_total != 0 or vocab_start == 0, lambda: "vocab_start must be 0 when vocab_total is 0")
 
 
-def _check_bwd_inputs(logits, target, stats, grad_rows, vocab_start=0, vocab_total=0) -> None:
+def _check_bwd_inputs(logits, target, stats, grad_rows, vocab_start=0, vocab_total=0, weight=None) -> None:
     _check_rows(logits, target)
     check_vocab_shard(logits.shape[1], vocab_start, vocab_total)
+    check_class_weight(weight, vocab_total or logits.shape[1], logits)
     rows = logits.shape[0]
     check_row_stats(stats, rows)
     require(
@@ -118,11 +145,13 @@ def cross_entropy_bwd_output(
     ignore_index: int,
     vocab_start: int = 0,
     vocab_total: int = 0,
+    weight: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """dlogits: ``(N, V)`` contiguous, logits' dtype; ``out`` (launchers only), when given, is checked and
-    returned instead of a new tensor. It may be ``logits`` itself when that is contiguous."""
-    _check_bwd_inputs(logits, target, stats, grad_rows, vocab_start, vocab_total)
+    """dlogits: ``(N, V)`` contiguous, logits' dtype; ``weight``: optional class weights of the whole
+    vocabulary (``vocab_total``,); ``out`` (launchers only), when given, is checked and returned instead
+    of a new tensor. It may be ``logits`` itself when that is contiguous."""
+    _check_bwd_inputs(logits, target, stats, grad_rows, vocab_start, vocab_total, weight)
     if out is None:
         return logits.new_empty(logits.shape)
     require(
@@ -149,16 +178,25 @@ def cross_entropy_bwd_mxfp8_outputs(
     scale_layout: str,
     vocab_start: int = 0,
     vocab_total: int = 0,
+    weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The MXFP8 payload of dlogits, as :func:`lowp_ops.meta.mxfp8.mxfp8_quantize_outputs` of logits."""
-    _check_bwd_inputs(logits, target, stats, grad_rows, vocab_start, vocab_total)
+    _check_bwd_inputs(logits, target, stats, grad_rows, vocab_start, vocab_total, weight)
     return mxfp8_quantize_outputs(logits, fp8_dtype, rowwise, columnwise, scale_layout)
 
 
 def cross_entropy_reduce_outputs(
-    loss_rows: torch.Tensor, target: torch.Tensor, ignore_index: int, mean: bool
+    loss_rows: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    mean: bool,
+    weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(loss, grad_scale)``: two 0-d float32 tensors."""
+    """``(loss, grad_scale)``: two 0-d float32 tensors; ``weight``: optional class weights (C,) (the mean
+    divides by the weights of the non-ignored rows' targets)."""
+    if weight is not None:
+        require(weight.dim() == 1, lambda: f"weight must be 1-D (C,), got {tuple(weight.shape)}")
+        check_class_weight(weight, weight.shape[0], loss_rows)
     require(
         loss_rows.dtype == torch.float32 and loss_rows.dim() == 1,
         lambda: f"loss_rows must be a 1-D float32 tensor, got {loss_rows.dtype} {tuple(loss_rows.shape)}",

@@ -19,6 +19,15 @@ fp32(ls / vocab_total)``, a target in another rank's shard gets no one-hot and a
 
 An all -inf row gives NaN loss and gradient like PyTorch (``log_sum = -inf``), and so does a row holding
 ``+inf`` (``log_sum`` NaN); ``-inf`` at the target gives loss +inf.
+
+Class weights ``w`` (``F.cross_entropy``'s ``weight=``, aten's ``cross_entropy_loss_label_smoothing``):
+with ``W = Σ_c w_c`` and ``s_w = fp32(eps * W)``, per non-ignored row
+
+- loss ``= (1 - ls) w_y ((shift - x_y) + log_sum) + s_w log_sum - eps Σ_c w_c (x_c - shift)``, i.e.
+  ``-(1 - ls) w_y log p_y - (ls / V) Σ_c w_c log p_c`` (``w_c = 0`` at a -inf logit gives NaN, as
+  PyTorch's ``0 * -inf``);
+- gradient ``g = (p_i α - eps w_i - (1 - ls) w_y [i == y]) * grad_row`` with ``α = (1 - ls) w_y + s_w``;
+- the mean divides by ``Σ w_y`` over the non-ignored rows (:func:`cross_entropy_reduce`).
 """
 
 from __future__ import annotations
@@ -62,16 +71,67 @@ def row_loss(
     return loss
 
 
+def target_class_weight(weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """fp32 ``weight[target]`` per row; NaN where the target is outside ``[0, C)`` (an ignored row's
+    value is never used)."""
+    n_classes = weight.shape[0]
+    in_range = (target >= 0) & (target < n_classes)
+    picked = weight.float()[target.clamp(0, max(n_classes - 1, 0)).long()]
+    return torch.where(in_range, picked, float("nan"))
+
+
+def smoothing_weight_total(weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``s_w = fp32(eps * Σ_c w_c)`` (0-d fp32), the weighted smoothing term's share of every class."""
+    return weight.float().sum() * eps
+
+
+def weighted_row_loss(
+    shift: torch.Tensor,
+    log_sum: torch.Tensor,
+    target_logit: torch.Tensor,
+    target_weight: torch.Tensor,
+    weighted_shifted_sum: torch.Tensor | None,
+    smooth_total: torch.Tensor | None,
+    eps: float,
+    label_smoothing: float,
+) -> torch.Tensor:
+    """fp32 class-weighted loss of rows (module docstring); ``weighted_shifted_sum`` is ``Σ_c w_c (x_c -
+    shift)`` and ``smooth_total`` ``s_w`` (both only for label smoothing)."""
+    loss = (1.0 - label_smoothing) * target_weight * ((shift - target_logit) + log_sum)
+    if label_smoothing > 0:
+        loss = loss + (smooth_total * log_sum - eps * weighted_shifted_sum)
+    return loss
+
+
 def cross_entropy_fwd(
-    logits: torch.Tensor, target: torch.Tensor, label_smoothing: float, ignore_index: int
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (per-row loss (N,) fp32, row_stats (2, N) fp32)."""
-    loss, stats = cross_entropy_fwd_outputs(logits, target, label_smoothing, ignore_index)
+    """-> (per-row loss (N,) fp32, row_stats (2, N) fp32); ``weight``: optional class weights (V,)."""
+    loss, stats = cross_entropy_fwd_outputs(logits, target, label_smoothing, ignore_index, weight)
     x = logits.float()
     shift, log_sum, shifted = row_stats(x)
     log_sum = finish_log_sum(log_sum)
-    shifted_sum = shifted.sum(dim=1) if label_smoothing > 0 else None
-    loss_rows = row_loss(shift, log_sum, _target_logit(x, target), shifted_sum, x.shape[1], label_smoothing)
+    target_logit = _target_logit(x, target)
+    if weight is None:
+        shifted_sum = shifted.sum(dim=1) if label_smoothing > 0 else None
+        loss_rows = row_loss(shift, log_sum, target_logit, shifted_sum, x.shape[1], label_smoothing)
+    else:
+        eps = round_to_fp32(label_smoothing / x.shape[1])
+        smoothing = label_smoothing > 0
+        loss_rows = weighted_row_loss(
+            shift,
+            log_sum,
+            target_logit,
+            target_class_weight(weight, target),
+            (shifted * weight.float()).sum(dim=1) if smoothing else None,
+            smoothing_weight_total(weight, eps) if smoothing else None,
+            eps,
+            label_smoothing,
+        )
     loss.copy_(torch.where(target != ignore_index, loss_rows, 0.0))
     stats[SHIFT] = shift
     stats[LOG_SUM] = log_sum
@@ -93,16 +153,24 @@ def cross_entropy_grad_fp32(
     ignore_index: int,
     vocab_start: int = 0,
     vocab_total: int = 0,
+    weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The fp32 gradient before rounding to the logits' dtype."""
     x = logits.float()
     n_cols = x.shape[1]
     vocab_total = vocab_total or n_cols
     eps = round_to_fp32(label_smoothing / vocab_total)
-    grad = probabilities(x, stats) - eps
     # A target in another rank's shard matches no column of this one.
     is_target = torch.arange(n_cols, device=x.device).unsqueeze(0) == (target - vocab_start).unsqueeze(1)
-    grad = torch.where(is_target, grad - (1.0 - label_smoothing), grad)
+    if weight is None:
+        grad = probabilities(x, stats) - eps
+        grad = torch.where(is_target, grad - (1.0 - label_smoothing), grad)
+    else:
+        target_weight = target_class_weight(weight, target).unsqueeze(1)
+        alpha = (1.0 - label_smoothing) * target_weight + smoothing_weight_total(weight, eps)
+        column_eps = eps * weight.float()[vocab_start : vocab_start + n_cols]
+        grad = probabilities(x, stats) * alpha - column_eps
+        grad = torch.where(is_target, grad - (1.0 - label_smoothing) * target_weight, grad)
     grad = grad * grad_rows.unsqueeze(1)
     in_range = ((target >= 0) & (target < vocab_total)).unsqueeze(1)
     grad = torch.where(in_range, grad, float("nan"))
@@ -118,16 +186,13 @@ def cross_entropy_bwd(
     ignore_index: int,
     vocab_start: int = 0,
     vocab_total: int = 0,
+    weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """-> dlogits (N, V) in the logits' dtype; ``stats`` (2, N) fp32 the forward's row statistics,
-    ``grad_rows`` (N,) fp32 dloss per row."""
-    shard = (vocab_start, vocab_total)
-    dlogits = cross_entropy_bwd_output(
-        logits, target, stats, grad_rows, label_smoothing, ignore_index, *shard
-    )
-    dlogits.copy_(
-        cross_entropy_grad_fp32(logits, target, stats, grad_rows, label_smoothing, ignore_index, *shard)
-    )
+    ``grad_rows`` (N,) fp32 dloss per row, ``weight`` optional class weights (vocab_total,)."""
+    args = (logits, target, stats, grad_rows, label_smoothing, ignore_index, vocab_start, vocab_total, weight)
+    dlogits = cross_entropy_bwd_output(*args)
+    dlogits.copy_(cross_entropy_grad_fp32(*args))
     return dlogits
 
 
@@ -144,29 +209,45 @@ def cross_entropy_bwd_mxfp8(
     scale_layout: str,
     vocab_start: int = 0,
     vocab_total: int = 0,
+    weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> the MXFP8 payload of :func:`cross_entropy_bwd` (by definition: quantize its output)."""
     # Reject bad MXFP8 arguments before computing the gradient (the bf16 backward checks the rest).
     check_quantize_args(logits, fp8_dtype, rowwise, columnwise, scale_layout)
     dlogits = cross_entropy_bwd(
-        logits, target, stats, grad_rows, label_smoothing, ignore_index, vocab_start, vocab_total
+        logits, target, stats, grad_rows, label_smoothing, ignore_index, vocab_start, vocab_total, weight
     )
     return mxfp8_quantize(dlogits, fp8_dtype, rowwise, columnwise, scale_layout)
 
 
+def reduce_denominator(target: torch.Tensor, ignore_index: int, weight: torch.Tensor | None) -> torch.Tensor:
+    """fp32 0-d: the number of non-ignored rows, or with class weights the sum of their targets'
+    weights (NaN if one is outside ``[0, C)``), as ``F.cross_entropy``'s mean."""
+    valid = target != ignore_index
+    if weight is None:
+        return valid.sum().float()
+    return torch.where(valid, target_class_weight(weight, target), 0.0).sum()
+
+
 def cross_entropy_reduce(
-    loss_rows: torch.Tensor, target: torch.Tensor, ignore_index: int, mean: bool
+    loss_rows: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    mean: bool,
+    weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of ``lowp::cross_entropy_reduce``: ``(loss, grad_scale)`` of per-row fp32 losses (N,).
 
     ``loss`` is their fp32 sum, divided by the number of rows whose target is not ``ignore_index``
-    when ``mean`` (NaN when every row is ignored, as PyTorch); ``grad_scale`` is ``dloss / dloss_row``:
-    ``1 / count`` for the mean (inf when every row is ignored), 1 for the sum."""
-    loss, grad_scale = cross_entropy_reduce_outputs(loss_rows, target, ignore_index, mean)
+    (with class weights ``weight`` (C,): the sum of those rows' target weights) when ``mean`` (NaN when
+    that is 0: every row ignored or of weight 0, as PyTorch, whose weighted negative log-likelihood is
+    then 0 / 0); ``grad_scale`` is ``dloss / dloss_row``: ``1 / count`` for the mean (inf when the count is
+    0), 1 for the sum."""
+    loss, grad_scale = cross_entropy_reduce_outputs(loss_rows, target, ignore_index, mean, weight)
     total = loss_rows.sum()
     if mean:
-        count = (target != ignore_index).sum().float()
-        loss.copy_(total / count)
+        count = reduce_denominator(target, ignore_index, weight)
+        loss.copy_(torch.where(count == 0, float("nan"), total / count))
         grad_scale.copy_(1.0 / count)
     else:
         loss.copy_(total)
