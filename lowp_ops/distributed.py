@@ -9,7 +9,7 @@ otherwise returns NaN loss and row statistics on every rank (hence NaN gradients
 
 Forward: one pass over the shard packs per-row statistics (``lowp::vocab_parallel_ce_stats``: the shard's
 row maximum and log-sum of exponentials, the target logit where this shard holds it, the shard's sum of
-``x - max`` for label smoothing — the term TE forgets, A.9 — and the width; no rounded lse and no raw
+``x - max`` for label smoothing — the term TE forgets — and the width; no rounded lse and no raw
 logit sum travel, so the merged loss keeps its digits at any logit magnitude), ONE all-gather through
 ``torch.distributed._functional_collectives`` (so
 ``torch.compile(fullgraph=True)`` keeps one graph, and NCCL captures into CUDA graphs), then every rank
@@ -64,44 +64,50 @@ def vocab_parallel_cross_entropy_stats(
     label_smoothing: float,
     ignore_index: int,
     process_group: dist.ProcessGroup,
+    weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (per-row loss (N,) fp32, global row_stats (2, N) fp32), identical on every rank; not
     differentiable.
 
-    ``logits`` (N, V) is this rank's shard, ``target`` (N,) global ids. One all-gather of a
-    ``(5, N)`` fp32 packet per rank (:mod:`lowp_ops.meta.vocab_parallel`)."""
+    ``logits`` (N, V) is this rank's shard, ``target`` (N,) global ids, ``weight`` optional class weights
+    of the whole vocabulary (W V,), the same on every rank. One all-gather of a ``(5, N)`` fp32 packet
+    per rank (:mod:`lowp_ops.meta.vocab_parallel`)."""
     check_process_group(process_group)
     shard_width = logits.shape[1]
     vocab_start, _ = vocab_shard(shard_width, process_group)
-    stats = torch.ops.lowp.vocab_parallel_ce_stats(logits, target, vocab_start, label_smoothing > 0)
-    return _gather_and_merge(stats, target, shard_width, label_smoothing, ignore_index, process_group)
+    stats = torch.ops.lowp.vocab_parallel_ce_stats(logits, target, vocab_start, label_smoothing > 0, weight)
+    return _gather_and_merge(stats, target, shard_width, label_smoothing, ignore_index, process_group, weight)
 
 
-def _gather_and_merge(stats, target, shard_width, label_smoothing, ignore_index, process_group):
+def _gather_and_merge(stats, target, shard_width, label_smoothing, ignore_index, process_group, weight=None):
     """This rank's packet -> (loss, row_stats) of all ranks: one all-gather, then the same merge
     everywhere."""
     gathered = funcol.wait_tensor(_all_gather(stats, 0, process_group))
     merge = torch.ops.lowp.vocab_parallel_ce_merge
-    return merge(gathered, target, shard_width, label_smoothing, ignore_index)
+    return merge(gathered, target, shard_width, label_smoothing, ignore_index, weight)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-row loss of vocabulary-sharded logits; the backward is local (no collective)."""
 
     @staticmethod
-    def forward(ctx, logits, target, label_smoothing, ignore_index, process_group):
+    def forward(ctx, logits, target, label_smoothing, ignore_index, process_group, weight=None):
+        if weight is not None and weight.requires_grad:
+            raise ValueError("weight (class weights) must not require grad: lowp_ops gives it no gradient")
         loss, row_stats = vocab_parallel_cross_entropy_stats(
-            logits, target, label_smoothing, ignore_index, process_group
+            logits, target, label_smoothing, ignore_index, process_group, weight
         )
         ctx.config = (label_smoothing, ignore_index, *vocab_shard(logits.shape[1], process_group))
-        ctx.save_for_backward(logits, target, row_stats)
+        ctx.save_for_backward(logits, target, row_stats, weight)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        logits, target, row_stats = ctx.saved_tensors
-        dlogits = torch.ops.lowp.cross_entropy_bwd(logits, target, row_stats, grad_loss.float(), *ctx.config)
-        return dlogits, None, None, None, None
+        logits, target, row_stats, weight = ctx.saved_tensors
+        dlogits = torch.ops.lowp.cross_entropy_bwd(
+            logits, target, row_stats, grad_loss.float(), *ctx.config, weight
+        )
+        return dlogits, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy_rows(
@@ -110,9 +116,14 @@ def vocab_parallel_cross_entropy_rows(
     label_smoothing: float,
     ignore_index: int,
     process_group: dist.ProcessGroup,
+    weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Differentiable per-row loss (N,) fp32 of this rank's ``(N, V)`` shard (see the module docstring)."""
-    return VocabParallelCrossEntropy.apply(logits, target, label_smoothing, ignore_index, process_group)
+    """Differentiable per-row loss (N,) fp32 of this rank's ``(N, V)`` shard (see the module docstring);
+    ``weight``: optional class weights of the whole vocabulary (``W V``,), the same on every rank (the
+    mean then divides by the target weights: pass them to ``lowp::cross_entropy_reduce`` too)."""
+    return VocabParallelCrossEntropy.apply(
+        logits, target, label_smoothing, ignore_index, process_group, weight
+    )
 
 
 # ------------------------------------------------- vocabulary-parallel LM head + cross entropy

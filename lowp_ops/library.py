@@ -576,7 +576,7 @@ linear_cross_entropy_fwd_bwd.register_autograd(
 
 vocab_parallel_ce_stats = _define(
     "vocab_parallel_ce_stats",
-    "(Tensor logits, Tensor target, SymInt vocab_start, bool logit_sum) -> Tensor",
+    "(Tensor logits, Tensor target, SymInt vocab_start, bool logit_sum, Tensor? weight=None) -> Tensor",
     vocab_parallel_ref.vocab_parallel_ce_stats,
     "vocab_parallel.launch_vocab_parallel_ce_stats",
     vocab_parallel_meta.vocab_parallel_ce_stats_output,
@@ -584,8 +584,8 @@ vocab_parallel_ce_stats = _define(
 
 vocab_parallel_ce_merge = _define(
     "vocab_parallel_ce_merge",
-    "(Tensor gathered, Tensor target, SymInt shard_width, float label_smoothing, SymInt ignore_index)"
-    " -> (Tensor, Tensor)",
+    "(Tensor gathered, Tensor target, SymInt shard_width, float label_smoothing, SymInt ignore_index,"
+    " Tensor? weight=None) -> (Tensor, Tensor)",
     vocab_parallel_ref.vocab_parallel_ce_merge,
     "vocab_parallel.launch_vocab_parallel_ce_merge",
     vocab_parallel_meta.vocab_parallel_ce_merge_outputs,

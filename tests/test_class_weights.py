@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import gloo_group
 import pytest
 import torch
 import torch.nn.functional as F
@@ -317,6 +318,20 @@ def test_opcheck_weighted_ops():
     )
 
 
+def test_opcheck_weighted_vocab_parallel_ops():
+    logits, target, weight = class_weight_inputs(10, 128, torch.float32, seed=6)
+    logits[3::4, 0] = 0.0  # finite: opcheck compares with NaN != NaN
+    shard = logits[:, 64:].t().contiguous().t()  # column-major: a permuted layout
+    torch.library.opcheck(torch.ops.lowp.vocab_parallel_ce_stats, (shard, target, 64, True, weight))
+    packets = [
+        torch.ops.lowp.vocab_parallel_ce_stats(logits[:, r * 64 : (r + 1) * 64], target, r * 64, True, weight)
+        for r in range(2)
+    ]
+    torch.library.opcheck(
+        torch.ops.lowp.vocab_parallel_ce_merge, (torch.cat(packets), target, 64, 0.1, IGNORE, weight)
+    )
+
+
 def test_compiled_weighted_loss_is_one_graph_without_recompiles():
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -334,3 +349,89 @@ def test_compiled_weighted_loss_is_one_graph_without_recompiles():
         torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(grad.double(), want_grad, rtol=1e-4, atol=1e-6)
     assert counter.frame_count == 1
+
+
+# ------------------------------------------------------------------ vocabulary-parallel
+
+
+def check_vocab_parallel_merge(device: str, world: int = 3, shard: int = 48) -> None:
+    """Every shard's weighted packet and their merge, in one process as the ranks compute them: loss
+    against torch float64; each shard's backward with the merged statistics is its columns of the
+    single-rank weighted backward, byte for byte."""
+    logits, target, weight = class_weight_inputs(23, world * shard, torch.float32, seed=7, device=device)
+    logits[5, :shard] = logits[5, :shard] - 40.0  # a shard far below the others
+    logits[6, shard : 2 * shard] = float("-inf")  # an all -inf shard
+    for label_smoothing in (0.0, 0.1):
+        packets = [
+            torch.ops.lowp.vocab_parallel_ce_stats(
+                logits[:, r * shard : (r + 1) * shard], target, r * shard, label_smoothing > 0, weight
+            )
+            for r in range(world)
+        ]
+        merge = torch.ops.lowp.vocab_parallel_ce_merge
+        loss, stats = merge(torch.cat(packets), target, shard, label_smoothing, IGNORE, weight)
+        want, _ = torch_oracle(logits, target, weight, label_smoothing, "none", torch.ones(23))
+        finite = assert_same_nonfinite(loss.cpu().double(), want, "merged loss")
+        error = torch.where(finite, (loss.cpu().double() - want).abs(), 0.0)
+        assert float(error.max()) <= 2e-4, float(error.max())
+        _, single_stats = torch.ops.lowp.cross_entropy_fwd(logits, target, label_smoothing, IGNORE, weight)
+        assert torch.equal(stats[0], single_stats[0]), "the same shift as the single-rank forward"
+        grad_rows = torch.ones(23, device=device)
+        full = torch.ops.lowp.cross_entropy_bwd(
+            logits, target, stats, grad_rows, label_smoothing, IGNORE, 0, 0, weight
+        )
+        for r in range(world):
+            columns = slice(r * shard, (r + 1) * shard)
+            got = torch.ops.lowp.cross_entropy_bwd(
+                logits[:, columns].contiguous(), target, stats, grad_rows, label_smoothing, IGNORE,
+                r * shard, world * shard, weight,
+            )  # fmt: skip
+            assert torch.equal(got.view(torch.int32), full[:, columns].view(torch.int32)), f"rank {r}"
+
+
+def test_vocab_parallel_merge_with_class_weights_matches_torch():
+    check_vocab_parallel_merge("cpu")
+
+
+@pytest.mark.interp
+def test_interp_vocab_parallel_merge_with_class_weights_matches_torch():
+    check_vocab_parallel_merge("cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_vocab_parallel_merge_with_class_weights_matches_torch():
+    check_vocab_parallel_merge("cuda", shard=160)
+
+
+def check_gloo_rank(rank: int, world: int, case: tuple[float, str], group) -> None:
+    """One rank of a gloo group: the weighted vocabulary-parallel loss (``distributed`` rows, then the
+    weighted reduction) and this rank's gradient against torch float64."""
+    from lowp_ops.distributed import vocab_parallel_cross_entropy_rows
+
+    label_smoothing, reduction = case
+    shard = 40
+    logits, target, weight = class_weight_inputs(19, world * shard, torch.float32, seed=8)
+    columns = slice(rank * shard, (rank + 1) * shard)
+    mine = logits[:, columns].contiguous().requires_grad_()
+    loss = vocab_parallel_cross_entropy_rows(mine, target, label_smoothing, IGNORE, group, weight)
+    if reduction != "none":
+        loss = torch.ops.lowp.cross_entropy_reduce(loss, target, IGNORE, reduction == "mean", weight)[0]
+    grad_loss = torch.rand(loss.shape, generator=torch.Generator().manual_seed(1)) + 0.5
+    (grad,) = torch.autograd.grad(loss, mine, grad_outputs=grad_loss)
+    want_loss, want_grad = torch_oracle(logits, target, weight, label_smoothing, reduction, grad_loss)
+    finite = assert_same_nonfinite(loss.detach().double(), want_loss, "loss")
+    assert float(torch.where(finite, (loss.detach().double() - want_loss).abs(), 0.0).max()) <= 2e-4
+    torch.testing.assert_close(grad.double(), want_grad[:, columns], rtol=1e-4, atol=1e-6)
+
+
+def test_gloo_vocab_parallel_with_class_weights(tmp_path):
+    cases = [(label_smoothing, reduction) for label_smoothing in (0.0, 0.1) for reduction in REDUCTIONS]
+    results = gloo_group.run_checks(3, str(tmp_path), "test_class_weights", "check_gloo_rank", cases)
+    gloo_group.assert_all_passed(results, cases)
+
+
+@pytest.mark.interp
+def test_interp_gloo_vocab_parallel_with_class_weights(tmp_path):
+    cases = [(0.1, "mean")]
+    results = gloo_group.run_checks(2, str(tmp_path), "test_class_weights", "check_gloo_rank", cases)
+    gloo_group.assert_all_passed(results, cases)

@@ -14,12 +14,9 @@ gives probabilities 1 (or 0), and label smoothing at 3e38 overflows to -inf.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import time
-import traceback
 
+import gloo_group
 import pytest
 import torch
 import torch.nn.functional as F
@@ -454,33 +451,10 @@ def test_gpu_vocab_parallel_merge_matches_float64_at_any_offset(offset):
     check_vocab_parallel_merge(logits.cuda(), target.cuda(), 3, 0.1)
 
 
-def _gloo_worker(rank: int, world: int, out_dir: str, offsets: list[float]) -> None:
-    """One rank of a gloo group: the public vocabulary-parallel loss and gradient of its shard at each
-    offset against float64; ``{case: None | error}`` goes to ``out_dir/rank<r>.json``."""
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo", init_method=f"file://{os.path.join(out_dir, 'store')}", rank=rank, world_size=world
-    )
-    results = {}
-    try:
-        for offset in offsets:
-            for label_smoothing in (0.0, 0.1):
-                case = f"offset={offset} ls={label_smoothing}"
-                try:
-                    check_gloo_rank(rank, world, offset, label_smoothing, dist.group.WORLD)
-                    results[case] = None
-                except Exception:
-                    results[case] = traceback.format_exc()
-                dist.barrier()
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        dist.destroy_process_group()
-    os._exit(0)  # as vocab_parallel_checks: gloo's threads have aborted interpreter teardown
-
-
-def check_gloo_rank(rank: int, world: int, offset: float, label_smoothing: float, group) -> None:
+def check_gloo_rank(rank: int, world: int, case: tuple[float, float], group) -> None:
+    """One rank of a gloo group: the public vocabulary-parallel loss and gradient of its shard at
+    ``case = (offset, label_smoothing)`` against float64."""
+    offset, label_smoothing = case
     shard = 40
     logits, target = sharded_logits(offset, world, shard)
     columns = slice(rank * shard, (rank + 1) * shard)
@@ -495,34 +469,10 @@ def check_gloo_rank(rank: int, world: int, offset: float, label_smoothing: float
     assert_within_ulps(grad, want_grad[:, columns], ulps=1, slack=slack, what=f"rank {rank} grad")
 
 
-def run_gloo_group(world: int, out_dir: str, offsets: list[float], timeout_s: float = 240) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    context = mp.start_processes(
-        _gloo_worker, args=(world, out_dir, offsets), nprocs=world, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not context.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"gloo group of {world} did not finish in {timeout_s} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    results = []
-    for rank in range(world):
-        with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
-            results.append(json.load(f))
-    return results
-
-
 def check_gloo(tmp_path, offsets: list[float]) -> None:
-    results = run_gloo_group(3, str(tmp_path), offsets)
-    for rank, result in enumerate(results):
-        assert len(result) == 2 * len(offsets), f"rank {rank} ran {sorted(result)}"
-        for case, error in result.items():
-            assert error is None, f"rank {rank}, {case}:\n{error}"
+    cases = [(offset, label_smoothing) for offset in offsets for label_smoothing in (0.0, 0.1)]
+    results = gloo_group.run_checks(3, str(tmp_path), "test_large_magnitudes", "check_gloo_rank", cases)
+    gloo_group.assert_all_passed(results, cases)
 
 
 def test_gloo_vocab_parallel_loss_and_grad_at_any_offset(tmp_path):

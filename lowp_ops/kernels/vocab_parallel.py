@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..formats import round_to_fp32
 from ..meta.cross_entropy import LOG_SUM, SHIFT
 from ..meta.vocab_parallel import (
     SHARD_LOG_SUM,
@@ -22,7 +23,7 @@ from ..meta.vocab_parallel import (
     vocab_parallel_ce_merge_outputs,
     vocab_parallel_ce_stats_output,
 )
-from .cross_entropy import fwd_config, row_loss
+from .cross_entropy import fwd_config, row_loss, row_stats_and_weighted_shifted_sum, weighted_row_loss
 from .softmax import finish_log_sum, masked_safe_shift, row_stats_and_shifted_sum, rows_with_unit_stride
 
 MERGE_BLOCK_ROWS = 1024
@@ -38,8 +39,10 @@ def vocab_parallel_ce_stats_kernel(
     n_cols,
     vocab_start,
     width_value,
+    weight_ptr,
     BLOCK: tl.constexpr,
     LOGIT_SUM_ON: tl.constexpr,
+    WEIGHTED: tl.constexpr,
     SHIFT_ROW: tl.constexpr,
     LOG_SUM_ROW: tl.constexpr,
     TARGET_ROW: tl.constexpr,
@@ -49,7 +52,13 @@ def vocab_parallel_ce_stats_kernel(
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
     # An all -inf shard gives log_sum = -inf (d = 0), which the merge's exp turns into a 0 contribution.
-    m, d, shifted_sum = row_stats_and_shifted_sum(row_ptr, n_cols, BLOCK, LOGIT_SUM_ON)
+    if WEIGHTED:
+        shard_weight_ptr = weight_ptr + vocab_start
+        m, d, shifted_sum = row_stats_and_weighted_shifted_sum(
+            row_ptr, shard_weight_ptr, n_cols, BLOCK, LOGIT_SUM_ON
+        )
+    else:
+        m, d, shifted_sum = row_stats_and_shifted_sum(row_ptr, n_cols, BLOCK, LOGIT_SUM_ON)
 
     local_target = tl.load(target_ptr + row).to(tl.int64) - vocab_start
     in_shard = (local_target >= 0) & (local_target < n_cols)
@@ -75,16 +84,22 @@ def vocab_parallel_ce_merge_kernel(
     vocab_total_value,
     ignore_index,
     label_smoothing,
+    weight_ptr,
+    shard_weight_ptr,
+    smooth_total_ptr,
+    smoothing_eps,
     BLOCK_ROWS: tl.constexpr,
     N_STATS: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
     SHIFT_ROW: tl.constexpr,
     LOG_SUM_ROW: tl.constexpr,
     TARGET_ROW: tl.constexpr,
     SUM_ROW: tl.constexpr,
     WIDTH_ROW: tl.constexpr,
 ):
-    """The reference's merge (:mod:`lowp_ops.reference.vocab_parallel`), ranks in order."""
+    """The reference's merge (:mod:`lowp_ops.reference.vocab_parallel`), ranks in order; with class
+    weights each shard's shifted sum is rebased with its classes' total weight (``shard_weight_ptr``)."""
     rows_idx = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_ok = rows_idx < rows
     row_max = tl.full((BLOCK_ROWS,), float("-inf"), tl.float32)
@@ -106,7 +121,10 @@ def vocab_parallel_ce_merge_kernel(
         target_logit += tl.load(packet_ptr + TARGET_ROW * rows, mask=row_ok, other=0.0)
         if HAS_SMOOTHING:
             shard_sum = tl.load(packet_ptr + SUM_ROW * rows, mask=row_ok, other=0.0)
-            rebased = shard_sum + shard_width_value * (shard_shift - shift)
+            if HAS_WEIGHT:
+                rebased = shard_sum + tl.load(shard_weight_ptr + rank) * (shard_shift - shift)
+            else:
+                rebased = shard_sum + shard_width_value * (shard_shift - shift)
             shifted_sum += tl.where(shard_log_sum == float("-inf"), shard_sum, rebased)
         width = tl.load(packet_ptr + WIDTH_ROW * rows, mask=row_ok, other=0.0)
         bad_widths += (width != shard_width_value).to(tl.int32)
@@ -114,10 +132,18 @@ def vocab_parallel_ce_merge_kernel(
 
     target = tl.load(target_ptr + rows_idx, mask=row_ok, other=ignore_index).to(tl.int64)
     in_range = (target >= 0) & (target < vocab_total)
-    loss = row_loss(
-        shift, log_sum, target_logit, shifted_sum, vocab_total_value, label_smoothing, in_range,
-        target != ignore_index, HAS_SMOOTHING,
-    )  # fmt: skip
+    is_valid = target != ignore_index
+    if HAS_WEIGHT:
+        class_weight = tl.load(weight_ptr + target, mask=row_ok & is_valid & in_range, other=0.0)
+        loss = weighted_row_loss(
+            shift, log_sum, target_logit, class_weight, shifted_sum, smooth_total_ptr, smoothing_eps,
+            label_smoothing, in_range, is_valid, HAS_SMOOTHING,
+        )  # fmt: skip
+    else:
+        loss = row_loss(
+            shift, log_sum, target_logit, shifted_sum, vocab_total_value, label_smoothing, in_range,
+            is_valid, HAS_SMOOTHING,
+        )  # fmt: skip
     widths_ok = bad_widths == 0
     tl.store(loss_ptr + rows_idx, tl.where(widths_ok, loss, float("nan")), mask=row_ok)
     tl.store(shift_ptr + rows_idx, tl.where(widths_ok, shift, float("nan")), mask=row_ok)
@@ -125,9 +151,13 @@ def vocab_parallel_ce_merge_kernel(
 
 
 def launch_vocab_parallel_ce_stats(
-    logits: torch.Tensor, target: torch.Tensor, vocab_start: int, logit_sum: bool
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    vocab_start: int,
+    logit_sum: bool,
+    weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    stats = vocab_parallel_ce_stats_output(logits, target, vocab_start, logit_sum)
+    stats = vocab_parallel_ce_stats_output(logits, target, vocab_start, logit_sum, weight)
     rows, n_cols = logits.shape
     if rows == 0:
         return stats
@@ -142,8 +172,10 @@ def launch_vocab_parallel_ce_stats(
         n_cols,
         vocab_start,
         float(n_cols),
+        stats if weight is None else weight.float().contiguous(),
         BLOCK=block,
         LOGIT_SUM_ON=logit_sum,
+        WEIGHTED=weight is not None,
         SHIFT_ROW=SHARD_SHIFT,
         LOG_SUM_ROW=SHARD_LOG_SUM,
         TARGET_ROW=TARGET_LOGIT,
@@ -154,17 +186,32 @@ def launch_vocab_parallel_ce_stats(
     return stats
 
 
+def merge_weight_args(weight, n_ranks: int, shard_width: int, eps: float, placeholder: torch.Tensor):
+    """(fp32 class weights, each shard's total weight (W,), 0-d ``eps * Σ w``) for the merge kernel, or a
+    placeholder for all three without weights (``HAS_WEIGHT=False`` never reads them)."""
+    if weight is None:
+        return placeholder, placeholder, placeholder
+    weight = weight.float().contiguous()
+    return weight, weight.view(n_ranks, shard_width).sum(dim=1), weight.sum() * eps
+
+
 def launch_vocab_parallel_ce_merge(
-    gathered: torch.Tensor, target: torch.Tensor, shard_width: int, label_smoothing: float, ignore_index: int
+    gathered: torch.Tensor,
+    target: torch.Tensor,
+    shard_width: int,
+    label_smoothing: float,
+    ignore_index: int,
+    weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     loss, stats = vocab_parallel_ce_merge_outputs(
-        gathered, target, shard_width, label_smoothing, ignore_index
+        gathered, target, shard_width, label_smoothing, ignore_index, weight
     )
     rows = gathered.shape[1]
     if rows == 0:
         return loss, stats
     n_ranks = gathered.shape[0] // len(SHARD_STATS)
     vocab_total = n_ranks * shard_width
+    eps = round_to_fp32(label_smoothing / vocab_total)
     # Widths and vocab_total go in as fp32 scalars too (an int argument equal to 1 becomes a constexpr).
     vocab_parallel_ce_merge_kernel[(triton.cdiv(rows, MERGE_BLOCK_ROWS),)](
         gathered.contiguous(),
@@ -179,9 +226,12 @@ def launch_vocab_parallel_ce_merge(
         float(vocab_total),
         ignore_index,
         label_smoothing,
+        *merge_weight_args(weight, n_ranks, shard_width, eps, loss),
+        eps,
         BLOCK_ROWS=MERGE_BLOCK_ROWS,
         N_STATS=len(SHARD_STATS),
         HAS_SMOOTHING=label_smoothing > 0,
+        HAS_WEIGHT=weight is not None,
         SHIFT_ROW=SHARD_SHIFT,
         LOG_SUM_ROW=SHARD_LOG_SUM,
         TARGET_ROW=TARGET_LOGIT,

@@ -16,12 +16,17 @@ same ops, so all ranks compute the same bits:
   ``[0, W V)``;
 - loss as the single-rank forward's (:func:`lowp_ops.reference.cross_entropy.row_loss`); ignored rows 0;
 - unequal shard widths make loss and row statistics NaN on every row (checked on device, no host sync).
+
+With class weights ``w`` (the whole vocabulary's, on every rank) the shards send ``t_r = Σ_c w_c (x_c -
+shift_r)``, rebased with the shard's weight ``Σ_{c in r} w_c`` instead of ``V``, and the loss is the
+single-rank weighted one (:func:`lowp_ops.reference.cross_entropy.weighted_row_loss`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..formats import round_to_fp32
 from ..meta.cross_entropy import LOG_SUM, SHIFT
 from ..meta.vocab_parallel import (
     SHARD_LOG_SUM,
@@ -33,16 +38,20 @@ from ..meta.vocab_parallel import (
     vocab_parallel_ce_merge_outputs,
     vocab_parallel_ce_stats_output,
 )
-from .cross_entropy import row_loss
+from .cross_entropy import row_loss, smoothing_weight_total, target_class_weight, weighted_row_loss
 from .softmax import finish_log_sum, masked_safe_shift, row_stats
 
 
 def vocab_parallel_ce_stats(
-    logits: torch.Tensor, target: torch.Tensor, vocab_start: int, logit_sum: bool
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    vocab_start: int,
+    logit_sum: bool,
+    weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """-> the packet ``(SHARD_STATS, N)`` fp32 of this rank's ``(N, V)`` logits; ``logit_sum``: fill
-    the shifted sum (label smoothing), else 0."""
-    stats = vocab_parallel_ce_stats_output(logits, target, vocab_start, logit_sum)
+    the shifted sum (label smoothing; class-weighted with ``weight``), else 0."""
+    stats = vocab_parallel_ce_stats_output(logits, target, vocab_start, logit_sum, weight)
     x = logits.float()
     n_cols = x.shape[1]
     local_target = target.long() - vocab_start
@@ -52,18 +61,25 @@ def vocab_parallel_ce_stats(
     stats[SHARD_SHIFT] = shift
     stats[SHARD_LOG_SUM] = finish_log_sum(log_sum)
     stats[TARGET_LOGIT] = torch.where(in_shard, picked, 0.0)
+    if weight is not None:
+        shifted = shifted * weight.float()[vocab_start : vocab_start + n_cols]
     stats[SHIFTED_SUM] = shifted.sum(dim=1) if logit_sum else 0.0
     stats[WIDTH] = n_cols
     return stats
 
 
 def vocab_parallel_ce_merge(
-    gathered: torch.Tensor, target: torch.Tensor, shard_width: int, label_smoothing: float, ignore_index: int
+    gathered: torch.Tensor,
+    target: torch.Tensor,
+    shard_width: int,
+    label_smoothing: float,
+    ignore_index: int,
+    weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (loss (N,) fp32, global row_stats (2, N) fp32) from the ranks' packets ``(W * SHARD_STATS, N)``."""
-    loss, stats = vocab_parallel_ce_merge_outputs(
-        gathered, target, shard_width, label_smoothing, ignore_index
-    )
+    """-> (loss (N,) fp32, global row_stats (2, N) fp32) from the ranks' packets ``(W * SHARD_STATS, N)``;
+    ``weight``: optional class weights ``(W * shard_width,)``."""
+    args = (gathered, target, shard_width, label_smoothing, ignore_index, weight)
+    loss, stats = vocab_parallel_ce_merge_outputs(*args)
     n_stats = len(SHARD_STATS)
     packets = gathered.view(gathered.shape[0] // n_stats, n_stats, gathered.shape[1]).unbind(0)
     vocab_total = len(packets) * shard_width
@@ -74,12 +90,16 @@ def vocab_parallel_ce_merge(
     for shard_max in live_max[1:]:
         row_max = torch.maximum(row_max, shard_max)
     shift = masked_safe_shift(row_max)
+    # What a shard's shifted sum is rebased with: its width, or its classes' total weight.
+    shard_weights = [float(shard_width)] * len(packets)
+    if weight is not None:
+        shard_weights = list(weight.float().view(len(packets), shard_width).sum(dim=1).unbind(0))
     sum_exp, target_logit, shifted_sum = (torch.zeros_like(shift) for _ in range(3))
     widths_ok = torch.ones_like(shift, dtype=torch.bool)
-    for packet in packets:  # rank order
+    for packet, shard_weight in zip(packets, shard_weights, strict=True):  # rank order
         sum_exp = sum_exp + torch.exp((packet[SHARD_SHIFT] - shift) + packet[SHARD_LOG_SUM])
         target_logit = target_logit + packet[TARGET_LOGIT]
-        rebased = packet[SHIFTED_SUM] + shard_width * (packet[SHARD_SHIFT] - shift)
+        rebased = packet[SHIFTED_SUM] + shard_weight * (packet[SHARD_SHIFT] - shift)
         shifted_sum = shifted_sum + torch.where(
             packet[SHARD_LOG_SUM] == float("-inf"), packet[SHIFTED_SUM], rebased
         )
@@ -87,7 +107,15 @@ def vocab_parallel_ce_merge(
     log_sum = torch.log(sum_exp)
     in_range = (target >= 0) & (target < vocab_total)
     picked = torch.where(in_range, target_logit, float("nan"))
-    loss_rows = row_loss(shift, log_sum, picked, shifted_sum, vocab_total, label_smoothing)
+    if weight is None:
+        loss_rows = row_loss(shift, log_sum, picked, shifted_sum, vocab_total, label_smoothing)
+    else:
+        eps = round_to_fp32(label_smoothing / vocab_total)
+        class_weight = target_class_weight(weight, target)
+        smooth_total = smoothing_weight_total(weight, eps) if label_smoothing > 0 else None
+        loss_rows = weighted_row_loss(
+            shift, log_sum, picked, class_weight, shifted_sum, smooth_total, eps, label_smoothing
+        )
     loss_rows = torch.where(target != ignore_index, loss_rows, 0.0)
     loss.copy_(torch.where(widths_ok, loss_rows, float("nan")))
     stats[SHIFT] = torch.where(widths_ok, shift, float("nan"))
