@@ -31,7 +31,7 @@ SWEEP = [(block_cols, warps) for block_cols in (64, 128, 256) for warps in (1, 2
 ROTATE = 3
 
 # ------------------------------------------------------------ pure-PyTorch quantizer (torch.compile peer)
-# TE's MXFP8 algorithm (te_cross_entropy_mxfp8.md B.5) in plain tensor ops, written to fuse under
+# TE's MXFP8 algorithm (docs/mxfp8.md#quantization) in plain tensor ops, written to fuse under
 # Inductor: no Python-side padding copies, one reduction per direction.
 FP8 = {"e4m3": (torch.float8_e4m3fn, 448.0, 0x3B124925), "e5m2": (torch.float8_e5m2, 57344.0, 0x37924925)}
 

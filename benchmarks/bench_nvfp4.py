@@ -86,7 +86,7 @@ def main() -> None:
     torch.manual_seed(0)
     x = torch.randn(rows, cols, device=device, dtype=torch.bfloat16)
     amax = x.float().abs().amax().reshape(1)
-    amax_rht = 4 * amax  # a valid post-RHT bound (te_grouped_mlp_nvfp4.md §3.7), as the dGLU path gives
+    amax_rht = 4 * amax  # a valid post-RHT bound (docs/nvfp4.md#the-4x-bound), as the dGLU path gives
     experts = args.experts
     split_sizes = torch.full((experts,), rows // experts, device=device, dtype=torch.int64)
     split_sizes[-1] += rows - int(split_sizes.sum())

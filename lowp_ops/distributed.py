@@ -1,4 +1,4 @@
-"""Vocabulary-parallel cross entropy over ``torch.distributed`` (te_cross_entropy_mxfp8.md A.9, D.5).
+"""Vocabulary-parallel cross entropy over ``torch.distributed`` (docs/cross_entropy.md#vocabulary-parallel).
 
 Layout: rank ``r`` of the process group's ``W`` ranks holds the logits of the vocabulary ids
 ``[r * V, (r + 1) * V)``: contiguous shards of EQUAL width ``V``, in group-rank order (pad the vocabulary

@@ -46,7 +46,7 @@ E8M0_EXPONENT_BIAS = 127
 E8M0_NAN = 255
 """E8M0 codes: value 2^(e - 127) for e in 0..254; 255 is NaN; there is no zero."""
 
-# fp32 bit patterns of 1/max_norm as TE's CUDA computes them (TE B.5 step 3: a multiply, not a divide).
+# fp32 bit patterns of 1/max_norm as TE's CUDA computes them (docs/mxfp8.md step 2: a multiply, not a divide).
 E4M3_MAX_RCP_BITS = 0x3B124925
 E5M2_MAX_RCP_BITS = 0x37924925
 

@@ -1,5 +1,5 @@
 """Grouped linear layers of MoE experts under the bf16 / MXFP8 / NVFP4 recipes, and the FC1 + SwiGLU
-node of the grouped MLP (te_grouped_mlp_nvfp4.md §2.1, §2.7, §3.10).
+node of the grouped MLP (docs/grouped_mlp.md#recipes).
 
 Each expert ``e`` owns the rows ``[sum(split_sizes[:e]), sum(split_sizes[:e+1]))`` of the tokens and a
 weight ``w[e]`` (N, K) in ``nn.Linear`` layout. Three GEMMs per layer, all grouped (``lowp::grouped_mm``):
@@ -113,8 +113,8 @@ def grouped_linear(
 
 
 def fc1_probs(probs: torch.Tensor, recipe: str) -> torch.Tensor:
-    """The probabilities the forward multiplies by: TE's MXFP8 path rounds them to bf16 first (§5); the
-    backward always uses them as given."""
+    """The probabilities the forward multiplies by: TE's MXFP8 path rounds them to bf16 first; the
+    backward always uses them as given (docs/grouped_mlp.md#router-probability-gradient)."""
     return probs.to(torch.bfloat16) if recipe == "mxfp8" else probs
 
 

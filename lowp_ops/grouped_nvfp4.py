@@ -1,12 +1,12 @@
-"""NVFP4 recipe of the grouped linear layers, emulated with bf16 grouped GEMMs (te_grouped_mlp_nvfp4.md
-§2.6-2.7, §3.3-3.10), as TE's NVFP4BlockScaling with stochastic rounding off:
+"""NVFP4 recipe of the grouped linear layers, emulated with bf16 grouped GEMMs
+(docs/grouped_mlp.md#nvfp4-recipe), as TE's NVFP4BlockScaling with stochastic rounding off:
 
 - activations and gradients: 1x16 blocks along the contraction dim with the expert's global amax
   (row-wise copy; fprop and dgrad); for wgrad the column-wise copy: 16-point RHT along the expert's
   tokens, blocks along tokens, the expert's post-RHT amax;
 - weights: 16x16 blocks, no RHT, one amax per expert (row- and column-wise copies hold the same values);
-- GEMM: the local values ``e2m1 * s_b`` are exact in bf16 (§3.3), the bf16 grouped GEMM accumulates in
-  fp32 and rounds to bf16, then ``alpha_e = (amax_a / 2688)(amax_b / 2688)`` scales the rows (or the
+- GEMM: the local values ``e2m1 * s_b`` are exact in bf16 (docs/nvfp4.md), the bf16 grouped GEMM accumulates
+  in fp32 and rounds to bf16, then ``alpha_e = (amax_a / 2688)(amax_b / 2688)`` scales the rows (or the
   wgrad block) of expert e in fp32 with one more bf16 rounding (TE applies alpha before its only
   rounding: ours rounds twice, ``torch._grouped_mm`` has no fp32 output on its fast path).
 
@@ -121,8 +121,9 @@ def nvfp4_fprop(x: torch.Tensor, weight: torch.Tensor, split_sizes: torch.Tensor
 
 
 def grad_amaxes(dglu_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """PR #3755 (§2.6): the FC1 gradient's row-wise amax ``bf16(dGLU amax)`` (== max |dc_bf16| per expert
-    exactly, §3.8) and its column-wise post-RHT bound ``4 x`` that (§3.7)."""
+    """TE PR #3755 (docs/grouped_mlp.md#fc1-gradient-amaxes-from-the-dglu): the FC1 gradient's row-wise
+    amax ``bf16(dGLU amax)`` (== max |dc_bf16| per expert exactly, docs/nvfp4.md#amax-of-a-rounded-tensor)
+    and its column-wise post-RHT bound ``4 x`` that (docs/nvfp4.md#the-4x-bound)."""
     rowwise = dglu_amax.to(torch.bfloat16).float()
     return rowwise, 4.0 * rowwise
 

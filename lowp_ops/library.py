@@ -1,6 +1,6 @@
 """THE place where the ``lowp::`` ops are defined and registered.
 
-Pattern (torch_library_compile.md §0): the default implementation is the pure-PyTorch reference, so
+Pattern (docs/registration.md): the default implementation is the pure-PyTorch reference, so
 every device works and CPU CI can trace, compile and ``opcheck``; ``register_kernel("cuda")`` calls the
 Triton launcher; ``register_fake`` allocates through ``meta/``; backward formulas call backward ops.
 Under ``TRITON_INTERPRET=1`` with ``LOWP_OPS_CPU_KERNELS=triton`` the CPU path runs the Triton kernels

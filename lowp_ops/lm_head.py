@@ -62,7 +62,7 @@ def linear_cross_entropy(
             ``"mxfp8_e4m3"`` / ``"mxfp8_e5m2"``: the cross-entropy backward writes it directly as MXFP8
             (row- and column-wise copies, byte for byte ``cross_entropy_with_mxfp8_grad``'s), and the
             dgrad GEMM reads the row-wise copy (blocks along V), the wgrad GEMM the column-wise one
-            (blocks along tokens) — te_cross_entropy_mxfp8.md part C.
+            (blocks along tokens): docs/cross_entropy.md#lm-head-schedules.
         other_operand: for the MXFP8 GEMMs: ``"bf16"`` keeps weight / hidden as given; ``"mxfp8"``
             quantizes them to E4M3 with blocks along K as TransformerEngine's MXFP8 recipe does.
         chunk_size: tokens per chunk (None: the largest multiple of 256 with at most 2^28 logits).

@@ -1,6 +1,6 @@
 """Float64 oracles for the cross entropy and the softmax family, and ulp-based comparisons.
 
-Written from the math (te_cross_entropy_mxfp8.md A.6 and D.3), independently of ``lowp_ops``: nothing
+Written from the math (docs/cross_entropy.md#loss-and-gradient), independently of ``lowp_ops``: nothing
 here imports the package, so a test that compares against these oracles can fail.
 """
 

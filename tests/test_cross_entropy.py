@@ -1,7 +1,7 @@
 """Cross entropy on CPU: ``lowp_ops.cross_entropy`` and ``cross_entropy_with_mxfp8_grad`` against a float64
 oracle written in this suite (ce_softmax_oracles.py) and against PyTorch, masked-logit safety, ported
-TransformerEngine tests (te_cross_entropy_mxfp8.md A.12), the MXFP8-gradient byte contract, argument
-errors, ``opcheck`` and ``torch.compile``.
+TransformerEngine tests (docs/cross_entropy.md#tests-ported-from-transformerengine), the
+MXFP8-gradient byte contract, argument errors, ``opcheck`` and ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -323,13 +323,14 @@ def test_backward_saves_only_logits_target_and_row_stats(reduction):
     loss.sum().backward()
 
 
-# ----------------------------------------------------------------- TransformerEngine tests (A.12)
+# ----------------------------------------------------------------- TransformerEngine tests
 
 TE_TOLS = {torch.float32: {"rtol": 1.3e-6, "atol": 1e-5}, torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-5}}
 
 
 def run_te_case(dtype, *, swapped, label_smoothing, reduce_loss, ignore, seed):
-    """TE's harness at CPU sizes: rand logits, squared loss, PyTorch float64 reference (A.12)."""
+    """TE's harness at CPU sizes: rand logits, squared loss, PyTorch float64 reference
+    (docs/cross_entropy.md#tests-ported-from-transformerengine)."""
     gen = torch.Generator().manual_seed(seed)
     batch, seq = (1, 2)[seed % 2], (8, 16)[seed // 2 % 2]
     vocab = (2048, 4099)[seed % 2]
@@ -416,7 +417,8 @@ def test_te_non_contiguous_transposed_input():
 
 def test_te_bfloat16_unreduced_external_grad_is_rounded_once():
     """bf16 zero logits, one ignored row, a per-token upstream gradient: the bf16 gradient is exactly
-    bf16(fp32 gradient with the upstream gradient applied), i.e. rounded once (A.7)."""
+    bf16(fp32 gradient with the upstream gradient applied), i.e. rounded once
+    (docs/cross_entropy.md#loss-and-gradient)."""
     logits = torch.zeros(2, 2, 3, dtype=torch.bfloat16, requires_grad=True)
     target = torch.tensor([[0, 1], [2, -100]])
     external = torch.tensor([[0.01, 0.03], [0.1, 0.7]])

@@ -1,7 +1,7 @@
 """CUDA graphs: manual capture of forward+backward replays bit-identically to eager with new inputs, and
 ``torch.compile(mode="reduce-overhead")`` never skips cudagraphs (``triton.cudagraph_or_error``).
 
-A failed capture poisons its process: run each test in its own process (torch_library_compile.md §3.3)::
+A failed capture poisons its process (docs/registration.md#cuda-graph-tests): run each test alone::
 
     for t in $(pytest --collect-only -q -m cudagraph tests/test_cudagraphs.py | grep ::); do
         pytest -q "$t"

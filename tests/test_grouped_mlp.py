@@ -44,7 +44,7 @@ def make_inputs(split_sizes, hidden, ffn, seed, device="cpu", probs_dtype=torch.
 
 
 def float64_mlp(inputs, interleave: int = 0):
-    """(y, dx, dW1, dW2, dprobs) in float64 by autograd, one expert at a time (te §2.1)."""
+    """(y, dx, dW1, dW2, dprobs) in float64 by autograd, one expert at a time (docs/grouped_mlp.md#math)."""
     x, w1, w2, probs = (
         inputs[name].double().cpu().requires_grad_() for name in ("x", "fc1_weight", "fc2_weight", "probs")
     )
@@ -169,7 +169,7 @@ def test_bf16_probs_get_the_single_rounding_of_the_fp32_gradient(recipe):
     got16 = run_mlp(inputs, recipe)
     got32 = run_mlp(dict(inputs, probs=inputs["probs"].float()), recipe)
     assert got16[4].dtype == torch.bfloat16
-    if recipe != "mxfp8":  # mxfp8 rounds fp32 probs to bf16 in its forward (te §5): same values here
+    if recipe != "mxfp8":  # mxfp8 rounds fp32 probs to bf16 in its forward (docs/grouped_mlp.md): same values
         assert torch.equal(got16[0], got32[0])
     assert torch.equal(got16[4], got32[4].bfloat16())
 

@@ -1,5 +1,5 @@
 """MXFP8 semantics on CPU: E8M0 scale codes, multipliers, the public quantize/dequantize against an
-independent per-block oracle written from te_cross_entropy_mxfp8.md B.5, scale layouts, round-trip
+independent per-block oracle written from docs/mxfp8.md#quantization, scale layouts, round-trip
 error, NaN/Inf, argument errors, opcheck and torch.compile.
 
 Every expected value here is derived in this file (exact fractions, integer bit rules, explicit loops),
@@ -24,12 +24,12 @@ from lowp_ops.meta.checks import check_float_dtype
 from lowp_ops.meta.mxfp8 import check_fp8_dtype, normalize_fp8_dtype
 from lowp_ops.reference.mxfp8 import dequantize_multiplier, e8m0_from_amax, quantize_multiplier
 
-# Independent constants (spec B.2): max normal, mantissa bits, exponent of the smallest subnormal.
+# Independent constants (docs/mxfp8.md#format): max normal, mantissa bits, exponent of the smallest subnormal.
 FP8_SPEC = {
     "e4m3": {"max": 448.0, "mantissa_bits": 3, "min_subnormal_exp": -9, "torch": torch.float8_e4m3fn},
     "e5m2": {"max": 57344.0, "mantissa_bits": 2, "min_subnormal_exp": -16, "torch": torch.float8_e5m2},
 }
-# Closed-form shift S with max_norm = 1.75 * 2^S (spec B.5 step 4).
+# Closed-form shift S with max_norm = 1.75 * 2^S (docs/mxfp8.md#quantization step 3).
 CLOSED_FORM_SHIFT = {"e4m3": 8, "e5m2": 15}
 FP8_DTYPES = ("e4m3", "e5m2")
 BLOCK = 32
@@ -51,7 +51,7 @@ def fp32_round(value: float) -> float:
 
 
 def max_norm_rcp(fp8_dtype: str) -> float:
-    """R = fp32(1 / max_norm), the constant TE multiplies by (spec B.5 step 3)."""
+    """R = fp32(1 / max_norm), the constant TE multiplies by (docs/mxfp8.md#quantization step 2)."""
     return fp32_round(1.0 / FP8_SPEC[fp8_dtype]["max"])
 
 
@@ -77,7 +77,7 @@ def exact_e8m0(amax: float, fp8_dtype: str) -> int:
 
 
 def closed_form_e8m0(amax_bits: int, fp8_dtype: str) -> int:
-    """Spec B.5 step 4, integer closed form on the fp32 amax bits: max(0, E_a - S + [M_a > 0x600000])."""
+    """docs/mxfp8.md step 3, integer closed form on the fp32 amax bits: max(0, E_a - S + [M_a > 0x600000])."""
     exponent, mantissa = amax_bits >> 23, amax_bits & 0x7FFFFF
     if exponent == 0xFF:
         return 255 if mantissa else 254
@@ -87,7 +87,7 @@ def closed_form_e8m0(amax_bits: int, fp8_dtype: str) -> int:
 
 
 def spec_e8m0(v: float) -> int:
-    """Spec B.5 step 4, the software float_to_e8m0 on the fp32 value v = amax * R."""
+    """docs/mxfp8.md#quantization step 3, the software float_to_e8m0 on the fp32 value v = amax * R."""
     if math.isnan(v):
         return 0xFF
     if math.isinf(v):
@@ -101,7 +101,7 @@ def spec_e8m0(v: float) -> int:
 
 
 def spec_multiplier(code: int) -> float:
-    """Spec B.5 step 6: 2^(127 - e); e = 254 -> 2^-127; e = 255 -> NaN."""
+    """docs/mxfp8.md#quantization step 4: 2^(127 - e); e = 254 -> 2^-127; e = 255 -> NaN."""
     if code == 255:
         return math.nan
     return 2.0 ** (127 - code)
@@ -125,7 +125,7 @@ def te_block_amax(values: list[float]) -> float:
 
 
 def oracle_block(values: torch.Tensor, fp8_dtype: str) -> tuple[int, torch.Tensor]:
-    """(E8M0 code, FP8 bytes) of one block of fp32 values, step by step as spec B.5."""
+    """(E8M0 code, FP8 bytes) of one block of fp32 values, step by step as docs/mxfp8.md#quantization."""
     as_float = [float(v) for v in values.tolist()]
     amax = te_block_amax(as_float)
     v = fp32_round(amax * max_norm_rcp(fp8_dtype))  # exact product, one fp32 rounding
@@ -370,7 +370,7 @@ def test_single_copies_equal_the_matching_copy_of_both(fp8_dtype):
 
 
 def te_swizzle_index(i: int, j: int, n_tiles_x: int) -> int:
-    """TE gemm_swizzled_scale_idx (spec B.4)."""
+    """TE gemm_swizzled_scale_idx (docs/mxfp8.md#scale-layouts)."""
     return (i // 128 * n_tiles_x + j // 4) * 512 + (i % 32) * 16 + ((i % 128) // 32) * 4 + j % 4
 
 
@@ -408,7 +408,7 @@ def test_swizzled_scales_are_compact_scales_moved_by_te_index(shape, fp8_dtype):
 
 
 def test_swizzle_index_loop_puts_tile_rows_in_te_order():
-    # Within a 128x4 tile, four-byte rows are stored in the order 0, 32, 64, 96, 1, 33, ... (spec B.4).
+    # Within a 128x4 tile, four-byte rows are stored in the order 0, 32, 64, 96, 1, 33, ... (docs/mxfp8.md).
     compact = torch.arange(128, dtype=torch.uint8).repeat_interleave(4).view(128, 4)
     swizzled = swizzle_row_scales_by_loop(compact)
     order = swizzled.view(-1, 4)[:, 0].tolist()

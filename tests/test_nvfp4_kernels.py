@@ -1,5 +1,5 @@
 """Triton NVFP4 kernels against the pure-PyTorch reference, byte for byte, and the grouped / RHT /
-stochastic-rounding contracts (te_grouped_mlp_nvfp4.md §3-4, §8).
+stochastic-rounding contracts (docs/nvfp4.md).
 
 ``interp``: the kernels on CPU tensors under TRITON_INTERPRET=1 (small shapes, few examples); ``gpu``:
 the same bodies on CUDA at larger shapes. The reference always runs on CPU; it is itself checked against
@@ -435,8 +435,9 @@ def test_stochastic_e2m1_rounding_is_unbiased_and_picks_a_neighbour():
 
 
 def test_stochastic_rounding_beats_round_to_nearest_on_average_like_te():
-    """TE's test (§4.3): the mean of 50 SR dequantizations is closer to x than the RN one, for the
-    row-wise copy and for the column-wise copy against RHT(x^T); two draws differ."""
+    """TE's test (tests/pytorch/nvfp4/test_nvfp4_sr_quantize.py): the mean of 50 SR dequantizations is
+    closer to x than the RN one, for the row-wise copy and for the column-wise copy against RHT(x^T);
+    two draws differ."""
     x = torch.randn(64, 128, generator=torch.Generator().manual_seed(0)).bfloat16()
     rn = lowp_ops.nvfp4_quantize(x, columnwise=True, rht=True)
     targets = {"rowwise": x.float(), "columnwise": reference.apply_rht(x.t().contiguous()).float()}
@@ -482,7 +483,8 @@ def test_kernel_post_rht_amax_is_at_most_four_amax_and_reaches_it(suite, kernel_
 
 @given(exponents=st.lists(st.integers(-140, 127), min_size=1, max_size=64), seed=st.integers(0, 2**31 - 1))
 def test_max_of_bf16_magnitudes_is_bf16_of_the_max_magnitude(exponents, seed):
-    """§3.8: rounding is monotone and sign-symmetric, so an fp32 amax rounded once equals the bf16 amax."""
+    """Rounding is monotone and sign-symmetric, so an fp32 amax rounded once equals the bf16 amax
+    (docs/nvfp4.md#amax-of-a-rounded-tensor)."""
     gen = torch.Generator().manual_seed(seed)
     v = torch.randn(len(exponents), generator=gen, dtype=torch.float64) * torch.exp2(torch.tensor(exponents))
     v = v.float()

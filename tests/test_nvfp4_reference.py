@@ -1,5 +1,5 @@
 """NVFP4 (round-to-nearest) reference: E2M1 rounding, packing, the RHT, and quantize/dequantize against
-an independent per-block numpy-float32 oracle written from te_grouped_mlp_nvfp4.md §3-4."""
+an independent per-block numpy-float32 oracle written from docs/nvfp4.md."""
 
 import numpy as np
 import pytest

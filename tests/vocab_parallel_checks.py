@@ -116,8 +116,8 @@ def loss_is_identical_on_every_rank_and_matches_float64(r: Rank):
 
 @check
 def label_smoothing_exchanges_the_logit_sum(r: Rank):
-    """TE sums the smoothing term over the local shard only (A.9): that loss differs from the oracle by
-    far more than the tolerance here, and ours matches the oracle."""
+    """TE sums the smoothing term over the local shard only (docs/cross_entropy.md#vocabulary-parallel):
+    that loss differs from the oracle by far more than the tolerance here, and ours matches the oracle."""
     ls = 0.2
     logits, target = r.inputs(2)
     loss = lowp_ops.cross_entropy(

@@ -1,4 +1,4 @@
-"""Triton MXFP8 quantize / dequantize (TE's bit algorithm, te_cross_entropy_mxfp8.md B.5-B.6).
+"""Triton MXFP8 quantize / dequantize (TE's bit algorithm, docs/mxfp8.md).
 
 One program owns a 32-row x BLOCK_COLS tile, read once: it writes the row-wise copy (1x32 blocks, via
 a [32, BLOCK_COLS/32, 32] view) and the column-wise copy (32x1 blocks, a reduction over the tile's
@@ -28,7 +28,8 @@ X_EVICTION = tl.constexpr("evict_last")
 
 @triton.jit
 def e8m0_from_amax(amax, MAX_RCP: tl.constexpr):
-    """E8M0 code (int32) of fp32 block amaxes: ``v = amax * R`` rounded up to a power of two (TE B.5 step 4).
+    """E8M0 code (int32) of fp32 block amaxes: ``v = amax * R`` rounded up to a power of two
+    (docs/mxfp8.md step 3).
 
     Integer form (v >= 0): adding 0x7FFFFF carries any nonzero mantissa into the exponent; fp32
     denormals round up only above 2^-127 (add 0x3FFFFF); E = 0xFE with a mantissa and Inf saturate to
@@ -43,7 +44,7 @@ def e8m0_from_amax(amax, MAX_RCP: tl.constexpr):
 
 @triton.jit
 def quantize_multiplier(code):
-    """fp32 2^(127 - e) from the bits ``(254 - e) << 23`` (TE B.5 step 6)."""
+    """fp32 2^(127 - e) from the bits ``(254 - e) << 23`` (docs/mxfp8.md#quantization step 4)."""
     bits = (254 - code) << 23
     bits = tl.where(code == 254, 0x00400000, bits)
     bits = tl.where(code == 255, 0x7FFFFFFF, bits)
@@ -52,7 +53,7 @@ def quantize_multiplier(code):
 
 @triton.jit
 def dequantize_multiplier(code):
-    """fp32 2^(e - 127) of E8M0 codes (TE B.6): 0 -> 2^-127, 255 -> NaN."""
+    """fp32 2^(e - 127) of E8M0 codes (docs/mxfp8.md#dequantization): 0 -> 2^-127, 255 -> NaN."""
     bits = code << 23
     bits = tl.where(code == 0, 0x00400000, bits)
     bits = tl.where(code == 255, 0x7FFFFFFF, bits)
@@ -67,7 +68,7 @@ def _max_drop_nan(a, b):
 
 @triton.jit
 def block_amax(values, axis: tl.constexpr):
-    """max |values| along ``axis`` over the non-NaN elements, 0 for an all-NaN block (TE B.5 step 1).
+    """max |values| along ``axis`` over the non-NaN elements, 0 for an all-NaN block (docs/mxfp8.md step 1).
 
     A NaN then keeps its block's scale and encodes as 0x7F alone, as TE's ``fmaxf`` block reduction,
     which starts from 0: the final maxnum with 0 turns an all-NaN block's NaN into 0.
@@ -103,7 +104,8 @@ def cast_satfinite(scaled, FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr):
 
 @triton.jit
 def swizzled_scale_offset(i, j, n_tiles_x):
-    """Byte offset of scale (i, j) in the GEMM-swizzled layout: 128x4 tiles of 512 bytes (TE B.4)."""
+    """Byte offset of scale (i, j) in the GEMM-swizzled layout: 128x4 tiles of 512 bytes
+    (docs/mxfp8.md#scale-layouts)."""
     tile = (i // 128) * n_tiles_x + j // 4
     return tile * 512 + (i % 32) * 16 + ((i % 128) // 32) * 4 + (j % 4)
 

@@ -1,4 +1,4 @@
-"""Triton NVFP4 quantization (te_grouped_mlp_nvfp4.md §3-4; semantics in ``lowp_ops.reference.nvfp4``).
+"""Triton NVFP4 quantization (docs/nvfp4.md; semantics in ``lowp_ops.reference.nvfp4``).
 
 One program owns a ``TILE_ROWS x BLOCK_COLS`` tile of ``x``, read once, and writes from registers the
 row-wise copy (1x16 blocks along the columns) and the column-wise copy (16x1 blocks along the rows,
@@ -533,7 +533,7 @@ def nvfp4_amax_kernel(
         )
     if RHT_AMAX:
         y = tl.abs(hadamard16_rows(x, TILE_ROWS, BLOCK_COLS))
-        # max |bf16(y)| == bf16(max |y|): rounding is monotone (§3.8), so round the tile max only.
+        # max |bf16(y)| == bf16(max |y|) (docs/nvfp4.md#amax-of-a-rounded-tensor): round the tile max only.
         amax = round_to_bf16(tl.reduce(tl.reshape(y, [TILE_ROWS * BLOCK_COLS]), 0, _max_keep_nan))
         tl.atomic_max(
             rht_amax_bits_ptr + expert, amax.to(tl.int32, bitcast=True), mask=expert < experts, sem="relaxed"

@@ -5,7 +5,7 @@ A row's statistics are its running maximum ``m`` and ``d = Σ exp(x - shift(m))`
 ``x - shift`` first and subtracts ``log d`` from that (never ``x - lse`` with a rounded ``lse``), so the
 digits survive at any magnitude. Each element costs one FSUB, one FMUL and one ``ex2``.
 
-Masked-safe (te_cross_entropy_mxfp8.md D.3): the running sum is rescaled by ``exp(m_old - s)`` with the
+Masked-safe (docs/cross_entropy.md): the running sum is rescaled by ``exp(m_old - s)`` with the
 shift ``s = 0`` while the maximum is infinite, so a row whose first blocks are all ``-inf`` keeps
 ``d = 0`` instead of turning NaN (``exp(-inf - -inf)``), and a row holding ``+inf`` has ``d = inf``
 (``logsumexp = inf``, as PyTorch). Finite rows use ``s = m``.

@@ -1,5 +1,5 @@
 """Triton SwiGLU-times-probs forward and the fused dGLU backward of grouped MoE experts
-(te_grouped_mlp_nvfp4.md §2.1, §2.6-2.7; semantics in ``lowp_ops.reference.swiglu``).
+(docs/grouped_mlp.md#math and #dglu; semantics in ``lowp_ops.reference.swiglu``).
 
 One program owns ``BLOCK_T`` rows and walks the ffn dim in ``BLOCK_F`` chunks, so each row's dprobs
 sum stays in registers (deterministic, no atomics) and g and c are read once. The per-expert amax is

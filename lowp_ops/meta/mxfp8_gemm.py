@@ -6,7 +6,7 @@
 - ``a_use="columnwise"``: ``a_data`` is ``(K, M)`` with column-wise (32x1) scales; ``op(A) = A^T``.
 
 ``B`` is ``(K, N)``: bf16/fp16/fp32 (``b_scale`` None), or MXFP8 data (uint8) with column-wise scales,
-i.e. 32x1 blocks along K. Scales are compact (te_cross_entropy_mxfp8.md B.4).
+i.e. 32x1 blocks along K. Scales are compact (docs/mxfp8.md#scale-layouts).
 """
 
 from __future__ import annotations

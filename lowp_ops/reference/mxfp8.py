@@ -1,4 +1,4 @@
-"""MXFP8 quantization, bit for bit TransformerEngine's algorithm (te_cross_entropy_mxfp8.md B.5).
+"""MXFP8 quantization, bit for bit TransformerEngine's algorithm (docs/mxfp8.md).
 
 Per 32-element block (1x32 along the last dim for the row-wise copy, 32x1 along the rows for the
 column-wise copy) of ``x`` viewed as ``(rows, cols)`` in fp32:
@@ -28,12 +28,12 @@ _BLOCK = MXFP8_BLOCK_SIZE
 
 
 def e8m0_from_amax(amax: torch.Tensor, fp8_dtype: str) -> torch.Tensor:
-    """E8M0 code (int32) of the scale for blocks with fp32 ``amax`` (TE B.5 steps 3-4)."""
+    """E8M0 code (int32) of the scale for blocks with fp32 ``amax`` (docs/mxfp8.md#quantization steps 2-3)."""
     v = amax.float() * FP8_MAX_RCP[fp8_dtype]
     bits = v.view(torch.int32)
     exponent = bits >> 23
     mantissa = bits & 0x7FFFFF
-    # Round up to a power of two; fp32 denormals up to 2^-127 stay at code 0 (TE B.5 step 4).
+    # Round up to a power of two; fp32 denormals up to 2^-127 stay at code 0 (docs/mxfp8.md step 3).
     round_up = (mantissa > 0) & (exponent != 0xFE) & ~((exponent == 0) & (mantissa <= 0x400000))
     code = exponent + round_up.to(torch.int32)
     code = torch.where(torch.isinf(v), 0xFE, code)
@@ -41,7 +41,7 @@ def e8m0_from_amax(amax: torch.Tensor, fp8_dtype: str) -> torch.Tensor:
 
 
 def quantize_multiplier(code: torch.Tensor) -> torch.Tensor:
-    """fp32 multiplier 2^(127 - e) for E8M0 codes ``code`` (TE B.5 step 6, ``exp2f_rcp``)."""
+    """fp32 multiplier 2^(127 - e) for E8M0 codes ``code`` (docs/mxfp8.md step 4; ``exp2f_rcp``)."""
     bits = (254 - code.to(torch.int32)) << 23
     bits = torch.where(code == 254, 0x00400000, bits)
     bits = torch.where(code == 255, 0x7FFFFFFF, bits)
@@ -49,7 +49,7 @@ def quantize_multiplier(code: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_multiplier(code: torch.Tensor) -> torch.Tensor:
-    """fp32 value 2^(e - 127) of E8M0 codes (TE B.6): 0 -> 2^-127, 255 -> NaN."""
+    """fp32 value 2^(e - 127) of E8M0 codes (docs/mxfp8.md#dequantization): 0 -> 2^-127, 255 -> NaN."""
     bits = code.to(torch.int32) << 23
     bits = torch.where(code == 0, 0x00400000, bits)
     bits = torch.where(code == 255, 0x7FFFFFFF, bits)
@@ -67,7 +67,7 @@ def cast_to_fp8_satfinite(scaled: torch.Tensor, fp8_dtype: str) -> torch.Tensor:
 
 
 def block_amax(blocks: torch.Tensor, dim: int) -> torch.Tensor:
-    """fp32 max |x| along ``dim`` over the non-NaN elements, 0 when there are none (TE B.5 step 1)."""
+    """fp32 max |x| along ``dim`` over the non-NaN elements, 0 when there are none (docs/mxfp8.md step 1)."""
     magnitudes = blocks.abs()
     # TE's fmaxf reduction starts from 0 and returns the non-NaN operand: NaN never reaches the amax.
     return torch.where(torch.isnan(magnitudes), 0.0, magnitudes).amax(dim=dim)
@@ -104,7 +104,7 @@ def quantize_columnwise(x2d: torch.Tensor, fp8_dtype: str) -> tuple[torch.Tensor
 
 
 def swizzle_scales(compact: torch.Tensor) -> torch.Tensor:
-    """GEMM-swizzled copy of a padded row-wise scale buffer ``[128 a, 4 b]`` (TE B.4).
+    """GEMM-swizzled copy of a padded row-wise scale buffer ``[128 a, 4 b]`` (docs/mxfp8.md#scale-layouts).
 
     Byte ``(i, j)`` goes to ``(i//128 * (b) + j//4) * 512 + (i%32)*16 + (i%128)//32 * 4 + j%4``.
     """
@@ -160,7 +160,7 @@ def mxfp8_quantize(
 def mxfp8_dequantize(
     data: torch.Tensor, scale: torch.Tensor, fp8_dtype: str, use: str, scale_layout: str, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Reference of ``lowp::mxfp8_dequantize``: ``dtype(fp32(q) * 2^(e - 127))`` (TE B.6)."""
+    """Reference of ``lowp::mxfp8_dequantize``: ``dtype(fp32(q) * 2^(e - 127))`` (docs/mxfp8.md)."""
     out = mxfp8_dequantize_output(data, scale, fp8_dtype, use, scale_layout, dtype)
     rows, cols = flat_2d_dims(data.shape)
     values = data.reshape(rows, cols).view(FP8_DTYPES[fp8_dtype]).float()

@@ -1,4 +1,4 @@
-"""MXFP8 GEMM reference: dequantize (TE B.6, exact in fp32), then one fp32 matmul, one rounding.
+"""MXFP8 GEMM reference: dequantize (docs/mxfp8.md#dequantization, exact), then one fp32 matmul, one rounding.
 
 ``out = out_dtype(op(A) @ B)`` with ``op`` and the operand layouts as in :mod:`lowp_ops.meta.mxfp8_gemm`.
 The Triton kernel equals this up to the order of its fp32 accumulation.

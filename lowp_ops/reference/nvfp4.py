@@ -1,5 +1,5 @@
 """NVFP4 quantization with round-to-nearest, as TransformerEngine's pure-PyTorch reference
-(te_grouped_mlp_nvfp4.md §3-4, §8).
+(docs/nvfp4.md).
 
 For an operand ``t`` (rows, cols) quantized in 1x16 blocks along ``cols`` (or 16x16 tiles for 2-D
 weights), with ``amax`` its fp32 global amax (computed, or given and used as is):

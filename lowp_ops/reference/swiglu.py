@@ -1,5 +1,5 @@
 """SwiGLU times router probabilities, and its fused backward (dGLU) for grouped MoE experts, in fp32
-(te_grouped_mlp_nvfp4.md §2.1, §2.6-2.7, §5).
+(docs/grouped_mlp.md).
 
 With ``(a, b)`` the gate and linear halves of the FC1 output ``c`` (TE's order: the nonlinearity is on
 the first half), ``s = sigmoid(a)``, ``u = a s b``:
