@@ -15,6 +15,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from lowp_ops.kernels import cross_entropy as ce_kernels
 from lowp_ops.kernels import mxfp8 as kernels
 from lowp_ops.reference import mxfp8 as reference
 
@@ -286,8 +287,6 @@ def test_quantize_kernel_inf_and_nan_in_one_block(suite, kernel_device, fp8_dtyp
 
 
 def fused_ce_mxfp8(logits, target, grad_rows, fp8_dtype, gluon):
-    from lowp_ops.kernels import cross_entropy as ce_kernels
-
     lse = ce_kernels.launch_cross_entropy_fwd(logits, target, 0.0, -100)[1]
     return ce_kernels.launch_cross_entropy_bwd_mxfp8(
         logits, target, lse, grad_rows, 0.0, -100, fp8_dtype, True, True, "compact", gluon=gluon
