@@ -74,10 +74,8 @@ def cross_entropy_fwd_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
-    if HAS_WEIGHT:
-        m, d, shifted_sum = row_stats_and_weighted_shifted_sum(
-            row_ptr, weight_ptr, n_cols, BLOCK, HAS_SMOOTHING
-        )
+    if HAS_WEIGHT and HAS_SMOOTHING:  # only the smoothing term needs the weights of every class
+        m, d, shifted_sum = row_stats_and_weighted_shifted_sum(row_ptr, weight_ptr, n_cols, BLOCK, True)
     else:
         m, d, shifted_sum = row_stats_and_shifted_sum(row_ptr, n_cols, BLOCK, HAS_SMOOTHING)
     shift = masked_safe_shift(m)
