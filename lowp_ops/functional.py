@@ -9,7 +9,12 @@ from torch.nn._reduction import legacy_get_string
 from . import library
 from .formats import FP8_DTYPES, MXFP8Tensor
 from .meta.checks import check_int, check_real, require, require_tensor
-from .meta.cross_entropy import check_label_smoothing, check_logits_target, check_reduction
+from .meta.cross_entropy import (
+    check_class_weight,
+    check_label_smoothing,
+    check_logits_target,
+    check_reduction,
+)
 from .meta.mxfp8 import check_scale_layout, normalize_fp8_dtype
 from .meta.softmax import check_masked_rows
 from .meta.split_sizes import check_split_sizes
@@ -82,21 +87,32 @@ def _class_rows(
 
 
 def reduce_row_losses(
-    loss_rows: torch.Tensor, target: torch.Tensor, reduction: str, ignore_index: int
+    loss_rows: torch.Tensor,
+    target: torch.Tensor,
+    reduction: str,
+    ignore_index: int,
+    weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """As ``F.cross_entropy``'s reductions of per-row fp32 losses (N,) for ``target`` (any shape, N
     elements): ``"none"`` in ``target``'s shape, the sum, or the mean over non-ignored rows (NaN when
-    every row is ignored, as PyTorch); one ``lowp::cross_entropy_reduce``, the count on the device."""
-    return _reduce(loss_rows, target, reduction, ignore_index)[0]
+    every row is ignored, as PyTorch; with class ``weight`` it divides by the rows' target weights); one
+    ``lowp::cross_entropy_reduce``, the count on the device."""
+    return _reduce(loss_rows, target, reduction, ignore_index, weight)[0]
 
 
 def _reduce(
-    loss_rows: torch.Tensor, target: torch.Tensor, reduction: str, ignore_index: int
+    loss_rows: torch.Tensor,
+    target: torch.Tensor,
+    reduction: str,
+    ignore_index: int,
+    weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(reduced loss, dloss/dloss_row as a 0-d tensor; None for ``"none"``)."""
     if reduction == "none":
         return loss_rows.view(target.shape), None
-    return library.cross_entropy_reduce(loss_rows, target.reshape(-1), ignore_index, reduction == "mean")
+    return library.cross_entropy_reduce(
+        loss_rows, target.reshape(-1), ignore_index, reduction == "mean", weight
+    )
 
 
 def cross_entropy(
@@ -137,27 +153,24 @@ def cross_entropy(
     if size_average is not None or reduce is not None:
         reduction = legacy_get_string(size_average, reduce)
     _check_loss_args(input, target, ignore_index, label_smoothing, reduction)
-    _check_class_weight(weight, input)
     logits_rows, target_rows = _class_rows(input, target, classes_last)
     if process_group is None:
+        check_class_weight(weight, logits_rows.shape[1], logits_rows)
         return library.cross_entropy_loss(
-            logits_rows, target_rows, float(label_smoothing), ignore_index, reduction
+            logits_rows, target_rows, float(label_smoothing), ignore_index, reduction, weight
         ).view(_loss_shape(target, reduction))
-    from .distributed import vocab_parallel_cross_entropy_rows
+    from .distributed import check_process_group, vocab_parallel_cross_entropy_rows, vocab_shard
 
+    check_process_group(process_group)
+    check_class_weight(weight, vocab_shard(logits_rows.shape[1], process_group)[1], logits_rows)
     loss_rows = vocab_parallel_cross_entropy_rows(
-        logits_rows, target_rows, float(label_smoothing), ignore_index, process_group
+        logits_rows, target_rows, float(label_smoothing), ignore_index, process_group, weight
     )
-    return reduce_row_losses(loss_rows, target, reduction, ignore_index)
+    return reduce_row_losses(loss_rows, target, reduction, ignore_index, weight)
 
 
 def _loss_shape(target: torch.Tensor, reduction: str) -> tuple[int, ...]:
     return tuple(target.shape) if reduction == "none" else ()
-
-
-def _check_class_weight(weight: torch.Tensor | None, logits: torch.Tensor) -> None:
-    if weight is not None:
-        raise NotImplementedError("weight= (class weights) is not supported yet")
 
 
 def _loss_and_grad_rows(
@@ -166,10 +179,11 @@ def _loss_and_grad_rows(
     grad_loss: torch.Tensor | None,
     reduction: str,
     ignore_index: int,
+    weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reduced loss and dloss per row (N,) fp32 for the gradient ``grad_loss`` of that loss (ones
     when None): one reduction kernel, plus one multiply when ``grad_loss`` is given."""
-    loss, grad_scale = _reduce(loss_rows, target, reduction, ignore_index)
+    loss, grad_scale = _reduce(loss_rows, target, reduction, ignore_index, weight)
     if grad_loss is not None:
         require(
             isinstance(grad_loss, torch.Tensor),
@@ -201,6 +215,7 @@ def cross_entropy_with_mxfp8_grad(
     rowwise: bool = True,
     columnwise: bool = True,
     scale_layout: str = "compact",
+    weight: torch.Tensor | None = None,
     process_group=None,
 ) -> tuple[torch.Tensor, MXFP8Tensor]:
     """The loss and the gradient of ``grad_loss · loss`` w.r.t. the logits, written directly as MXFP8.
@@ -208,7 +223,8 @@ def cross_entropy_with_mxfp8_grad(
     For frameworks that consume the quantized gradient. ``logits`` are ``(..., V)`` with ``(...)``
     targets: classes last, always (the MXFP8 blocks run along the vocabulary). ``grad_loss`` defaults to
     ones (a scalar for ``mean``/``sum``, ``target.shape`` for ``none``). ``fp8_dtype``: ``"e4m3"`` /
-    ``"e5m2"`` or ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``. The returned loss is detached.
+    ``"e5m2"`` or ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``. ``weight``: class weights (V,) as
+    :func:`cross_entropy`'s (the whole vocabulary's with ``process_group``). The returned loss is detached.
     Contract, byte for byte on one device: the payload equals ``mxfp8_quantize(g)`` where ``g`` is the
     logits' gradient :func:`cross_entropy` 's backward returns for the same inputs (both copies and both
     scale tensors). Any N and V.
@@ -225,17 +241,20 @@ def cross_entropy_with_mxfp8_grad(
     shard = (0, 0)
     with torch.no_grad():
         if process_group is None:
+            check_class_weight(weight, logits_rows.shape[1], logits_rows)
             loss_rows, lse = library.cross_entropy_fwd(
-                logits_rows, target_rows, float(label_smoothing), ignore_index
+                logits_rows, target_rows, float(label_smoothing), ignore_index, weight
             )
         else:
-            from .distributed import vocab_parallel_cross_entropy_stats, vocab_shard
+            from .distributed import check_process_group, vocab_parallel_cross_entropy_stats, vocab_shard
 
-            loss_rows, lse = vocab_parallel_cross_entropy_stats(
-                logits_rows, target_rows, float(label_smoothing), ignore_index, process_group
-            )
+            check_process_group(process_group)
             shard = vocab_shard(logits_rows.shape[1], process_group)
-        loss, grad_rows = _loss_and_grad_rows(loss_rows, target, grad_loss, reduction, ignore_index)
+            check_class_weight(weight, shard[1], logits_rows)
+            loss_rows, lse = vocab_parallel_cross_entropy_stats(
+                logits_rows, target_rows, float(label_smoothing), ignore_index, process_group, weight
+            )
+        loss, grad_rows = _loss_and_grad_rows(loss_rows, target, grad_loss, reduction, ignore_index, weight)
         row_data, row_scale, col_data, col_scale = library.cross_entropy_bwd_mxfp8(
             logits_rows,
             target_rows,
@@ -248,6 +267,7 @@ def cross_entropy_with_mxfp8_grad(
             columnwise,
             scale_layout,
             *shard,
+            weight,
         )
     data_dtype = FP8_DTYPES[fp8_dtype]
     return loss, MXFP8Tensor(

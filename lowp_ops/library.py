@@ -663,13 +663,14 @@ class _CrossEntropyLoss(torch.autograd.Function):
     """``cross_entropy_fwd`` then ``cross_entropy_reduce`` (mean or sum) as one autograd node."""
 
     @staticmethod
-    def forward(ctx, logits, target, label_smoothing, ignore_index, mean):
-        rows_args = (logits, target, label_smoothing, ignore_index)
+    def forward(ctx, logits, target, label_smoothing, ignore_index, weight, mean):
+        rows_args = (logits, target, label_smoothing, ignore_index, weight)
+        reduce_args = (target, ignore_index, mean, weight)
         loss_rows, stats = cross_entropy_fwd.implementation(logits)(*rows_args)
-        loss, grad_scale = cross_entropy_reduce.implementation(logits)(loss_rows, target, ignore_index, mean)
-        rows, reduced = _Stage((True, False, False, False)), _Stage((True, False, False, False))
+        loss, grad_scale = cross_entropy_reduce.implementation(logits)(loss_rows, *reduce_args)
+        rows, reduced = _Stage((True, False, False, False, False)), _Stage((True, False, False, False, False))
         _cross_entropy_setup(rows, rows_args, (loss_rows, stats))
-        _cross_entropy_reduce_setup(reduced, (loss_rows, target, ignore_index, mean), (loss, grad_scale))
+        _cross_entropy_reduce_setup(reduced, (loss_rows, *reduce_args), (loss, grad_scale))
         ctx.stages, ctx.split = (rows, reduced), len(rows.saved_tensors)
         ctx.save_for_backward(*rows.saved_tensors, *reduced.saved_tensors)
         ctx.mark_non_differentiable(grad_scale)
@@ -682,19 +683,25 @@ class _CrossEntropyLoss(torch.autograd.Function):
         saved = ctx.saved_tensors
         rows.saved_tensors, reduced.saved_tensors = saved[: ctx.split], saved[ctx.split :]
         grad_rows = _cross_entropy_reduce_backward(reduced, grad_loss, None)[0]
-        return _cross_entropy_backward(rows, grad_rows, None)[0], None, None, None, None
+        return _cross_entropy_backward(rows, grad_rows, None)[0], None, None, None, None, None
 
 
 def cross_entropy_loss(
-    logits: torch.Tensor, target: torch.Tensor, label_smoothing: float, ignore_index: int, reduction: str
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    reduction: str,
+    weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The reduced (or per-row) fp32 cross entropy of ``(N, V)`` logits: ``lowp::cross_entropy_fwd`` and,
-    for ``mean``/``sum``, ``lowp::cross_entropy_reduce``; one autograd node when called eagerly."""
-    args = (logits, target, label_smoothing, ignore_index)
+    """The reduced (or per-row) fp32 cross entropy of ``(N, V)`` logits with optional class weights
+    ``(V,)``: ``lowp::cross_entropy_fwd`` and, for ``mean``/``sum``, ``lowp::cross_entropy_reduce``; one
+    autograd node when called eagerly."""
+    args = (logits, target, label_smoothing, ignore_index, weight)
     if reduction == "none":
         return cross_entropy_fwd(*args)[0]
     mean = reduction == "mean"
     if logits.requires_grad and torch.is_grad_enabled() and eager_call_allowed(args):
         return _CrossEntropyLoss.apply(*args, mean)[0]
     loss_rows, _ = cross_entropy_fwd(*args)
-    return cross_entropy_reduce(loss_rows, target, ignore_index, mean)[0]
+    return cross_entropy_reduce(loss_rows, target, ignore_index, mean, weight)[0]
