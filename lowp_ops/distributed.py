@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from . import library  # noqa: F401  (registers the ops)
+from . import library
+from .library import refuse_double_backward
 
 __all__ = [
     "linear_vocab_parallel_cross_entropy_rows",
@@ -75,7 +76,7 @@ def vocab_parallel_cross_entropy_stats(
     check_process_group(process_group)
     shard_width = logits.shape[1]
     vocab_start, _ = vocab_shard(shard_width, process_group)
-    stats = torch.ops.lowp.vocab_parallel_ce_stats(logits, target, vocab_start, label_smoothing > 0, weight)
+    stats = library.vocab_parallel_ce_stats(logits, target, vocab_start, label_smoothing > 0, weight)
     return _gather_and_merge(stats, target, shard_width, label_smoothing, ignore_index, process_group, weight)
 
 
@@ -83,7 +84,7 @@ def _gather_and_merge(stats, target, shard_width, label_smoothing, ignore_index,
     """This rank's packet -> (loss, row_stats) of all ranks: one all-gather, then the same merge
     everywhere."""
     gathered = funcol.wait_tensor(_all_gather(stats, 0, process_group))
-    merge = torch.ops.lowp.vocab_parallel_ce_merge
+    merge = library.vocab_parallel_ce_merge
     return merge(gathered, target, shard_width, label_smoothing, ignore_index, weight)
 
 
@@ -103,10 +104,9 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        refuse_double_backward("vocab_parallel_cross_entropy")
         logits, target, row_stats, weight = ctx.saved_tensors
-        dlogits = torch.ops.lowp.cross_entropy_bwd(
-            logits, target, row_stats, grad_loss.float(), *ctx.config, weight
-        )
+        dlogits = library.cross_entropy_bwd(logits, target, row_stats, grad_loss.float(), *ctx.config, weight)
         return dlogits, None, None, None, None, None
 
 
@@ -146,7 +146,7 @@ def linear_vocab_parallel_cross_entropy_stats(
     check_process_group(process_group)
     shard_width = weight.shape[0]
     vocab_start, _ = vocab_shard(shard_width, process_group)
-    stats = torch.ops.lowp.linear_vocab_parallel_ce_stats(
+    stats = library.linear_vocab_parallel_ce_stats(
         hidden, weight, target, vocab_start, label_smoothing > 0, chunk_size
     )
     return _gather_and_merge(stats, target, shard_width, label_smoothing, ignore_index, process_group)
@@ -181,9 +181,10 @@ class LinearVocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        refuse_double_backward("linear_vocab_parallel_cross_entropy")
         hidden, weight, target, row_stats = ctx.saved_tensors
         need_dhidden, need_dweight = ctx.needs_input_grad[:2]
-        dhidden, dweight = torch.ops.lowp.linear_vocab_parallel_ce_bwd(
+        dhidden, dweight = library.linear_vocab_parallel_ce_bwd(
             hidden,
             weight,
             target,

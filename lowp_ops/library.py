@@ -153,7 +153,7 @@ class LowpOp:
         self.function = type(f"lowp_{self.name}", (torch.autograd.Function,), namespace)
 
 
-def _refuse_double_backward(name: str) -> None:
+def refuse_double_backward(name: str) -> None:
     """Raise when a backward runs under ``create_graph=True``: the formulas are not differentiable, and
     without this check the second-order terms would silently be missing. Grad mode is on in a backward
     only then (tracers run with dispatch modes pushed, and are let through)."""
@@ -166,10 +166,10 @@ def _refuse_double_backward(name: str) -> None:
 
 
 def _once_differentiable(backward: Callable, name: str) -> Callable:
-    """``backward`` that refuses to run under ``create_graph=True`` (:func:`_refuse_double_backward`)."""
+    """``backward`` that refuses to run under ``create_graph=True`` (:func:`refuse_double_backward`)."""
 
     def checked(ctx, *grads):
-        _refuse_double_backward(name)
+        refuse_double_backward(name)
         return backward(ctx, *grads)
 
     return checked
@@ -678,7 +678,7 @@ class _CrossEntropyLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
-        _refuse_double_backward("cross_entropy")
+        refuse_double_backward("cross_entropy")
         rows, reduced = ctx.stages
         saved = ctx.saved_tensors
         rows.saved_tensors, reduced.saved_tensors = saved[: ctx.split], saved[ctx.split :]

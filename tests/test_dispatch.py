@@ -338,3 +338,34 @@ def test_empty_inputs_give_torch_results():
     q = lowp_ops.nvfp4_quantize(torch.randn(0, 32), columnwise=True)
     assert lowp_ops.nvfp4_dequantize(q).shape == (0, 32)
     assert lowp_ops.nvfp4_dequantize(q, use="columnwise").shape == (32, 0)
+
+
+def test_vocab_parallel_double_backward_raises(monkeypatch):
+    """The vocabulary-parallel losses (their own autograd Functions) refuse create_graph=True too."""
+    import torch.distributed as dist
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29561")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD
+        gen = torch.Generator().manual_seed(7)
+        logits = torch.randn(4, 10, generator=gen, requires_grad=True)
+        hidden = torch.randn(4, 8, generator=gen, requires_grad=True)
+        head = torch.randn(10, 8, generator=gen, requires_grad=True)
+        target = torch.randint(0, 10, (4,), generator=gen)
+        for reduction in ("none", "mean"):
+            losses = (
+                (lowp_ops.cross_entropy(logits, target, reduction=reduction, process_group=group), logits),
+                (
+                    lowp_ops.linear_cross_entropy(
+                        hidden, head, target, reduction=reduction, process_group=group
+                    ),
+                    hidden,
+                ),
+            )
+            for loss, leaf in losses:
+                with pytest.raises(RuntimeError, match="does not support double backward"):
+                    torch.autograd.grad(loss.sum(), leaf, create_graph=True)
+    finally:
+        dist.destroy_process_group()
