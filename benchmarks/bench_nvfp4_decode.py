@@ -21,7 +21,7 @@ import torch
 from _common import copy_bandwidth_tbs, environment, median_ms, write_json
 from bench_grouped_mlp import uneven_splits
 
-from lowp_ops import grouped_nvfp4
+from lowp_ops.composite import grouped_nvfp4
 from lowp_ops.kernels.nvfp4_decode import launch_nvfp4_decode_rows, launch_nvfp4_group_decode_columns
 from lowp_ops.reference import nvfp4_decode as reference
 

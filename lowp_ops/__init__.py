@@ -14,7 +14,7 @@ from .functional import (
     softmax,
     swiglu,
 )
-from .lm_head import linear_cross_entropy
+from .linear_cross_entropy import linear_cross_entropy
 from .moe import grouped_swiglu_mlp
 from .mxfp8 import mxfp8_dequantize, mxfp8_quantize
 from .nvfp4 import nvfp4_dequantize, nvfp4_group_quantize, nvfp4_quantize

@@ -254,10 +254,12 @@ pytree.register_pytree_node(
 
 
 def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ``a >= 0``, ``b > 0`` (blocks of ``b`` that cover ``a`` elements)."""
     return (a + b - 1) // b
 
 
 def round_up(a: int, b: int) -> int:
+    """The least multiple of ``b`` that is ``>= a`` (``a >= 0``, ``b > 0``): padded sizes of scale tiles."""
     return ceil_div(a, b) * b
 
 

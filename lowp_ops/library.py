@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 import torch
 
-from . import grouped_linear as grouped_linear_impl
+from .composite import grouped_linear as grouped_linear_impl
 from .meta import cross_entropy as ce_meta
-from .meta import grouped_mlp as grouped_mlp_meta
+from .meta import grouped_mm as grouped_mm_meta
 from .meta import linear_cross_entropy as linear_ce_meta
 from .meta import mxfp8 as mxfp8_meta
 from .meta import mxfp8_gemm as mxfp8_gemm_meta
@@ -422,7 +422,7 @@ grouped_mm = _define(
     "(Tensor a, Tensor b, Tensor offs) -> Tensor",
     grouped_mm_ref.grouped_mm,
     "grouped_mm.launch_grouped_mm",
-    grouped_mlp_meta.grouped_mm_output,
+    grouped_mm_meta.grouped_mm_output,
 )
 
 grouped_linear = _define(
@@ -430,7 +430,7 @@ grouped_linear = _define(
     "(Tensor x, Tensor weight, Tensor split_sizes, str recipe) -> Tensor",
     grouped_linear_impl.grouped_linear,
     None,
-    grouped_mlp_meta.grouped_linear_output,
+    grouped_mm_meta.grouped_linear_output,
 )
 
 grouped_fc1_swiglu = _define(
@@ -439,7 +439,7 @@ grouped_fc1_swiglu = _define(
     " bool fc1_dy_amax_from_dglu) -> (Tensor, Tensor)",
     grouped_linear_impl.grouped_fc1_swiglu,
     None,
-    grouped_mlp_meta.grouped_fc1_swiglu_outputs,
+    grouped_mm_meta.grouped_fc1_swiglu_outputs,
 )
 
 

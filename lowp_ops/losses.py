@@ -13,7 +13,7 @@ import inspect
 import torch
 
 from .functional import cross_entropy
-from .lm_head import linear_cross_entropy
+from .linear_cross_entropy import linear_cross_entropy
 from .meta.checks import require
 from .meta.cross_entropy import check_label_smoothing, check_reduction
 

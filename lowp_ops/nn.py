@@ -8,7 +8,7 @@ import torch
 
 from .losses import CrossEntropyLoss, LinearCrossEntropyLoss
 from .meta.checks import require
-from .meta.grouped_mlp import RECIPES
+from .meta.grouped_mm import RECIPES
 from .moe import grouped_swiglu_mlp
 
 __all__ = ["CrossEntropyLoss", "GroupedSwiGLUMLP", "LinearCrossEntropyLoss"]

@@ -10,10 +10,10 @@ OUT="${OUT:-$(mktemp -d)}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 limit="${GPU_TEST_SECONDS:-420}"
 declare -A groups=(
-    [loss]="tests/test_kernels_loss_softmax.py tests/test_vocab_parallel.py tests/test_linear_vocab_parallel.py"
+    [loss]="tests/test_cross_entropy_kernels.py tests/test_softmax_kernels.py tests/test_vocab_parallel.py tests/test_linear_vocab_parallel.py"
     [nvfp4]="tests/test_nvfp4_kernels.py tests/test_nvfp4_decode.py"
     [moe]="tests/test_grouped_mlp.py tests/test_swiglu_kernels.py tests/test_train_tiny_moe.py tests/test_mxfp8_gemm.py"
-    [lmhead]="tests/test_linear_cross_entropy.py tests/test_lm_head_in_gradient_buffer.py tests/test_mxfp8_kernels.py"
+    [lmhead]="tests/test_linear_cross_entropy.py tests/test_linear_cross_entropy_kernels.py tests/test_mxfp8_kernels.py"
 )
 # Any other test file (one added later) in a fifth process.
 rest="tests"

@@ -221,3 +221,19 @@ def bits(x: torch.Tensor) -> torch.Tensor:
     """The raw bit pattern of a tensor (for exact comparisons that also treat NaN == NaN)."""
     view_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
     return x.contiguous().view(view_dtype)
+
+
+def masked_softmax_inputs(
+    n_rows: int, n_cols: int, dtype: torch.dtype, device: str, block: int, seed: int = 0
+) -> torch.Tensor:
+    """(n_rows, n_cols) inputs of ``dtype``: N(0, 9) with 10% -inf; with 3 rows or more, row 0's first
+    ``block`` columns masked, row 1 all -inf and row 2 all but its last ``block`` + 1 columns masked
+    (``block``: the kernel's widest row block)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(n_rows, n_cols, generator=gen, device=device) * 3
+    x[torch.rand(n_rows, n_cols, generator=gen, device=device) < 0.1] = -math.inf
+    if n_rows >= 3:
+        x[0, : min(block, n_cols - 1)] = -math.inf  # a whole first block masked
+        x[1] = -math.inf
+        x[2, : max(n_cols - block - 1, 0)] = -math.inf  # all but the last block masked
+    return x.to(dtype)

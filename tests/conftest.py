@@ -45,3 +45,22 @@ def _reset_dynamo():
 def kernel_device() -> str:
     """Where the Triton kernels run: CUDA on a GPU machine, CPU tensors under the interpreter."""
     return "cuda" if HAS_CUDA and not INTERPRET else "cpu"
+
+
+@pytest.fixture
+def spy_launchers(monkeypatch) -> list[str]:
+    """Names of the Triton launchers (``launch_*`` of the CE, MXFP8 and softmax kernel modules) that the
+    ops dispatch to, one entry per call."""
+    from lowp_ops.kernels import cross_entropy, mxfp8, softmax  # here: the CPU suite never imports triton
+
+    calls = []
+    for module in (cross_entropy, mxfp8, softmax):
+        for name in dir(module):
+            if name.startswith("launch_"):
+                launcher = getattr(module, name)
+                monkeypatch.setattr(
+                    module,
+                    name,
+                    lambda *args, _launch=launcher, _name=name: calls.append(_name) or _launch(*args),
+                )
+    return calls

@@ -20,6 +20,7 @@ from ce_softmax_oracles import (
     ce_loss_fp32_atol,
     cross_entropy_oracle,
 )
+from cudagraph_checks import ce_inputs, same_bits, warm_up
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -856,3 +857,98 @@ def test_cross_entropy_reduce_gradient_is_the_scale_per_row():
 def test_cross_entropy_reduce_rejects_bad_inputs(loss_rows, target, message):
     with pytest.raises(ValueError, match=message):
         torch.ops.lowp.cross_entropy_reduce(loss_rows, target, -100, True)
+
+
+# ------------------------------------------------------------------ CUDA graphs (one process per test)
+
+
+@pytest.mark.cudagraph
+def test_manual_capture_of_cross_entropy_forward_backward_replays_like_eager():
+    def step(logits, target):
+        logits.grad = None
+        loss = lowp_ops.cross_entropy(
+            logits, target, label_smoothing=0.1, classes_last=True
+        )  # mean over non-ignored rows
+        loss.backward()
+        return loss
+
+    static_logits, static_target = ce_inputs(0)
+    static_logits.requires_grad_()
+    warm_up(step, static_logits, static_target)
+    graph = torch.cuda.CUDAGraph()
+    static_logits.grad = None
+    with torch.cuda.graph(graph):
+        static_loss = step(static_logits, static_target)  # the gradient lands in static_logits.grad
+
+    for seed in (1, 2, 3):
+        logits, target = ce_inputs(seed)
+        with torch.no_grad():
+            static_logits.copy_(logits)
+            static_target.copy_(target)
+        graph.replay()
+        eager_logits = logits.clone().requires_grad_()
+        eager_loss = step(eager_logits, target)
+        torch.cuda.synchronize()
+        assert torch.isfinite(eager_loss)
+        assert same_bits(static_loss.detach(), eager_loss.detach()), f"loss differs at replay {seed}"
+        assert same_bits(static_logits.grad, eager_logits.grad), f"gradient differs at replay {seed}"
+
+
+@pytest.mark.cudagraph
+def test_manual_capture_of_cross_entropy_with_mxfp8_grad_replays_like_eager():
+    def step(logits, target, grad_loss):
+        return lowp_ops.cross_entropy_with_mxfp8_grad(
+            logits,
+            target,
+            grad_loss,
+            label_smoothing=0.1,
+            reduction="none",
+            fp8_dtype="e4m3",
+            scale_layout="swizzled",
+        )
+
+    static_logits, static_target = ce_inputs(0)
+    static_grad_loss = torch.rand(static_target.shape, device="cuda")
+    warm_up(step, static_logits, static_target, static_grad_loss)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss, static_payload = step(static_logits, static_target, static_grad_loss)
+
+    for seed in (1, 2, 3):
+        logits, target = ce_inputs(seed)
+        grad_loss = torch.rand(target.shape, device="cuda") - 0.5
+        static_logits.copy_(logits)
+        static_target.copy_(target)
+        static_grad_loss.copy_(grad_loss)
+        graph.replay()
+        eager_loss, eager_payload = step(logits, target, grad_loss)
+        torch.cuda.synchronize()
+        assert same_bits(static_loss, eager_loss), f"loss differs at replay {seed}"
+        for field in PAYLOAD_FIELDS:
+            got, want = getattr(static_payload, field), getattr(eager_payload, field)
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (
+                f"{field} differs at replay {seed}"
+            )
+
+
+@pytest.mark.cudagraph
+def test_reduce_overhead_cross_entropy_forward_backward_never_skips_cudagraphs():
+    def loss_fn(logits, target):
+        return lowp_ops.cross_entropy(logits, target, label_smoothing=0.1, classes_last=True)
+
+    counters.clear()
+    with torch._inductor.config.patch({"triton.cudagraph_or_error": True}):
+        compiled = torch.compile(loss_fn, mode="reduce-overhead", fullgraph=True)
+        for seed in range(3):
+            logits, target = ce_inputs(seed)
+            torch.compiler.cudagraph_mark_step_begin()
+            x = logits.clone().requires_grad_()
+            loss = compiled(x, target)
+            loss.backward()
+            loss, grad = loss.detach().clone(), x.grad.clone()  # cudagraph outputs are reused next step
+            eager_x = logits.clone().requires_grad_()
+            eager_loss = loss_fn(eager_x, target)
+            eager_loss.backward()
+            torch.testing.assert_close(loss, eager_loss.detach(), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(grad, eager_x.grad)  # bf16 tolerances: the mean's division may differ
+    assert counters["inductor"]["cudagraph_skips"] == 0

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from process_groups import spawn_ranks
 
 import lowp_ops
 
@@ -175,23 +174,7 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
 
 
 def run_ranks(world: int, out_dir: str) -> list[dict]:
-    context = mp.start_processes(
-        _worker, args=(world, out_dir), nprocs=world, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not context.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"FSDP2 group of {world} did not finish in {TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    results = []
-    for rank in range(world):
-        with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
-            results.append(json.load(f))
-    return results
+    return spawn_ranks(_worker, (world, out_dir), world, out_dir, TIMEOUT_S)
 
 
 def test_one_process_trains():

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import itertools
 
+import nvfp4_oracles
 import pytest
 import torch
+from cudagraph_checks import same_bits
 from hypothesis import given
 from hypothesis import strategies as st
 
 import lowp_ops
-from lowp_ops import grouped_nvfp4
+from lowp_ops.composite import grouped_nvfp4
 from lowp_ops.reference import grouped_mm as grouped_mm_ref
 from lowp_ops.reference import nvfp4 as nvfp4_ref
 
@@ -230,17 +232,17 @@ def test_nvfp4_operands_from_the_quantize_ops_equal_the_pure_pytorch_local_value
     t = (torch.randn(96, 48, generator=gen) * torch.logspace(-3, 3, 48)).bfloat16()
     local, amax = grouped_nvfp4.rowwise_operand(t, split_sizes)
     token_amax = grouped_nvfp4._token_values(amax, split_sizes, 96)[:, None]
-    assert torch.equal(local, grouped_nvfp4.local_values(t, token_amax))
+    assert torch.equal(local, nvfp4_oracles.local_values(t, token_amax))
     local, amax = grouped_nvfp4.columnwise_operand(t, split_sizes)
     transformed = nvfp4_ref.apply_rht(t.t().contiguous())
     block_amax = grouped_nvfp4._token_values(amax, split_sizes, 96)[::16][None, :]
-    assert torch.equal(local, grouped_nvfp4.local_values(transformed, block_amax))
+    assert torch.equal(local, nvfp4_oracles.local_values(transformed, block_amax))
     expected_amax = grouped_nvfp4.per_expert_amax(transformed.abs().amax(dim=0), split_sizes, 96)
     assert torch.equal(amax, expected_amax)
     weight = torch.randn(3, 32, 48, generator=gen).bfloat16()
     local, amax = grouped_nvfp4.weight_operand(weight)
     for e in range(3):
-        assert torch.equal(local[e], grouped_nvfp4.local_values(weight[e], amax[e].reshape(1), block_2d=True))
+        assert torch.equal(local[e], nvfp4_oracles.local_values(weight[e], amax[e].reshape(1), block_2d=True))
 
 
 # ------------------------------------------------------------------------------------------ grouped_mm
@@ -370,3 +372,78 @@ def test_grouped_mm_on_cuda_matches_the_reference_loop():
         got = torch.ops.lowp.grouped_mm(*(t.cuda() for t in args)).cpu()
         expected = grouped_mm_ref.grouped_mm(*args)
         torch.testing.assert_close(got, expected, rtol=2**-7, atol=1e-2)
+
+
+# ------------------------------------------------------------------ CUDA graphs (one process per test)
+# Manual capture of the MLP's forward+backward replays bit-identically to eager when the tokens,
+# probabilities and split sizes change (split sizes are data: never read on the host).
+
+
+CAPTURE_EXPERTS, CAPTURE_HIDDEN, CAPTURE_FFN, CAPTURE_TOKENS = 8, 512, 256, 2048
+
+
+def capture_step_inputs(seed: int):
+    """CUDA inputs of one captured MLP step: (x, split sizes (multiples of 32), probs, dy)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    cuts = torch.sort(
+        torch.randint(0, CAPTURE_TOKENS // 32 + 1, (CAPTURE_EXPERTS - 1,), generator=gen, device="cuda")
+    ).values
+    bounds = torch.cat([cuts.new_zeros(1), cuts, cuts.new_full((1,), CAPTURE_TOKENS // 32)]) * 32
+    split_sizes = bounds.diff()  # multiples of 32, some experts empty
+    x = (torch.randn(CAPTURE_TOKENS, CAPTURE_HIDDEN, generator=gen, device="cuda") * 0.5).bfloat16()
+    probs = torch.rand(CAPTURE_TOKENS, generator=gen, device="cuda")
+    dy = (torch.randn(CAPTURE_TOKENS, CAPTURE_HIDDEN, generator=gen, device="cuda") * 0.1).bfloat16()
+    return x, split_sizes, probs, dy
+
+
+@pytest.mark.cudagraph
+@pytest.mark.parametrize("recipe", ["bf16"])
+def test_manual_capture_of_grouped_mlp_forward_backward_replays_like_eager(recipe):
+    torch.manual_seed(0)
+    mlp = lowp_ops.nn.GroupedSwiGLUMLP(
+        CAPTURE_EXPERTS, CAPTURE_HIDDEN, CAPTURE_FFN, recipe=recipe, device="cuda"
+    )
+    static_x, static_splits, static_probs, static_dy = capture_step_inputs(0)
+    static_x.requires_grad_()
+    static_probs.requires_grad_()
+
+    def step():
+        y = mlp(static_x, static_splits, static_probs)
+        y.backward(static_dy)
+        return y
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    mlp.zero_grad(set_to_none=True)
+    static_x.grad = static_probs.grad = None
+    with torch.cuda.graph(graph):
+        static_y = step()
+
+    for seed in (1, 2, 3):
+        x, split_sizes, probs, dy = capture_step_inputs(seed)
+        with torch.no_grad():
+            for static, new in (
+                (static_x, x),
+                (static_splits, split_sizes),
+                (static_probs, probs),
+                (static_dy, dy),
+            ):
+                static.copy_(new)
+        graph.replay()
+        captured = [static_y, static_x.grad, static_probs.grad, mlp.fc1_weight.grad, mlp.fc2_weight.grad]
+        captured = [t.detach().clone() for t in captured]
+        eager_x, eager_probs = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        fc1_grad, fc2_grad = mlp.fc1_weight.grad, mlp.fc2_weight.grad
+        mlp.fc1_weight.grad = mlp.fc2_weight.grad = None
+        eager_y = mlp(eager_x, split_sizes, eager_probs)
+        eager_y.backward(dy)
+        eager = [eager_y.detach(), eager_x.grad, eager_probs.grad, mlp.fc1_weight.grad, mlp.fc2_weight.grad]
+        mlp.fc1_weight.grad, mlp.fc2_weight.grad = fc1_grad, fc2_grad  # the graph's static buffers
+        torch.cuda.synchronize()
+        for name, got, want in zip(("y", "dx", "dprobs", "dW1", "dW2"), captured, eager, strict=True):
+            assert same_bits(got, want), f"{name} differs at replay {seed}"

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-import gloo_group
+import process_groups
 import pytest
 import torch
 import torch.nn.functional as F
@@ -471,8 +471,8 @@ def check_gloo_rank(rank: int, world: int, case: tuple[float, float], group) -> 
 
 def check_gloo(tmp_path, offsets: list[float]) -> None:
     cases = [(offset, label_smoothing) for offset in offsets for label_smoothing in (0.0, 0.1)]
-    results = gloo_group.run_checks(3, str(tmp_path), "test_large_magnitudes", "check_gloo_rank", cases)
-    gloo_group.assert_all_passed(results, cases)
+    results = process_groups.run_checks(3, str(tmp_path), "test_large_magnitudes", "check_gloo_rank", cases)
+    process_groups.assert_all_passed(results, cases)
 
 
 def test_gloo_vocab_parallel_loss_and_grad_at_any_offset(tmp_path):

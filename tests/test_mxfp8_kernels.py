@@ -2,7 +2,7 @@
 
 ``interp`` tests run the kernels on CPU tensors under TRITON_INTERPRET=1 (small shapes, few examples);
 ``gpu`` tests run the same bodies on CUDA at larger shapes. The reference always runs on CPU: it defines
-the semantics (docs/mxfp8.md) and is itself checked in test_mxfp8_reference.py.
+the semantics (docs/mxfp8.md) and is itself checked in test_mxfp8.py.
 """
 
 from __future__ import annotations

@@ -6,10 +6,11 @@ arguments."""
 
 from __future__ import annotations
 
+import nvfp4_oracles
 import pytest
 import torch
 
-from lowp_ops import grouped_nvfp4
+from lowp_ops.composite import grouped_nvfp4
 from lowp_ops.formats import E2M1_MAGNITUDES
 from lowp_ops.kernels import nvfp4_decode as kernels
 from lowp_ops.reference import nvfp4 as nvfp4_ref
@@ -79,7 +80,7 @@ def test_rows_decode_is_the_pure_pytorch_local_values(cols, block_2d):
     t = make_tokens(48, cols, seed=cols)
     amax = t.abs().amax().float().reshape(1)
     data, scale, *_ = nvfp4_ref.nvfp4_quantize(t, True, False, False, amax, None, block_2d)
-    assert_bits_equal(reference.nvfp4_decode_rows(data, scale), grouped_nvfp4.local_values(t, amax, block_2d))
+    assert_bits_equal(reference.nvfp4_decode_rows(data, scale), nvfp4_oracles.local_values(t, amax, block_2d))
 
 
 def test_batched_rows_decode_is_each_matrix_decoded():
@@ -105,7 +106,7 @@ def test_grouped_columns_decode_is_each_experts_local_values(splits, rht):
     for expert, size in enumerate(splits):
         columns = t[start : start + size].t().contiguous()
         columns = nvfp4_ref.apply_rht(columns) if rht else columns
-        expected = grouped_nvfp4.local_values(columns, amax[expert].reshape(1))
+        expected = nvfp4_oracles.local_values(columns, amax[expert].reshape(1))
         assert_bits_equal(got[:, start : start + size], expected)
         start += size
 
@@ -196,14 +197,14 @@ def test_recipe_operands_through_the_kernels_equal_the_pure_pytorch_local_values
     t = make_tokens(96, 48, seed=11)
     local, amax = grouped_nvfp4.rowwise_operand(t.to(kernel_device), split_sizes.to(kernel_device))
     token_amax = grouped_nvfp4._token_values(amax.cpu(), split_sizes, 96)[:, None]
-    assert_bits_equal(local, grouped_nvfp4.local_values(t, token_amax))
+    assert_bits_equal(local, nvfp4_oracles.local_values(t, token_amax))
     local, amax = grouped_nvfp4.columnwise_operand(t.to(kernel_device), split_sizes.to(kernel_device))
     block_amax = grouped_nvfp4._token_values(amax.cpu(), split_sizes, 96)[::16][None, :]
-    assert_bits_equal(local, grouped_nvfp4.local_values(nvfp4_ref.apply_rht(t.t().contiguous()), block_amax))
+    assert_bits_equal(local, nvfp4_oracles.local_values(nvfp4_ref.apply_rht(t.t().contiguous()), block_amax))
     weight = make_tokens(3 * 32, 48, seed=12).view(3, 32, 48)
     local, amax = grouped_nvfp4.weight_operand(weight.to(kernel_device))
     for e in range(3):
-        expected = grouped_nvfp4.local_values(weight[e], amax[e].cpu().reshape(1), block_2d=True)
+        expected = nvfp4_oracles.local_values(weight[e], amax[e].cpu().reshape(1), block_2d=True)
         assert_bits_equal(local[e], expected)
 
 

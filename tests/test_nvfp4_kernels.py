@@ -3,7 +3,7 @@ stochastic-rounding contracts (docs/nvfp4.md).
 
 ``interp``: the kernels on CPU tensors under TRITON_INTERPRET=1 (small shapes, few examples); ``gpu``:
 the same bodies on CUDA at larger shapes. The reference always runs on CPU; it is itself checked against
-a per-block numpy oracle in test_nvfp4_reference.py. The RHT's fp32 additions follow one fixed order
+a per-block numpy oracle in test_nvfp4.py. The RHT's fp32 additions follow one fixed order
 (the butterfly) in both, so the column-wise copy is bit-exact too, stochastic rounding included (its
 random bits are a counter-based hash that both compute). Plain tests: properties of the reference.
 """
@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import lowp_ops
 from lowp_ops.kernels import nvfp4 as kernels
+from lowp_ops.kernels import nvfp4_math
 from lowp_ops.reference import nvfp4 as reference
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -239,7 +240,7 @@ def test_kernel_e2m1_rounding_matches_the_reference_rule(suite, kernel_device):
         index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         v = tl.load(v_ptr + index, mask=index < n, other=0.0)
         # The kernels zero the bytes of blocks holding a NaN (their encode factor is NaN).
-        byte = kernels.e2m1_bytes(v, v, 0, 0, False) & kernels.not_nan_mask(v)
+        byte = nvfp4_math.e2m1_bytes(v, v, 0, 0, False) & nvfp4_math.not_nan_mask(v)
         tl.store(code_ptr + index, byte.to(tl.uint8), mask=index < n)
 
     gen = torch.Generator().manual_seed(0)

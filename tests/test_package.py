@@ -53,7 +53,7 @@ PUBLIC_NAMES: dict[str, set[str]] = {
     "lowp_ops.mxfp8": {"mxfp8_dequantize", "mxfp8_quantize"},
     "lowp_ops.nvfp4": {"nvfp4_dequantize", "nvfp4_group_quantize", "nvfp4_quantize"},
     "lowp_ops.moe": {"grouped_swiglu_mlp"},
-    "lowp_ops.lm_head": {"linear_cross_entropy"},
+    "lowp_ops.linear_cross_entropy": {"linear_cross_entropy"},
     "lowp_ops.losses": {"CrossEntropyLoss", "LinearCrossEntropyLoss"},
     "lowp_ops.formats": {
         "E2M1_MAGNITUDES",

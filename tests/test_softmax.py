@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 from ce_softmax_oracles import FP32_UNIT, MANTISSA_BITS, assert_within_ulps, bits, ulp
+from cudagraph_checks import same_bits, warm_up
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -289,3 +290,50 @@ def test_compiled_forward_backward_is_one_graph_without_recompiles(name):
         assert torch.equal(bits(grad), bits(want_grad))
     assert backend.frame_count == 1
     assert not counters["graph_break"]
+
+
+# ------------------------------------------------------------------ CUDA graphs (one process per test)
+
+
+@pytest.mark.cudagraph
+def test_manual_capture_of_softmax_forward_backward_with_masked_rows_replays_like_eager():
+    n_rows, n_cols = 256, 5000  # two 4096-wide blocks per row
+
+    def inputs(seed):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        x = (torch.randn(n_rows, n_cols, generator=gen, device="cuda") * 3).to(torch.bfloat16)
+        x[seed] = NEG_INF  # an all -inf row
+        x[seed + 1, :4096] = NEG_INF  # a masked first block
+        dy = torch.randn(n_rows, n_cols, generator=gen, device="cuda").to(torch.bfloat16)
+        return x, dy
+
+    def step(x, dy):
+        x.grad = None
+        probs = lowp_ops.softmax(x, masked_rows="zero")
+        log_probs = lowp_ops.log_softmax(x, masked_rows="zero")
+        torch.autograd.backward([probs, log_probs], [dy, dy])
+        return probs, log_probs
+
+    static_x, static_dy = inputs(0)
+    static_x.requires_grad_()
+    warm_up(step, static_x, static_dy)
+    graph = torch.cuda.CUDAGraph()
+    static_x.grad = None
+    with torch.cuda.graph(graph):
+        static_probs, static_log_probs = step(static_x, static_dy)
+
+    for seed in (1, 2, 3):
+        x, dy = inputs(seed)
+        with torch.no_grad():
+            static_x.copy_(x)
+            static_dy.copy_(dy)
+        graph.replay()
+        eager_x = x.clone().requires_grad_()
+        probs, log_probs = step(eager_x, dy)
+        torch.cuda.synchronize()
+        assert same_bits(static_probs.detach(), probs.detach()), f"softmax differs at replay {seed}"
+        assert same_bits(static_log_probs.detach(), log_probs.detach()), (
+            f"log_softmax differs at replay {seed}"
+        )
+        assert same_bits(static_x.grad, eager_x.grad), f"gradient differs at replay {seed}"
+        assert (static_x.grad[seed] == 0).all() and (static_probs[seed] == 0).all()

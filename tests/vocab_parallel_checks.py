@@ -17,7 +17,6 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from ce_softmax_oracles import (
     assert_close_fp32,
     assert_within_ulps,
@@ -25,6 +24,7 @@ from ce_softmax_oracles import (
     ce_loss_fp32_atol,
     cross_entropy_oracle,
 )
+from process_groups import spawn_ranks
 
 import lowp_ops
 from lowp_ops.distributed import vocab_parallel_cross_entropy_stats
@@ -387,44 +387,21 @@ def _worker(rank: int, world: int, backend: str, device: str, out_dir: str, name
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
         dist.destroy_process_group()
-    # Skip interpreter teardown: under load, gloo's background threads have aborted it ("terminate
-    # called without an active exception") after every check had passed and been written out.
-    os._exit(0)
-
-
-def _finished(out_dir: str, rank: int, names: list[str]) -> bool:
-    path = os.path.join(out_dir, f"rank{rank}.json")
-    if not os.path.exists(path):
-        return False
-    with open(path) as f:
-        return all(name in json.load(f) for name in names)
+    os._exit(0)  # as process_groups._worker: gloo's threads have aborted interpreter teardown
 
 
 def run_group(
     world: int, backend: str, device: str, out_dir: str, names: list[str], timeout_s: float
 ) -> list[dict]:
     """Spawn the group, wait at most ``timeout_s`` (then kill the ranks), return each rank's results."""
-    context = mp.start_processes(
-        _worker, args=(world, backend, device, out_dir, names), nprocs=world, join=False, start_method="spawn"
+    return spawn_ranks(
+        _worker,
+        (world, backend, device, out_dir, names),
+        world,
+        out_dir,
+        timeout_s,
+        finished=lambda results: results is not None and all(name in results for name in names),
     )
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not context.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"vocab-parallel group of {world} did not finish in {timeout_s} s")
-    except mp.ProcessExitedException:
-        # A rank that died after writing every result died in teardown, not in a check.
-        if not all(_finished(out_dir, rank, names) for rank in range(world)):
-            raise
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    results = []
-    for rank in range(world):
-        with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
-            results.append(json.load(f))
-    return results
 
 
 GROUP_TIMEOUT_S = 240

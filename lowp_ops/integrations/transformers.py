@@ -59,7 +59,7 @@ EXPERT_RECIPES = ("bf16", "mxfp8", "nvfp4")
 GRAD_FORMATS = (None, "mxfp8_e4m3", "mxfp8_e5m2")
 ROW_ALIGNMENT = {"bf16": 1, "mxfp8": 32, "nvfp4": 16}
 """Rows per expert are padded to these multiples: MXFP8 column-wise blocks are 32 tokens long, NVFP4's
-RHT and column-wise blocks 16 (lowp_ops.grouped_linear)."""
+RHT and column-wise blocks 16 (lowp_ops.composite.grouped_linear)."""
 
 LM_HEAD_MODEL_TYPES = frozenset(
     {

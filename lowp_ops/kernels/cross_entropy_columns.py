@@ -23,14 +23,8 @@ import triton
 import triton.language as tl
 
 from ..meta.cross_entropy import LOG_SUM, SHIFT, row_loss_and_stats_outputs
-from .cross_entropy import (
-    _bwd_scalars,
-    cross_entropy_grad,
-    load_row_stats,
-    row_loss,
-    softmax_minus_eps,
-    stats_rows,
-)
+from .cross_entropy import _bwd_scalars, stats_rows
+from .cross_entropy_math import cross_entropy_grad, load_row_stats, row_loss, softmax_minus_eps
 from .launch import cached_launch
 from .softmax import finish_log_sum, masked_safe_shift, online_softmax_update, rebase_shifted_sum
 

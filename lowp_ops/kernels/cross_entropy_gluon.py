@@ -1,7 +1,8 @@
 """The fused cross-entropy backward to MXFP8 (row- and column-wise) in Gluon, for CUDA GPUs.
 
 Same math and bytes as ``cross_entropy.cross_entropy_bwd_mxfp8_kernel``: it calls the same
-element-wise ``@triton.jit`` helpers (gradient, bf16 rounding, block maximum, E8M0 code, FP8 cast).
+element-wise ``@triton.jit`` helpers (``cross_entropy_math``: gradient, bf16 rounding; ``mxfp8``: block
+maximum, E8M0 code, FP8 cast).
 What Gluon adds is the layout, which Triton picks on its own: a [32, 4, 32] tile (rows, 32-column
 blocks, columns in a block), 8 consecutive columns per thread, 4 lanes along the columns and 4 along
 the blocks of a row, 2 along the rows, and the 2 warps stacked along the rows. Each warp then writes
@@ -20,7 +21,7 @@ and Triton builds without Gluon. GPU tests hold the two kernels to the same byte
 
 from __future__ import annotations
 
-from .cross_entropy import (
+from .cross_entropy_math import (
     class_weighted_probs,
     cross_entropy_grad,
     load_class_weight_terms,

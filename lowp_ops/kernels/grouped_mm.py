@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..meta.grouped_mlp import GEMM_ALIGNMENT, grouped_mm_output
+from ..meta.grouped_mm import GEMM_ALIGNMENT, grouped_mm_output
 from .launch import cached_launch
 from .split_sizes import launch_valid_group_ends
 

@@ -25,6 +25,8 @@ import triton.language as tl
 from triton import knobs
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+# The same flag for ``@triton.jit`` code, which reads module globals only as constexprs.
+INTERPRETING_CONSTEXPR = tl.constexpr(INTERPRETING)
 # Launch options of Triton's compiler, passed as keywords beside the constexprs; not kernel parameters.
 _LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion"})
 _INT32 = 2**31
@@ -121,4 +123,10 @@ def cached_launch(jit_function) -> CachedLaunch:
     return CachedLaunch(jit_function)
 
 
-__all__ = ["INTERPRETING", "CachedLaunch", "cached_launch"]
+def rows_with_unit_stride(x: torch.Tensor) -> torch.Tensor:
+    """x itself when its last dim is unit-stride (the kernels read rows through their stride), else a
+    contiguous copy (column-major input crashed the H200 kernels: they read row-major tiles only)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+__all__ = ["INTERPRETING", "INTERPRETING_CONSTEXPR", "CachedLaunch", "cached_launch", "rows_with_unit_stride"]

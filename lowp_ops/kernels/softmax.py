@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ..meta.softmax import logsumexp_output, softmax_bwd_output, softmax_fwd_output
-from .launch import cached_launch
+from .launch import cached_launch, rows_with_unit_stride
 
 MAX_BLOCK = 4096
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -178,11 +178,6 @@ def row_block(n_cols: int) -> int:
 
 def _num_warps(block: int) -> int:
     return 8 if block >= 2048 else 4
-
-
-def rows_with_unit_stride(x: torch.Tensor) -> torch.Tensor:
-    """x itself when its last dim is unit-stride (rows are read through their stride), else a copy."""
-    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def launch_logsumexp(x: torch.Tensor) -> torch.Tensor:

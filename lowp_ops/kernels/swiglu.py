@@ -17,18 +17,15 @@ reduction) and, in the interpreter, ``exp`` (numpy's, which differs from torch's
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
 from ..meta.swiglu import dglu_outputs, swiglu_fwd_output
-from .launch import cached_launch
+from .launch import INTERPRETING_CONSTEXPR as INTERPRETING
+from .launch import cached_launch, rows_with_unit_stride
 from .split_sizes import effective_bounds
-
-INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @triton.jit
@@ -190,10 +187,6 @@ def dglu_kernel(
     )
 
 
-def _rows_with_unit_stride(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _block_cols(ffn: int, widest: int) -> int:
     return max(32, min(widest, triton.next_power_of_2(ffn)))
 
@@ -211,7 +204,7 @@ def launch_swiglu_fwd(
     tokens, ffn = out.shape
     if tokens == 0:
         return out
-    c = _rows_with_unit_stride(c)
+    c = rows_with_unit_stride(c)
     block_cols = block_cols or _block_cols(ffn, 256)
     grid = (triton.cdiv(tokens, block_rows), triton.cdiv(ffn, block_cols))
     swiglu_fwd_kernel[grid](
@@ -254,7 +247,7 @@ def launch_dglu(
     if tokens == 0:
         return dc, dprobs, amax
     block_rows, block_cols, num_warps = config or dglu_config(tokens, ffn)
-    grad, c = _rows_with_unit_stride(grad), _rows_with_unit_stride(c)
+    grad, c = rows_with_unit_stride(grad), rows_with_unit_stride(c)
     experts = split_sizes.shape[0]
     dglu_kernel[(triton.cdiv(tokens, block_rows),)](
         grad,

@@ -23,8 +23,10 @@ from ..meta.vocab_parallel import (
     vocab_parallel_ce_merge_outputs,
     vocab_parallel_ce_stats_output,
 )
-from .cross_entropy import fwd_config, row_loss, row_stats_and_weighted_shifted_sum, weighted_row_loss
-from .softmax import finish_log_sum, masked_safe_shift, row_stats_and_shifted_sum, rows_with_unit_stride
+from .cross_entropy import fwd_config
+from .cross_entropy_math import row_loss, row_stats_and_weighted_shifted_sum, weighted_row_loss
+from .launch import rows_with_unit_stride
+from .softmax import finish_log_sum, masked_safe_shift, row_stats_and_shifted_sum
 
 MERGE_BLOCK_ROWS = 1024
 

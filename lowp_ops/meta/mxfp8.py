@@ -17,12 +17,10 @@ from ..formats import (
     SCALE_LAYOUTS,
     SCALE_TILE_COLS,
     SCALE_TILE_ROWS,
+    ceil_div,
+    round_up,
 )
 from .checks import require
-
-
-def _round_up(a, b):
-    return (a + b - 1) // b * b
 
 
 def flat_2d_dims(shape) -> tuple[int, int]:
@@ -35,14 +33,14 @@ def flat_2d_dims(shape) -> tuple[int, int]:
 
 def row_scale_shape(rows, cols) -> tuple[int, int]:
     """Compact row-wise scale shape ``[roundup(rows, 128), roundup(ceil(cols / 32), 4)]``."""
-    col_blocks = (cols + MXFP8_BLOCK_SIZE - 1) // MXFP8_BLOCK_SIZE
-    return _round_up(rows, SCALE_TILE_ROWS), _round_up(col_blocks, SCALE_TILE_COLS)
+    col_blocks = ceil_div(cols, MXFP8_BLOCK_SIZE)
+    return round_up(rows, SCALE_TILE_ROWS), round_up(col_blocks, SCALE_TILE_COLS)
 
 
 def col_scale_shape(rows, cols) -> tuple[int, int]:
     """Compact column-wise scale shape ``[roundup(ceil(rows / 32), 4), roundup(cols, 128)]``."""
-    row_blocks = (rows + MXFP8_BLOCK_SIZE - 1) // MXFP8_BLOCK_SIZE
-    return _round_up(row_blocks, SCALE_TILE_COLS), _round_up(cols, SCALE_TILE_ROWS)
+    row_blocks = ceil_div(rows, MXFP8_BLOCK_SIZE)
+    return round_up(row_blocks, SCALE_TILE_COLS), round_up(cols, SCALE_TILE_ROWS)
 
 
 def normalize_fp8_dtype(fp8_dtype, name: str = "fp8_dtype") -> str:
@@ -106,8 +104,8 @@ def mxfp8_quantize_outputs(
     """
     check_quantize_args(x, fp8_dtype, rowwise, columnwise, scale_layout)
     rows, cols = flat_2d_dims(x.shape)
-    row_blocks = (rows + MXFP8_BLOCK_SIZE - 1) // MXFP8_BLOCK_SIZE
-    col_blocks = (cols + MXFP8_BLOCK_SIZE - 1) // MXFP8_BLOCK_SIZE
+    row_blocks = ceil_div(rows, MXFP8_BLOCK_SIZE)
+    col_blocks = ceil_div(cols, MXFP8_BLOCK_SIZE)
 
     def data(wanted: bool) -> torch.Tensor:
         return x.new_empty(x.shape if wanted else (0,), dtype=torch.uint8)

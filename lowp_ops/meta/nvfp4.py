@@ -4,20 +4,23 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import HIGH_PRECISION_DTYPES, NVFP4_BLOCK_SIZE, SCALE_TILE_COLS, SCALE_TILE_ROWS
+from ..formats import (
+    HIGH_PRECISION_DTYPES,
+    NVFP4_BLOCK_SIZE,
+    SCALE_TILE_COLS,
+    SCALE_TILE_ROWS,
+    ceil_div,
+    round_up,
+)
 from .checks import require
 from .mxfp8 import flat_2d_dims
 from .split_sizes import check_split_size_values, check_split_sizes
 
 
-def _round_up(a, b):
-    return (a + b - 1) // b * b
-
-
 def scale_shape(rows, cols) -> tuple[int, int]:
     """Padded E4M3 scale shape of a ``(rows, cols)`` operand quantized in 1x16 blocks along ``cols``."""
-    blocks = (cols + NVFP4_BLOCK_SIZE - 1) // NVFP4_BLOCK_SIZE
-    return _round_up(rows, SCALE_TILE_ROWS), _round_up(blocks, SCALE_TILE_COLS)
+    blocks = ceil_div(cols, NVFP4_BLOCK_SIZE)
+    return round_up(rows, SCALE_TILE_ROWS), round_up(blocks, SCALE_TILE_COLS)
 
 
 def _check_amax(amax: torch.Tensor | None, name: str) -> None:
@@ -200,7 +203,7 @@ def nvfp4_group_quantize_outputs(
         row_scale = x.new_zeros(scale_shape(tokens, hidden), dtype=torch.uint8)
     if columnwise:
         col_data = x.new_empty((hidden * tokens // 2,), dtype=torch.uint8)
-        col_rows = _round_up(hidden, SCALE_TILE_ROWS)
+        col_rows = round_up(hidden, SCALE_TILE_ROWS)
         col_scale = x.new_zeros((col_rows, group_col_scale_cols(tokens, experts)), dtype=torch.uint8)
     amax = x.new_empty((experts,), dtype=torch.float32)
     return row_data, row_scale, col_data, col_scale, amax, torch.empty_like(amax)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import NVFP4_BLOCK_SIZE
+from ..formats import NVFP4_BLOCK_SIZE, ceil_div
 from .checks import require
 from .nvfp4 import group_col_scale_cols
 from .split_sizes import check_split_size_values, check_split_sizes
@@ -31,7 +31,7 @@ def nvfp4_decode_rows_output(data: torch.Tensor, scale: torch.Tensor) -> torch.T
         lambda: f"scale must have the rank of data ({data.dim()}-D), got {scale.dim()}-D",
     )
     rows, cols = data.shape[-2], 2 * data.shape[-1]
-    blocks = (cols + NVFP4_BLOCK_SIZE - 1) // NVFP4_BLOCK_SIZE
+    blocks = ceil_div(cols, NVFP4_BLOCK_SIZE)
     require(
         scale.shape[-2] >= rows and scale.shape[-1] >= blocks,
         lambda: (

@@ -16,7 +16,7 @@ import itertools
 
 import torch
 
-from ..meta.grouped_mlp import grouped_mm_output
+from ..meta.grouped_mm import grouped_mm_output
 from ..meta.split_sizes import valid_group_ends
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import NVFP4_BLOCK_SIZE
+from ..formats import NVFP4_BLOCK_SIZE, ceil_div
 from ..meta.nvfp4_decode import (
     DECODE_SPLIT_MULTIPLE,
     nvfp4_decode_rows_output,
@@ -27,7 +27,7 @@ def nvfp4_decode_rows(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     out = nvfp4_decode_rows_output(data, scale)
     rows, cols = out.shape[-2:]
     codes = torch.stack((data & 0xF, data >> 4), dim=-1).flatten(-2)
-    blocks = (cols + NVFP4_BLOCK_SIZE - 1) // NVFP4_BLOCK_SIZE
+    blocks = ceil_div(cols, NVFP4_BLOCK_SIZE)
     block_scale = scale[..., :rows, :blocks].view(torch.float8_e4m3fn).float()
     element_scale = block_scale.repeat_interleave(NVFP4_BLOCK_SIZE, dim=-1)[..., :cols]
     out.copy_(e2m1_values(codes) * element_scale)

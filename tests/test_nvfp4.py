@@ -238,7 +238,7 @@ def test_round_trip_of_values_up_to_the_dtype_max_is_finite(dtype):
 
 
 def test_grouped_recipe_alpha_factors_keep_finite_outputs_and_single_multiply_bits():
-    from lowp_ops import grouped_nvfp4
+    from lowp_ops.composite import grouped_nvfp4
 
     out = torch.tensor([[2.0**-20, -(2.0**-17)], [1.5, -(2.0**-10)]], dtype=torch.bfloat16)
     split_sizes = torch.tensor([1, 1])

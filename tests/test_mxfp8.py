@@ -16,8 +16,10 @@ import pytest
 import torch
 import torch._dynamo.testing
 import torch._dynamo.utils
+from cudagraph_checks import PAYLOAD_FIELDS, ce_inputs
 from hypothesis import given
 from hypothesis import strategies as st
+from torch._dynamo.utils import counters
 
 import lowp_ops
 from lowp_ops.meta.checks import check_float_dtype
@@ -835,3 +837,50 @@ def test_compiled_function_returns_the_container_without_recompiles():
         assert repr(got) == repr(want)
         assert torch.equal(as_bytes(got.col_data), as_bytes(want.col_data))
     assert counter.frame_count == 1
+
+
+# ------------------------------------------------------------------ CUDA graphs (one process per test)
+
+
+@pytest.mark.cudagraph
+def test_reduce_overhead_mxfp8_quantize_and_mxfp8_grad_never_skip_cudagraphs():
+    def quantize(x):
+        return lowp_ops.mxfp8_quantize(x, "e4m3", True, True, "swizzled")
+
+    def loss_and_payload(logits, target, grad_loss):
+        # reduction="sum": the per-row gradient is grad_loss itself, so the payload bytes must match eager.
+        return lowp_ops.cross_entropy_with_mxfp8_grad(
+            logits, target, grad_loss, label_smoothing=0.1, reduction="sum", fp8_dtype="e5m2"
+        )
+
+    counters.clear()
+    with torch._inductor.config.patch({"triton.cudagraph_or_error": True}):
+        compiled_quantize = torch.compile(quantize, mode="reduce-overhead", fullgraph=True)
+        compiled_ce = torch.compile(loss_and_payload, mode="reduce-overhead", fullgraph=True)
+        for seed in range(3):
+            logits, target = ce_inputs(seed)
+            grad_loss = torch.rand((), device="cuda") + 0.5
+            torch.compiler.cudagraph_mark_step_begin()
+            payload = compiled_quantize(logits)
+            got_q = [getattr(payload, field).view(torch.uint8).clone() for field in PAYLOAD_FIELDS]
+            torch.compiler.cudagraph_mark_step_begin()
+            loss, ce_payload = compiled_ce(logits, target, grad_loss)
+            loss = loss.clone()
+            got_ce = [getattr(ce_payload, field).view(torch.uint8).clone() for field in PAYLOAD_FIELDS]
+
+            want_q = quantize(logits)
+            want_loss, want_ce = loss_and_payload(logits, target, grad_loss)
+            for field, got, want_data in zip(
+                PAYLOAD_FIELDS, got_q, [getattr(want_q, f) for f in PAYLOAD_FIELDS], strict=True
+            ):
+                assert torch.equal(got, want_data.view(torch.uint8)), (
+                    f"quantize {field} differs at step {seed}"
+                )
+            for field, got, want_data in zip(
+                PAYLOAD_FIELDS, got_ce, [getattr(want_ce, f) for f in PAYLOAD_FIELDS], strict=True
+            ):
+                assert torch.equal(got, want_data.view(torch.uint8)), (
+                    f"mxfp8 grad {field} differs at step {seed}"
+                )
+            torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-4)
+    assert counters["inductor"]["cudagraph_skips"] == 0

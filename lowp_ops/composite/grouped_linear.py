@@ -16,7 +16,7 @@ up to the accumulation order, except where noted.
   of 32 (the column-wise ones run along tokens); then the whole-tensor quantization equals TE's
   per-expert one. E4M3 x 2^k dequantizes exactly to bf16.
 - ``nvfp4``: TE's NVFP4 recipe (RHT on the wgrad operands, 16x16 weights, global scales applied to
-  the GEMM outputs), see :mod:`lowp_ops.grouped_nvfp4`.
+  the GEMM outputs), see :mod:`lowp_ops.composite.grouped_nvfp4`.
 
 Split sizes stay on the device; nothing here reads a tensor value on the host (the output functions
 of ``meta`` check them on CPU). Sizes that are not well formed (negative, not summing to T; CUDA, or
@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import torch
 
-from . import library  # bound at import; its ops are looked up at call time (library imports this module)
+from ..meta.grouped_mm import grouped_fc1_swiglu_outputs, grouped_linear_output
+from ..meta.split_sizes import clamped_prefix_sums
+from . import registry
 from .grouped_nvfp4 import nvfp4_backward, nvfp4_fprop
-from .meta.grouped_mlp import grouped_fc1_swiglu_outputs, grouped_linear_output
-from .meta.split_sizes import clamped_prefix_sums
 
 
 def group_ends(split_sizes: torch.Tensor, rows: int) -> torch.Tensor:
@@ -45,17 +45,17 @@ def _mxfp8_dequantized(t: torch.Tensor, use: str) -> torch.Tensor:
     """``t`` (R, C) through MXFP8 E4M3 and back to bf16: 1x32 blocks along C (``rowwise``) or 32x1 along
     R (``columnwise``)."""
     rowwise = use == "rowwise"
-    row_data, row_scale, col_data, col_scale = library.mxfp8_quantize(
+    row_data, row_scale, col_data, col_scale = registry().mxfp8_quantize(
         t, "e4m3", rowwise, not rowwise, "compact"
     )
     data, scale = (row_data, row_scale) if rowwise else (col_data, col_scale)
-    return library.mxfp8_dequantize(data, scale, "e4m3", use, "compact", torch.bfloat16)
+    return registry().mxfp8_dequantize(data, scale, "e4m3", use, "compact", torch.bfloat16)
 
 
 def _mxfp8_both(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise and column-wise MXFP8 round trips of ``t`` from one quantization pass."""
-    row_data, row_scale, col_data, col_scale = library.mxfp8_quantize(t, "e4m3", True, True, "compact")
-    dequantize = library.mxfp8_dequantize
+    row_data, row_scale, col_data, col_scale = registry().mxfp8_quantize(t, "e4m3", True, True, "compact")
+    dequantize = registry().mxfp8_dequantize
     return (
         dequantize(row_data, row_scale, "e4m3", "rowwise", "compact", torch.bfloat16),
         dequantize(col_data, col_scale, "e4m3", "columnwise", "compact", torch.bfloat16),
@@ -74,10 +74,10 @@ def linear_fprop(
         return nvfp4_fprop(x, weight, split_sizes)
     offs = group_ends(split_sizes, x.shape[0])
     if recipe == "bf16":
-        return library.grouped_mm(x, weight.transpose(1, 2), offs)
+        return registry().grouped_mm(x, weight.transpose(1, 2), offs)
     x_deq = _mxfp8_dequantized(x, "rowwise")
     w_deq = _mxfp8_dequantized(_flat(weight), "rowwise").view(weight.shape)
-    return library.grouped_mm(x_deq, w_deq.transpose(1, 2), offs)
+    return registry().grouped_mm(x_deq, w_deq.transpose(1, 2), offs)
 
 
 def linear_backward(
@@ -95,13 +95,13 @@ def linear_backward(
         return nvfp4_backward(grad, x, weight, split_sizes, grad_amax)
     offs = group_ends(split_sizes, x.shape[0])
     if recipe == "bf16":
-        dx = library.grouped_mm(grad, weight, offs)
-        return dx, library.grouped_mm(grad.t(), x, offs)
+        dx = registry().grouped_mm(grad, weight, offs)
+        return dx, registry().grouped_mm(grad.t(), x, offs)
     grad_row, grad_col = _mxfp8_both(grad)
     w_col = _mxfp8_dequantized(_flat(weight), "columnwise").view(weight.shape)
     x_col = _mxfp8_dequantized(x, "columnwise")
-    dx = library.grouped_mm(grad_row, w_col, offs)
-    return dx, library.grouped_mm(grad_col.t(), x_col, offs)
+    dx = registry().grouped_mm(grad_row, w_col, offs)
+    return dx, registry().grouped_mm(grad_col.t(), x_col, offs)
 
 
 def grouped_linear(
@@ -131,4 +131,4 @@ def grouped_fc1_swiglu(
     dGLU) and ``h = silu(gate) * linear * probs`` (bf16)."""
     grouped_fc1_swiglu_outputs(x, fc1_weight, probs, split_sizes, recipe, interleave, fc1_dy_amax_from_dglu)
     c = linear_fprop(x, fc1_weight, split_sizes, recipe)
-    return library.swiglu_fwd(c, fc1_probs(probs, recipe), interleave), c
+    return registry().swiglu_fwd(c, fc1_probs(probs, recipe), interleave), c

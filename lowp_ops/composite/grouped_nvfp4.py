@@ -11,7 +11,7 @@
   rounding: ours rounds twice, ``torch._grouped_mm`` has no fp32 output on its fast path).
 
 Split sizes must be multiples of 16 (the RHT and column-wise blocks never straddle experts; TE needs
-128): checked on CPU (``meta.grouped_mlp``), not read on CUDA. Both passes first replace them by their
+128): checked on CPU (``meta.grouped_mm``), not read on CUDA. Both passes first replace them by their
 effective sizes with multiple 16 (``meta.split_sizes``; the identity for well-formed sizes), so that
 every op of the recipe sees the same boundaries whatever the sizes hold. Per-expert amaxes are device
 reductions (no host sync).
@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import torch
 
-from . import library  # bound at import; its ops are looked up at call time (library imports this module)
-from .formats import NVFP4_BLOCK_SIZE, NVFP4_GLOBAL_SCALE_NUMERATOR
-from .meta.checks import require
-from .meta.grouped_mlp import NVFP4_SPLIT_MULTIPLE
-from .meta.split_sizes import effective_split_sizes, expert_of_rows
-from .reference import nvfp4 as nvfp4_ref
+from ..formats import NVFP4_BLOCK_SIZE, NVFP4_GLOBAL_SCALE_NUMERATOR
+from ..meta.checks import require
+from ..meta.grouped_mm import NVFP4_SPLIT_MULTIPLE
+from ..meta.split_sizes import effective_split_sizes, expert_of_rows
+from . import registry
 
 _GLOBAL_RCP = 1.0 / NVFP4_GLOBAL_SCALE_NUMERATOR
 
@@ -50,23 +49,13 @@ def _token_values(per_expert: torch.Tensor, split_sizes: torch.Tensor, tokens: i
     return padded[expert_of_rows(split_sizes, tokens)]
 
 
-def local_values(t: torch.Tensor, amax: torch.Tensor, block_2d: bool = False) -> torch.Tensor:
-    """``e2m1(q) * s_b`` (exact in bf16) of ``t`` (R, C) quantized in 1x16 blocks along C (16x16 when
-    ``block_2d``) with the global amax ``amax``, broadcastable to the (R, ceil(C/16)) blocks (pure
-    PyTorch: the oracle of the op-based operands below)."""
-    cols = t.shape[1]
-    codes, scales = nvfp4_ref.quantize_blocks(t, amax, block_2d)
-    block_scale = scales.view(torch.float8_e4m3fn).float().repeat_interleave(NVFP4_BLOCK_SIZE, dim=1)
-    return (nvfp4_ref.e2m1_values(codes) * block_scale[:, :cols]).to(torch.bfloat16)
-
-
 def rowwise_operand(t: torch.Tensor, split_sizes: torch.Tensor, amax: torch.Tensor | None = None):
     """(local values (T, C), per-expert amax (E,)) of the row-wise copy of tokens ``t`` (T, C)."""
     tokens = t.shape[0]
     if amax is None:
         amax = per_expert_amax(t.abs().amax(dim=1), split_sizes, tokens)
-    row_data, row_scale, *_ = library.nvfp4_group_quantize(t, split_sizes, True, False, False, amax, None)
-    return library.nvfp4_decode_rows(row_data, row_scale), amax
+    row_data, row_scale, *_ = registry().nvfp4_group_quantize(t, split_sizes, True, False, False, amax, None)
+    return registry().nvfp4_decode_rows(row_data, row_scale), amax
 
 
 def columnwise_operand(t: torch.Tensor, split_sizes: torch.Tensor, amax: torch.Tensor | None = None):
@@ -75,9 +64,9 @@ def columnwise_operand(t: torch.Tensor, split_sizes: torch.Tensor, amax: torch.T
     require(
         tokens % NVFP4_BLOCK_SIZE == 0, lambda: f"nvfp4 needs a token count divisible by 16, got {tokens}"
     )
-    outputs = library.nvfp4_group_quantize(t, split_sizes, False, True, True, None, amax)
+    outputs = registry().nvfp4_group_quantize(t, split_sizes, False, True, True, None, amax)
     _, _, col_data, col_scale, _, amax = outputs
-    local = library.nvfp4_group_decode_columns(col_data, col_scale, split_sizes, hidden, tokens)
+    local = registry().nvfp4_group_decode_columns(col_data, col_scale, split_sizes, hidden, tokens)
     return local, amax
 
 
@@ -86,12 +75,12 @@ def weight_operand(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     expert: the grouped quantizer has 1x16 blocks only), decoded for all experts at once."""
     amax = weight.abs().amax(dim=(1, 2)).float()
     copies = [
-        library.nvfp4_quantize(weight[e], True, False, False, amax[e : e + 1], None, True)
+        registry().nvfp4_quantize(weight[e], True, False, False, amax[e : e + 1], None, True)
         for e in range(weight.shape[0])
     ]
     row_data = torch.stack([copy[0] for copy in copies])
     row_scale = torch.stack([copy[1] for copy in copies])
-    return library.nvfp4_decode_rows(row_data, row_scale), amax
+    return registry().nvfp4_decode_rows(row_data, row_scale), amax
 
 
 def _scale_rows(out: torch.Tensor, alpha: tuple[torch.Tensor, torch.Tensor], split_sizes: torch.Tensor):
@@ -116,7 +105,7 @@ def nvfp4_fprop(x: torch.Tensor, weight: torch.Tensor, split_sizes: torch.Tensor
     offs = torch.cumsum(split_sizes, dim=0)
     x_local, amax_x = rowwise_operand(x, split_sizes)
     w_local, amax_w = weight_operand(weight)
-    y = library.grouped_mm(x_local, w_local.transpose(1, 2), offs)
+    y = registry().grouped_mm(x_local, w_local.transpose(1, 2), offs)
     return _scale_rows(y, _alpha(amax_x, amax_w), split_sizes)
 
 
@@ -141,9 +130,9 @@ def nvfp4_backward(
     amax_row, amax_col = grad_amaxes(grad_amax) if grad_amax is not None else (None, None)
     grad_row, amax_row = rowwise_operand(grad, split_sizes, amax_row)
     w_local, amax_w = weight_operand(weight)
-    dx = _scale_rows(library.grouped_mm(grad_row, w_local, offs), _alpha(amax_row, amax_w), split_sizes)
+    dx = _scale_rows(registry().grouped_mm(grad_row, w_local, offs), _alpha(amax_row, amax_w), split_sizes)
     grad_col, amax_col = columnwise_operand(grad, split_sizes, amax_col)
     x_col, amax_x_col = columnwise_operand(x, split_sizes)
-    dweight = library.grouped_mm(grad_col, x_col.t(), offs)
+    dweight = registry().grouped_mm(grad_col, x_col.t(), offs)
     first, second = _alpha(amax_col, amax_x_col)
     return dx, (dweight.float() * first[:, None, None] * second[:, None, None]).to(torch.bfloat16)
