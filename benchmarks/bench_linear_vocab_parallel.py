@@ -20,13 +20,22 @@ $OUT/bench_linear_vocab_parallel.json.
 from __future__ import annotations
 
 import argparse
-import os
 import traceback
 
 import torch
 import torch.distributed as dist
 from _common import copy_bandwidth_tbs, environment, write_json
-from bench_vocab_parallel import NCCL_ENV, WORLD, graph_timed_ms, print_tables, run_ranks, timed_ms
+from _vocab_parallel import (
+    WORLD,
+    enough_gpus,
+    finish_rank,
+    graph_timed_ms,
+    keep_slowest_rank,
+    print_tables,
+    run_ranks,
+    start_rank,
+    timed_ms,
+)
 
 import lowp_ops
 
@@ -86,11 +95,7 @@ def inputs(rows: int, hidden_size: int, vocab: int, device: str, vocab_rows: sli
 
 
 def worker(rank: int, args: argparse.Namespace, store_path: str, result_path: str) -> None:
-    os.environ.update(NCCL_ENV)
-    torch.cuda.set_device(rank)
-    device = f"cuda:{rank}"
-    dist.init_process_group("nccl", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
-    group = dist.group.WORLD
+    device, group = start_rank(rank, store_path)
     single = copy = None
     if rank == 0:  # the one-GPU baseline and the copy ceiling, while rank 1 waits
         _, copy = copy_bandwidth_tbs(device)
@@ -102,15 +107,8 @@ def worker(rank: int, args: argparse.Namespace, store_path: str, result_path: st
     parallel = measure(
         *inputs(args.rows, args.hidden, args.vocab, device, rows), group, args.calls, args.graphs
     )
-    for row in parallel.values():  # the slowest rank's time per case
-        for key in ("eager_ms", "graph_ms"):
-            if key in row:
-                value = torch.tensor([row[key]], device=device)
-                dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-                row[key] = float(value)
-    if rank == 0:
-        torch.save({"single": single, "parallel": parallel, "copy_tbs": copy}, result_path)
-    dist.destroy_process_group()
+    keep_slowest_rank(parallel, device, group)
+    finish_rank(rank, single, parallel, copy, result_path)
 
 
 def report(args, single: dict, parallel: dict, copy_tbs: float) -> None:
@@ -133,8 +131,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--no-graphs", dest="graphs", action="store_false")
     args = parser.parse_args()
-    if torch.cuda.device_count() < WORLD:
-        print(f"bench_linear_vocab_parallel: needs {WORLD} GPUs, found {torch.cuda.device_count()}; skipped")
+    if not enough_gpus("bench_linear_vocab_parallel"):
         return
     result = run_ranks(worker, args)
     report(args, result["single"], result["parallel"], result["copy_tbs"])

@@ -18,43 +18,26 @@ Run on a machine with two GPUs: ``PYTHONPATH=. python3 benchmarks/bench_vocab_pa
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from _common import capture_graph, copy_bandwidth_tbs, environment, write_json
+from _common import copy_bandwidth_tbs, environment, write_json
+from _vocab_parallel import (
+    WORLD,
+    enough_gpus,
+    finish_rank,
+    graph_timed_ms,
+    keep_slowest_rank,
+    print_tables,
+    run_ranks,
+    start_rank,
+    timed_ms,
+)
 
 import lowp_ops
 
-WORLD = 2
-# NVLink multicast stays off on the shared hosts (device notes): also in these spawned processes.
-NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 FLOORS = {"forward": 2.0, "forward + backward (bf16 grad)": 6.0, "forward + backward (MXFP8 row+col)": 6.0625}
-
-
-def timed_ms(fn, group, calls: int, warmup: int = 5) -> float:
-    """ms per call over ``calls`` calls after ``warmup``, the same counts on every rank."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    if group is not None:
-        dist.barrier(group)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / calls
-
-
-def graph_timed_ms(fn, group, replays: int, calls_per_graph: int = 10) -> float:
-    """GPU ms per call: a CUDA graph of ``calls_per_graph`` calls, replayed ``replays`` times."""
-    graph = capture_graph(fn, calls_per_graph)
-    return timed_ms(graph.replay, group, replays, warmup=2) / calls_per_graph
 
 
 def make_cases(logits: torch.Tensor, target: torch.Tensor, group) -> dict:
@@ -108,11 +91,7 @@ def inputs(rows: int, vocab: int, device: str, columns: slice | None = None):
 
 
 def worker(rank: int, args: argparse.Namespace, store_path: str, result_path: str) -> None:
-    os.environ.update(NCCL_ENV)
-    torch.cuda.set_device(rank)
-    device = f"cuda:{rank}"
-    dist.init_process_group("nccl", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
-    group = dist.group.WORLD
+    device, group = start_rank(rank, store_path)
     single = copy = None
     if rank == 0:  # the one-GPU baseline and the copy ceiling, while rank 1 waits
         _, copy = copy_bandwidth_tbs(device)
@@ -124,56 +103,8 @@ def worker(rank: int, args: argparse.Namespace, store_path: str, result_path: st
     shard = args.vocab // WORLD
     logits, target = inputs(args.rows, args.vocab, device, slice(rank * shard, (rank + 1) * shard))
     parallel = measure(logits, target, group, args.calls, args.graphs)
-    # The slowest rank's time per case.
-    for row in parallel.values():
-        for key in ("eager_ms", "graph_ms"):
-            if key in row:
-                value = torch.tensor([row[key]], device=device)
-                dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-                row[key] = float(value)
-    if rank == 0:
-        torch.save({"single": single, "parallel": parallel, "copy_tbs": copy}, result_path)
-    dist.destroy_process_group()
-
-
-def run_ranks(worker, args: argparse.Namespace) -> dict:
-    """Spawn WORLD NCCL ranks of ``worker(rank, args, store_path, result_path)``; rank 0 saves its
-    result there, which is returned."""
-    os.environ.update(NCCL_ENV)
-    with tempfile.TemporaryDirectory() as tmp:
-        store_path, result_path = os.path.join(tmp, "store"), os.path.join(tmp, "result.pt")
-        mp.start_processes(worker, args=(args, store_path, result_path), nprocs=WORLD, start_method="spawn")
-        return torch.load(result_path)
-
-
-def print_tables(
-    single: dict, parallel: dict, metric: str, cell, vocab: int, shard: int, ms_digits: int
-) -> None:
-    """Eager and graph tables of the cases in ``parallel``: 1-GPU and per-rank ms, each with
-    ``cell(case, ms, vocab width)`` under ``metric``, and the speedup; then any capture errors."""
-    for mode in ("eager", "graph"):
-        key = f"{mode}_ms"
-        what = "host launches included" if mode == "eager" else "CUDA-graph replay, GPU time"
-        print(f"### {mode} ({what})\n")
-        print(f"| case | 1 GPU ms | {metric} | 2 GPUs ms per rank | {metric} per rank | speedup |")
-        print("|---|---|---|---|---|---|")
-        for name, row in parallel.items():
-            one = single.get(name, {})
-            cells = [name]
-            for value, width in ((one.get(key), vocab), (row.get(key), shard)):
-                cells.append(f"{value:.{ms_digits}f}" if value else "-")
-                cells.append(cell(name, value, width) if value else "-")
-            speedup = one.get(key) / row[key] if one.get(key) and row.get(key) else None
-            cells.append(f"{speedup:.2f}x" if speedup else "-")
-            print("| " + " | ".join(cells) + " |")
-        print()
-    report_graph_errors(single, parallel)
-
-
-def report_graph_errors(single: dict, parallel: dict) -> None:
-    for name, row in [*(("1 GPU " + k, v) for k, v in single.items()), *parallel.items()]:
-        if "graph_error" in row:
-            print(f"CUDA-graph capture failed, {name}: {row['graph_error']}")
+    keep_slowest_rank(parallel, device, group)
+    finish_rank(rank, single, parallel, copy, result_path)
 
 
 def report(args, single: dict, parallel: dict, copy_tbs: float) -> None:
@@ -195,8 +126,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=100)
     parser.add_argument("--no-graphs", dest="graphs", action="store_false")
     args = parser.parse_args()
-    if torch.cuda.device_count() < WORLD:
-        print(f"bench_vocab_parallel: needs {WORLD} GPUs, found {torch.cuda.device_count()}; skipped")
+    if not enough_gpus("bench_vocab_parallel"):
         return
     result = run_ranks(worker, args)
     report(args, result["single"], result["parallel"], result["copy_tbs"])

@@ -38,6 +38,16 @@ def warm_up(step, *args, iterations: int = 3) -> None:
     torch.cuda.current_stream().wait_stream(side)
 
 
+def capture(step, warm_up_iterations: int = 2) -> tuple[torch.cuda.CUDAGraph, object]:
+    """(graph, static outputs) of ``step()`` captured after ``warm_up_iterations`` calls on a side
+    stream (:func:`warm_up`: compiles the kernels, sets up NCCL's communicators)."""
+    warm_up(step, iterations=warm_up_iterations)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    return graph, static_out
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same dtype, shape and bytes (NaNs compare by their bits)."""
     view = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 import vocab_parallel_checks as checks
 from ce_softmax_oracles import assert_close_fp32, bits, ce_loss_fp32_atol, cross_entropy_oracle
+from cudagraph_checks import capture
 from vocab_parallel_checks import IGNORE, SHARD, Rank, assert_same_on_every_rank
 
 import lowp_ops
@@ -287,15 +288,7 @@ def lm_head_cuda_graph_replay_matches_eager(r: Rank):
         dh, dw = torch.autograd.grad(loss, (static_hidden, static_weight))
         return loss, dh, dw
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):  # warm-up: compile the kernels, set up NCCL
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    graph, static_out = capture(step)
     for seed in (10, 11):
         new_hidden, new_weight, new_target = lm_inputs(r, seed)
         with torch.no_grad():

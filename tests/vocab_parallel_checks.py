@@ -24,6 +24,7 @@ from ce_softmax_oracles import (
     ce_loss_fp32_atol,
     cross_entropy_oracle,
 )
+from cudagraph_checks import capture
 from process_groups import spawn_ranks
 
 import lowp_ops
@@ -332,15 +333,7 @@ def cuda_graph_replay_matches_eager(r: Rank):
         (grad,) = torch.autograd.grad(loss, static_logits)
         return loss, grad
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):  # warm-up: compile the kernels, set up NCCL
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_loss, static_grad = step()
+    graph, (static_loss, static_grad) = capture(step)
     for seed in (13, 14):
         new_logits, new_target = r.inputs(seed)
         with torch.no_grad():
