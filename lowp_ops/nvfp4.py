@@ -23,6 +23,20 @@ def _sr_seed(stochastic_rounding: bool, sr_seed: torch.Tensor | None, device) ->
     return sr_seed
 
 
+def _container_fields(outputs: tuple[torch.Tensor, ...], rowwise: bool, columnwise: bool) -> dict:
+    """The container fields of a quantize op's six outputs; the copies not asked for are None (the op
+    returns empty placeholders for them)."""
+    row_data, row_scale, col_data, col_scale, amax_row, amax_col = outputs
+    return {
+        "row_data": row_data if rowwise else None,
+        "row_scale": row_scale if rowwise else None,
+        "col_data": col_data if columnwise else None,
+        "col_scale": col_scale if columnwise else None,
+        "amax_rowwise": amax_row,
+        "amax_columnwise": amax_col,
+    }
+
+
 def nvfp4_quantize(
     x: torch.Tensor,
     *,
@@ -54,19 +68,11 @@ def nvfp4_quantize(
     """
     sr_seed = _sr_seed(stochastic_rounding, sr_seed, x.device)
     check_quantize_args(x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d, sr_seed)
-    row_data, row_scale, col_data, col_scale, amax_row, amax_col = library.nvfp4_quantize(
+    outputs = library.nvfp4_quantize(
         x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d, sr_seed
     )
     return NVFP4Tensor(
-        row_data=row_data if rowwise else None,
-        row_scale=row_scale if rowwise else None,
-        col_data=col_data if columnwise else None,
-        col_scale=col_scale if columnwise else None,
-        amax_rowwise=amax_row,
-        amax_columnwise=amax_col,
-        rht=rht,
-        block_2d=block_2d,
-        shape=x.shape,
+        **_container_fields(outputs, rowwise, columnwise), rht=rht, block_2d=block_2d, shape=x.shape
     )
 
 
@@ -96,19 +102,11 @@ def nvfp4_group_quantize(
     check_group_quantize_args(
         x, split_sizes, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, sr_seed
     )
-    row_data, row_scale, col_data, col_scale, amax_row, amax_col = library.nvfp4_group_quantize(
+    outputs = library.nvfp4_group_quantize(
         x, split_sizes, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, sr_seed
     )
     return NVFP4GroupedTensor(
-        row_data=row_data if rowwise else None,
-        row_scale=row_scale if rowwise else None,
-        col_data=col_data if columnwise else None,
-        col_scale=col_scale if columnwise else None,
-        amax_rowwise=amax_row,
-        amax_columnwise=amax_col,
-        split_sizes=split_sizes,
-        rht=rht,
-        shape=x.shape,
+        **_container_fields(outputs, rowwise, columnwise), split_sizes=split_sizes, rht=rht, shape=x.shape
     )
 
 

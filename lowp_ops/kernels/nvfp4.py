@@ -48,7 +48,7 @@ from .nvfp4_math import (
     round_to_bf16_packed,
     sr_pair_bits,
 )
-from .split_sizes import effective_sizes
+from .split_sizes import effective_sizes, scale_col_start, tile_owner
 
 # --------------------------------------------------------------------------------------------- tiles
 
@@ -196,20 +196,16 @@ def expert_of_tile(
     experts' rows are the effective boundaries of the split sizes (multiples of SPLIT_MULTIPLE)."""
     idx = tl.arange(0, EXPERTS_POW2)
     sizes = effective_sizes(split_ptr, experts, rows, EXPERTS_POW2, SPLIT_MULTIPLE)
-    tiles = (sizes + TILE_ROWS - 1) // TILE_ROWS
     if TAIL_TILES:
         expert = tile
     else:
-        tile_ends = tl.cumsum(tiles, 0)
-        expert = tl.sum((tile_ends <= tile).to(tl.int32), 0)
+        tiles, tile_ends, expert = tile_owner(sizes, tile, TILE_ROWS)
         first_tile = tl.sum(tl.where(idx == expert, tile_ends - tiles, 0), 0)
     mine = idx == expert
     before = idx < expert
     n_rows = tl.sum(tl.where(mine, sizes, 0), 0)
     row0 = tl.sum(tl.where(before, sizes, 0), 0)
-    scale_blocks = (sizes + 15) // 16
-    padded_blocks = (scale_blocks + SCALE_COLS_MULTIPLE - 1) // SCALE_COLS_MULTIPLE * SCALE_COLS_MULTIPLE
-    scale_col0 = tl.sum(tl.where(before, padded_blocks, 0), 0)
+    scale_col0 = scale_col_start(sizes, before, SCALE_COLS_MULTIPLE)
     local_row0 = n_rows // TILE_ROWS * TILE_ROWS if TAIL_TILES else (tile - first_tile) * TILE_ROWS
     return expert, n_rows, row0, local_row0, scale_col0
 

@@ -23,7 +23,7 @@ from ..meta.nvfp4_decode import (
     nvfp4_group_decode_columns_output,
 )
 from .launch import cached_launch
-from .split_sizes import effective_sizes
+from .split_sizes import effective_sizes, scale_col_start, tile_owner
 
 SCALE_COLS_MULTIPLE = tl.constexpr(SCALE_TILE_COLS)
 SPLIT_MULTIPLE = tl.constexpr(DECODE_SPLIT_MULTIPLE)
@@ -145,9 +145,7 @@ def token_tile_coordinates(split_ptr, experts, tokens, tile, TILE: tl.constexpr,
     tokens past the experts, among them an expert reaching past ``tokens`` and those after it) are zeros."""
     idx = tl.arange(0, EXPERTS_POW2)
     sizes = effective_sizes(split_ptr, experts, tokens, EXPERTS_POW2, SPLIT_MULTIPLE)
-    tiles = (sizes + TILE - 1) // TILE
-    tile_ends = tl.cumsum(tiles, 0)
-    expert = tl.sum((tile_ends <= tile).to(tl.int32), 0)
+    tiles, tile_ends, expert = tile_owner(sizes, tile, TILE)
     in_expert = expert < experts
     mine = idx == expert
     before = idx < expert
@@ -155,9 +153,7 @@ def token_tile_coordinates(split_ptr, experts, tokens, tile, TILE: tl.constexpr,
     size = tl.sum(tl.where(mine, sizes, 0), 0)
     first_tile = tl.where(in_expert, tl.sum(tl.where(mine, tile_ends - tiles, 0), 0), tl.sum(tiles, 0))
     n_tokens = tl.maximum(tl.minimum(tl.where(in_expert, size, tokens), tokens - start), 0)
-    blocks = (sizes + 15) // 16
-    padded_blocks = (blocks + SCALE_COLS_MULTIPLE - 1) // SCALE_COLS_MULTIPLE * SCALE_COLS_MULTIPLE
-    scale_col0 = tl.sum(tl.where(before, padded_blocks, 0), 0)
+    scale_col0 = scale_col_start(sizes, before, SCALE_COLS_MULTIPLE)
     decodable = in_expert & (start + size <= tokens)
     return decodable, n_tokens, start, size, (tile - first_tile) * TILE, scale_col0
 

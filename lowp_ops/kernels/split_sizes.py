@@ -55,6 +55,26 @@ def effective_sizes(split_ptr, experts, rows, EXPERTS_POW2: tl.constexpr, MULTIP
     return (end - start).to(tl.int32)
 
 
+@triton.jit
+def tile_owner(sizes, tile, TILE: tl.constexpr):
+    """(TILE-row tiles per expert, their inclusive prefix sums, the expert owning tile number ``tile``)
+    when every expert's ``sizes`` rows are cut into TILE-row tiles in order; ``expert >= experts`` for a
+    tile past the last expert."""
+    tiles = (sizes + TILE - 1) // TILE
+    tile_ends = tl.cumsum(tiles, 0)
+    expert = tl.sum((tile_ends <= tile).to(tl.int32), 0)
+    return tiles, tile_ends, expert
+
+
+@triton.jit
+def scale_col_start(sizes, before, MULTIPLE: tl.constexpr):
+    """First column of an expert's column-wise NVFP4 scales: each expert ``before`` it (a lane mask)
+    takes ``ceil(size / 16)`` 16-row blocks padded to a multiple of MULTIPLE columns."""
+    blocks = (sizes + 15) // 16
+    padded = (blocks + MULTIPLE - 1) // MULTIPLE * MULTIPLE
+    return tl.sum(tl.where(before, padded, 0), 0)
+
+
 @cached_launch
 @triton.jit
 def valid_group_ends_kernel(offs_ptr, out_ptr, groups, rows, GROUPS_POW2: tl.constexpr):
