@@ -426,12 +426,16 @@ def check_gloo_rank(rank: int, world: int, case: tuple[float, str], group) -> No
 
 def test_gloo_vocab_parallel_with_class_weights(tmp_path):
     cases = [(label_smoothing, reduction) for label_smoothing in (0.0, 0.1) for reduction in REDUCTIONS]
-    results = process_groups.run_checks(3, str(tmp_path), "test_class_weights", "check_gloo_rank", cases)
+    results = process_groups.run_checks(
+        3, str(tmp_path), "test_cross_entropy_class_weights", "check_gloo_rank", cases
+    )
     process_groups.assert_all_passed(results, cases)
 
 
 @pytest.mark.interp
 def test_interp_gloo_vocab_parallel_with_class_weights(tmp_path):
     cases = [(0.1, "mean")]
-    results = process_groups.run_checks(2, str(tmp_path), "test_class_weights", "check_gloo_rank", cases)
+    results = process_groups.run_checks(
+        2, str(tmp_path), "test_cross_entropy_class_weights", "check_gloo_rank", cases
+    )
     process_groups.assert_all_passed(results, cases)
