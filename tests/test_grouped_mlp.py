@@ -12,7 +12,7 @@ import itertools
 import nvfp4_oracles
 import pytest
 import torch
-from cudagraph_checks import same_bits
+from cudagraph_checks import same_bits, warm_up
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -412,12 +412,7 @@ def test_manual_capture_of_grouped_mlp_forward_backward_replays_like_eager(recip
         y.backward(static_dy)
         return y
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
+    warm_up(step)
     graph = torch.cuda.CUDAGraph()
     mlp.zero_grad(set_to_none=True)
     static_x.grad = static_probs.grad = None
