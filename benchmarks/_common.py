@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import itertools
 import json
@@ -139,6 +140,17 @@ def sustained_ms(fn, seconds: float = 2.0, calls: int = 20, graph: bool = True) 
         end.record()
         torch.cuda.synchronize()
     return begin.elapsed_time(end) / (steps * per_step), clock
+
+
+def moe_shape_args() -> argparse.Namespace:
+    """Command line of the MoE benchmarks: ``--shape T H F E`` (tokens, hidden, FFN width, experts;
+    default 16384 4096 1536 8) and ``--json`` (an output path)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument(
+        "--shape", type=int, nargs=4, default=[16384, 4096, 1536, 8], metavar=("T", "H", "F", "E")
+    )
+    parser.add_argument("--json", default=None)
+    return parser.parse_args()
 
 
 def environment() -> dict:

@@ -16,11 +16,9 @@ CPU smoke:  not supported (torch._grouped_mm's fast path and the timings need CU
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import torch.nn.functional as F
-from _common import copy_bandwidth_tbs, environment, graph_ms, median_ms, write_json
+from _common import copy_bandwidth_tbs, environment, graph_ms, median_ms, moe_shape_args, write_json
 
 import lowp_ops
 from lowp_ops.kernels.swiglu import launch_dglu, launch_swiglu_fwd
@@ -154,12 +152,7 @@ def mlp_rows(inputs):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument(
-        "--shape", type=int, nargs=4, default=[16384, 4096, 1536, 8], metavar=("T", "H", "F", "E")
-    )
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    args = moe_shape_args()
     tokens, hidden, ffn, experts = args.shape
     inputs = make(tokens, hidden, ffn, experts)
     copy_ms, copy_tbs = copy_bandwidth_tbs()

@@ -15,10 +15,8 @@ CPU smoke:  not supported (timings need CUDA).
 
 from __future__ import annotations
 
-import argparse
-
 import torch
-from _common import copy_bandwidth_tbs, environment, median_ms, write_json
+from _common import copy_bandwidth_tbs, environment, median_ms, moe_shape_args, write_json
 from bench_grouped_mlp import uneven_splits
 
 from lowp_ops.composite import grouped_nvfp4
@@ -117,12 +115,7 @@ def recipe_operands(data):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument(
-        "--shape", type=int, nargs=4, default=[16384, 4096, 1536, 8], metavar=("T", "H", "F", "E")
-    )
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    args = moe_shape_args()
     tokens, hidden, ffn, experts = args.shape
     data = operands(tokens, hidden, ffn, experts)
     copy_ms, copy_tbs = copy_bandwidth_tbs()
