@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The whole GPU suite in five concurrent pytest processes (compiles are CPU-bound; the tests are small
-# for an H200's memory), then every cudagraph test in its own process. Logs under $OUT (or a temporary
-# directory): gpu_<group>.log, cudagraph.log (one PASS/SKIP/FAIL line per test), cudagraph_output.log (their
-# output). H200 (S9-7): 394 passed, 17 skipped (two-GPU tests) and 15 + 2 cudagraph tests in 349 s.
-# Exits nonzero if any test failed.
+# for an H200's memory), then every cudagraph test in its own process. $OUT (or a temporary directory)
+# gets at most four files, written as each stage ends, so a run cut short still leaves its results:
+# summary.log (each group's last line, then one PASS/SKIP/FAIL line per cudagraph test), gpu_failures.log
+# (the failing tests' assertion lines of every group), gpu_groups.log (the groups' whole output) and
+# cudagraph_output.log. Raw per-process logs stay in a temporary directory. H200, 2026-11-30: 394 passed,
+# 17 skipped (two-GPU tests) and 15 + 2 cudagraph tests in 349 s. Exits nonzero if any test failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$(mktemp -d)}"
+raw="$(mktemp -d)"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 limit="${GPU_TEST_SECONDS:-420}"
 declare -A groups=(
@@ -25,25 +28,26 @@ pids=()
 for name in "${!groups[@]}"; do
     # shellcheck disable=SC2086 # the group is a list of files
     TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" timeout "$limit" python3 -m pytest -q -m "gpu and not cudagraph" \
-        ${groups[$name]} > "$OUT/gpu_$name.log" 2>&1 &
+        ${groups[$name]} > "$raw/gpu_$name.log" 2>&1 &
     pids+=("$!:$name")
 done
 failed=0
 for entry in "${pids[@]}"; do
     wait "${entry%%:*}"
     status=$?
-    echo "gpu ${entry#*:}: exit $status, $(tail -n 1 "$OUT/gpu_${entry#*:}.log")"
+    echo "gpu ${entry#*:}: exit $status, $(tail -n 1 "$raw/gpu_${entry#*:}.log")" | tee -a "$OUT/summary.log"
     [ "$status" -ne 0 ] && [ "$status" -ne 5 ] && failed=1
 done
+cat "$raw"/gpu_*.log > "$OUT/gpu_groups.log"
+grep -h -E "^(FAILED|ERROR)|^E   " "$raw"/gpu_*.log > "$OUT/gpu_failures.log"
 # Each cudagraph test in its own process, four at a time.
 mapfile -t ids < <(python3 -m pytest --collect-only -q -m cudagraph 2>/dev/null | grep "::")
 printf '%s\n' "${ids[@]}" | xargs -P 4 -I{} bash -c \
     'out="$(timeout 300 python3 -m pytest -q "$1" 2>&1)"; s=$?; printf -- "---- %s\n%s\n" "$1" "$out" >> "$2/cudagraph_$BASHPID.log";
      last="$(tail -n 1 <<< "$out")"
      if [ $s -ne 0 ]; then echo "FAIL (exit $s) $1"; elif grep -q passed <<< "$last"; then echo "PASS $1"; else echo "SKIP $1 ($last)"; fi' \
-    _ {} "$OUT" \
-    > "$OUT/cudagraph.log"
-cat "$OUT"/cudagraph_[0-9]*.log > "$OUT/cudagraph_output.log" 2>/dev/null && rm -f "$OUT"/cudagraph_[0-9]*.log
-cat "$OUT/cudagraph.log"
-grep -q "^FAIL" "$OUT/cudagraph.log" && failed=1
+    _ {} "$raw" \
+    | tee -a "$OUT/summary.log"
+cat "$raw"/cudagraph_[0-9]*.log > "$OUT/cudagraph_output.log" 2>/dev/null
+grep -q "^FAIL" "$OUT/summary.log" && failed=1
 exit $failed
