@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The kernel benchmarks on one GPU, in order, each under its own time limit: one log in $OUT
+# (bench.log, a "== label exit status in N s" line after each), benchmark JSON left in a temporary
+# directory. Carried wheels in .whl/ (Liger, tqdm) are installed to /tmp/site first.
+#
+#   bash scripts/gpu_bench.sh                  # every benchmark below
+#   bash scripts/gpu_bench.sh ce mxfp8         # only those labels
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$(mktemp -d)}"
+json="$(mktemp -d)"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+declare -A jobs=(
+    [ce]="python3 benchmarks/bench_cross_entropy.py --json $json/ce.json"
+    [mxfp8]="python3 benchmarks/bench_mxfp8.py --no-sweep --no-compile --json $json/mxfp8.json"
+    [nvfp4]="python3 benchmarks/bench_nvfp4.py --no-sweep --json $json/nvfp4.json"
+    [grouped_mlp]="python3 benchmarks/bench_grouped_mlp.py"
+    [nvfp4_decode]="python3 benchmarks/bench_nvfp4_decode.py"
+    [linear_ce]="python3 benchmarks/bench_linear_cross_entropy.py --quick --no-gemms --json $json/lce.json"
+    [host]="python3 benchmarks/bench_host_overhead.py"
+)
+# The example's training step in each mode: lowp with each expert recipe, then the plain-PyTorch model.
+for mode in eager compiled graph; do
+    jobs[tiny_moe_$mode]="for run in '--recipe bf16' '--recipe mxfp8' '--recipe nvfp4' --baseline; do
+        python3 examples/train_tiny_moe.py --device cuda --steps 60 --mode $mode \$run; done"
+done
+order=(ce mxfp8 nvfp4 grouped_mlp nvfp4_decode linear_ce host tiny_moe_eager tiny_moe_compiled tiny_moe_graph)
+[ $# -gt 0 ] && order=("$@")
+for label in "${order[@]}"; do
+    start=$SECONDS
+    echo "######## $label: ${jobs[$label]}" >> "$OUT/bench.log"
+    OUT="$json" timeout "${JOB_TIMEOUT:-300}" bash -c "${jobs[$label]}" >> "$OUT/bench.log" 2>&1
+    echo "== $label exit $? in $((SECONDS - start)) s" | tee -a "$OUT/bench.log"
+done
