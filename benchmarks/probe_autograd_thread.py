@@ -101,3 +101,32 @@ y = torch.softmax(x.detach(), -1)
 print(f"{'launcher, main thread':28s} {us(lambda: library.softmax_bwd.launcher()(y, g, False)):7.1f} us")
 launch = bound_backward_launch(y)
 print(f"{'bound launch, main thread':28s} {us(lambda: launch(g, torch.empty_like(y))):7.1f} us")
+
+# Where the worker thread's time goes: the same three pieces timed from inside the backward (autograd's
+# CUDA worker thread) and on the main thread. Pure Python slower there too points at the interpreter
+# (thread switches, GIL hand-offs), not at CUDA or Triton.
+segments = {"python loop": lambda: sum(range(300)), "torch.empty_like": lambda: torch.empty_like(y)}
+segments["launcher"] = lambda: library.softmax_bwd.launcher()(y, g, False)
+inside: dict[str, list[float]] = {name: [] for name in segments}
+
+
+class Timed(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, v):
+        return v.view_as(v)
+
+    @staticmethod
+    def backward(ctx, grad):
+        for name, piece in segments.items():
+            start = time.perf_counter()
+            piece()
+            inside[name].append(time.perf_counter() - start)
+        return grad
+
+
+us(step(Timed.apply))
+for name, piece in segments.items():
+    worker = sorted(inside[name])[len(inside[name]) // 2] * 1e6
+    print(f"{name:28s} worker thread {worker:7.1f} us, main thread {us(piece):7.1f} us (medians / means)")
+with torch.autograd.set_multithreading_enabled(False):
+    print(f"{'launcher in backward, no worker thread':40s} fwd+bwd {us(step(FullLauncher.apply)):7.1f} us")
