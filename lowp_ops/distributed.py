@@ -66,48 +66,63 @@ def vocab_parallel_cross_entropy_stats(
     ignore_index: int,
     process_group: dist.ProcessGroup,
     weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (per-row loss (N,) fp32, global row_stats (2, N) fp32), identical on every rank; not
     differentiable.
 
     ``logits`` (N, V) is this rank's shard, ``target`` (N,) global ids, ``weight`` optional class weights
-    of the whole vocabulary (W V,), the same on every rank. One all-gather of a ``(5, N)`` fp32 packet
-    per rank (:mod:`lowp_ops.meta.vocab_parallel`)."""
+    of the whole vocabulary (W V,), the same on every rank; ``z_loss``, ``softcap`` the loss features
+    (0.0 = off): each shard caps its own logits, the merge adds the z-loss. One all-gather of a ``(5, N)``
+    fp32 packet per rank (:mod:`lowp_ops.meta.vocab_parallel`)."""
     check_process_group(process_group)
     shard_width = logits.shape[1]
     vocab_start, _ = vocab_shard(shard_width, process_group)
-    stats = library.vocab_parallel_ce_stats(logits, target, vocab_start, label_smoothing > 0, weight)
-    return _gather_and_merge(stats, target, shard_width, label_smoothing, ignore_index, process_group, weight)
+    stats = library.vocab_parallel_ce_stats(logits, target, vocab_start, label_smoothing > 0, weight, softcap)
+    return _gather_and_merge(
+        stats, target, shard_width, label_smoothing, ignore_index, process_group, weight, z_loss
+    )
 
 
-def _gather_and_merge(stats, target, shard_width, label_smoothing, ignore_index, process_group, weight=None):
+def _gather_and_merge(
+    stats, target, shard_width, label_smoothing, ignore_index, process_group, weight=None, z_loss=0.0
+):
     """This rank's packet -> (loss, row_stats) of all ranks: one all-gather, then the same merge
     everywhere."""
     gathered = funcol.wait_tensor(_all_gather(stats, 0, process_group))
     merge = library.vocab_parallel_ce_merge
-    return merge(gathered, target, shard_width, label_smoothing, ignore_index, weight)
+    return merge(gathered, target, shard_width, label_smoothing, ignore_index, weight, z_loss)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-row loss of vocabulary-sharded logits; the backward is local (no collective)."""
+    """Per-row loss of vocabulary-sharded logits and the merged row statistics (not differentiable);
+    the backward is local (no collective)."""
 
     @staticmethod
-    def forward(ctx, logits, target, label_smoothing, ignore_index, process_group, weight=None):
+    def forward(
+        ctx, logits, target, label_smoothing, ignore_index, process_group, weight=None, z_loss=0.0,
+        softcap=0.0,
+    ):  # fmt: skip
         if weight is not None and weight.requires_grad:
             raise ValueError("weight (class weights) must not require grad: lowp_ops gives it no gradient")
         loss, row_stats = vocab_parallel_cross_entropy_stats(
-            logits, target, label_smoothing, ignore_index, process_group, weight
+            logits, target, label_smoothing, ignore_index, process_group, weight, z_loss, softcap
         )
         ctx.config = (label_smoothing, ignore_index, *vocab_shard(logits.shape[1], process_group))
+        ctx.features = (z_loss, softcap)
         ctx.save_for_backward(logits, target, row_stats, weight)
-        return loss
+        ctx.mark_non_differentiable(row_stats)
+        return loss, row_stats
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, _grad_row_stats):
         refuse_double_backward("vocab_parallel_cross_entropy")
         logits, target, row_stats, weight = ctx.saved_tensors
-        dlogits = library.cross_entropy_bwd(logits, target, row_stats, grad_loss.float(), *ctx.config, weight)
-        return dlogits, None, None, None, None, None
+        dlogits = library.cross_entropy_bwd(
+            logits, target, row_stats, grad_loss.float(), *ctx.config, weight, *ctx.features
+        )
+        return dlogits, *(None,) * 7
 
 
 def vocab_parallel_cross_entropy_rows(
@@ -117,13 +132,20 @@ def vocab_parallel_cross_entropy_rows(
     ignore_index: int,
     process_group: dist.ProcessGroup,
     weight: torch.Tensor | None = None,
-) -> torch.Tensor:
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
+    *,
+    with_stats: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Differentiable per-row loss (N,) fp32 of this rank's ``(N, V)`` shard (see the module docstring);
     ``weight``: optional class weights of the whole vocabulary (``W V``,), the same on every rank (the
-    mean then divides by the target weights: pass them to ``lowp::cross_entropy_reduce`` too)."""
-    return VocabParallelCrossEntropy.apply(
-        logits, target, label_smoothing, ignore_index, process_group, weight
+    mean then divides by the target weights: pass them to ``lowp::cross_entropy_reduce`` too);
+    ``z_loss``, ``softcap``: the loss features (0.0 = off). ``with_stats``: also return the merged
+    ``(2, N)`` row statistics (not differentiable)."""
+    loss, row_stats = VocabParallelCrossEntropy.apply(
+        logits, target, label_smoothing, ignore_index, process_group, weight, z_loss, softcap
     )
+    return (loss, row_stats) if with_stats else loss
 
 
 # ------------------------------------------------- vocabulary-parallel LM head + cross entropy
@@ -139,17 +161,21 @@ def linear_vocab_parallel_cross_entropy_stats(
     ignore_index: int,
     chunk_size: int,
     process_group: dist.ProcessGroup,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (per-row loss (N,) fp32, global row_stats (2, N) fp32) of ``hidden @ weight^T``, identical on
-    every rank;
-    not differentiable. Only one ``chunk_size`` chunk of this rank's logits exists at a time."""
+    every rank; not differentiable. Only one ``chunk_size`` chunk of this rank's logits exists at a time.
+    ``z_loss``, ``softcap``: the loss features (0.0 = off)."""
     check_process_group(process_group)
     shard_width = weight.shape[0]
     vocab_start, _ = vocab_shard(shard_width, process_group)
     stats = library.linear_vocab_parallel_ce_stats(
-        hidden, weight, target, vocab_start, label_smoothing > 0, chunk_size
+        hidden, weight, target, vocab_start, label_smoothing > 0, chunk_size, softcap
     )
-    return _gather_and_merge(stats, target, shard_width, label_smoothing, ignore_index, process_group)
+    return _gather_and_merge(
+        stats, target, shard_width, label_smoothing, ignore_index, process_group, None, z_loss
+    )
 
 
 class LinearVocabParallelCrossEntropy(torch.autograd.Function):
@@ -169,18 +195,22 @@ class LinearVocabParallelCrossEntropy(torch.autograd.Function):
         chunk_size,
         process_group,
         reduce_hidden_grad,
+        z_loss=0.0,
+        softcap=0.0,
     ):
         loss, row_stats = linear_vocab_parallel_cross_entropy_stats(
-            hidden, weight, target, label_smoothing, ignore_index, chunk_size, process_group
+            hidden, weight, target, label_smoothing, ignore_index, chunk_size, process_group, z_loss, softcap
         )
         ctx.config = (label_smoothing, ignore_index, grad_format, other_operand, chunk_size)
         ctx.shard = vocab_shard(weight.shape[0], process_group)
+        ctx.features = (z_loss, softcap)
         ctx.process_group, ctx.reduce_hidden_grad = process_group, reduce_hidden_grad
         ctx.save_for_backward(hidden, weight, target, row_stats)
-        return loss
+        ctx.mark_non_differentiable(row_stats)
+        return loss, row_stats
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, _grad_row_stats):
         refuse_double_backward("linear_vocab_parallel_cross_entropy")
         hidden, weight, target, row_stats = ctx.saved_tensors
         need_dhidden, need_dweight = ctx.needs_input_grad[:2]
@@ -194,12 +224,13 @@ class LinearVocabParallelCrossEntropy(torch.autograd.Function):
             need_dhidden,
             need_dweight,
             *ctx.shard,
+            *ctx.features,
         )
         if need_dhidden and ctx.reduce_hidden_grad:
             # Summed in fp32 (one rounding of the W shard partials), identical on every rank.
             summed = funcol.all_reduce(dhidden.float(), "sum", ctx.process_group)
             dhidden = funcol.wait_tensor(summed).to(hidden.dtype)
-        return (dhidden if need_dhidden else None, dweight if need_dweight else None, *[None] * 8)
+        return (dhidden if need_dhidden else None, dweight if need_dweight else None, *[None] * 10)
 
 
 def linear_vocab_parallel_cross_entropy_rows(
@@ -213,15 +244,20 @@ def linear_vocab_parallel_cross_entropy_rows(
     chunk_size: int,
     process_group: dist.ProcessGroup,
     reduce_hidden_grad: bool,
-) -> torch.Tensor:
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
+    *,
+    with_stats: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Differentiable per-row loss (N,) fp32, identical on every rank, of ``hidden (N, H)`` (replicated)
     and this rank's ``weight (V, H)`` rows; ``grad_format`` as the op's (``"none"``, ``"mxfp8_e4m3"``, ...).
 
     Gradients: ``weight``'s is this rank's rows of the single-rank gradient (given the same row
     statistics: byte for byte); ``hidden``'s is summed over the ranks (all-reduce in fp32) unless
     ``reduce_hidden_grad`` is False, when it is this shard's partial sum for a caller that all-reduces
-    input gradients itself."""
-    return LinearVocabParallelCrossEntropy.apply(
+    input gradients itself. ``z_loss``, ``softcap``: the loss features (0.0 = off); ``with_stats``: also
+    return the merged ``(2, N)`` row statistics (not differentiable)."""
+    loss, row_stats = LinearVocabParallelCrossEntropy.apply(
         hidden,
         weight,
         target,
@@ -232,4 +268,7 @@ def linear_vocab_parallel_cross_entropy_rows(
         chunk_size,
         process_group,
         reduce_hidden_grad,
+        z_loss,
+        softcap,
     )
+    return (loss, row_stats) if with_stats else loss

@@ -10,10 +10,14 @@ from . import library
 from .formats import FP8_DTYPES, MXFP8Tensor
 from .meta.checks import check_int, check_real, require, require_tensor
 from .meta.cross_entropy import (
+    LOG_SUM,
+    SHIFT,
     check_class_weight,
     check_label_smoothing,
     check_logits_target,
     check_reduction,
+    public_softcap,
+    public_z_loss,
 )
 from .meta.mxfp8 import check_scale_layout, normalize_fp8_dtype
 from .meta.softmax import check_masked_rows
@@ -115,6 +119,42 @@ def _reduce(
     )
 
 
+def check_return_flags(return_z_loss, return_lse) -> None:
+    """``return_z_loss`` and ``return_lse`` are bools (TypeError naming the argument otherwise)."""
+    for value, name in ((return_z_loss, "return_z_loss"), (return_lse, "return_lse")):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def loss_extras(
+    stats: torch.Tensor,
+    target: torch.Tensor,
+    reduction: str,
+    ignore_index: int,
+    weight: torch.Tensor | None,
+    z_loss: float,
+    return_z_loss: bool,
+    return_lse: bool,
+) -> tuple[torch.Tensor, ...]:
+    """The requested detached extras of a loss from its ``(2, N)`` row statistics, in this order: the
+    z-loss ``z · lse²`` of the non-ignored rows reduced as the loss (same denominator for the mean; the
+    target's shape for ``none``), then the fp32 per-row ``lse = shift + log_sum`` in the target's shape.
+    N elements of arithmetic: no pass over the logits."""
+    from .reference.cross_entropy import z_loss_rows
+
+    stats = stats.detach()
+    extras = []
+    if return_z_loss:
+        target_rows = target.reshape(-1)
+        rows = torch.where(
+            target_rows != ignore_index, z_loss_rows(stats[SHIFT], stats[LOG_SUM], z_loss), 0.0
+        )
+        extras.append(reduce_row_losses(rows, target, reduction, ignore_index, weight).detach())
+    if return_lse:
+        extras.append((stats[SHIFT] + stats[LOG_SUM]).view(target.shape))
+    return tuple(extras)
+
+
 def cross_entropy(
     input: torch.Tensor,
     target: torch.Tensor,
@@ -127,7 +167,11 @@ def cross_entropy(
     *,
     classes_last: bool = False,
     process_group=None,
-) -> torch.Tensor:
+    z_loss: float = 0,
+    softcap: float | None = None,
+    return_z_loss: bool = False,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """``torch.nn.functional.cross_entropy``: same signature, argument order and layouts, for class-index
     targets; float32 loss.
 
@@ -149,24 +193,49 @@ def cross_entropy(
     of its equal-width vocabulary shard (rank order) and the same global targets; every rank returns the
     same loss (one all-gather of per-row statistics in the forward, none in the backward), and its
     gradient is its shard of the single-rank gradient.
+
+    Loss features for LLM recipes (docs/cross_entropy.md#z-loss-and-soft-capping), computed inside the
+    same kernels:
+
+    - ``z_loss``: coefficient ``z >= 0`` of PaLM's z-loss; every non-ignored row's loss gains ``z · lse²``
+      (not multiplied by a class weight), ``lse`` the row's log-sum-exp, gradient ``2 z lse softmax``.
+    - ``softcap``: None, or ``c > 0``: the logits become ``c · tanh(x · fp32(1/c))`` before the softmax
+      (Gemma 2/3's final-logit soft-capping), the gradient goes through it (``1 - tanh²``); a ``-inf``
+      logit stays ``-inf`` (a masked class stays masked), ``+inf`` becomes ``c``.
+    - ``return_z_loss``: also return the z-loss alone (detached, for logging), reduced as the loss (the
+      same mean denominator, the sum, or per row for ``none``); it is already part of the loss.
+    - ``return_lse``: also return the fp32 per-row log-sum-exp of the (capped) logits in the target's
+      shape (detached; for an ignored row its value is computed all the same).
+
+    Returns the loss, or with ``return_z_loss`` / ``return_lse`` the tuple ``(loss, z_loss, lse)`` holding
+    only the requested extras, in that order.
     """
     if size_average is not None or reduce is not None:
         reduction = legacy_get_string(size_average, reduce)
     _check_loss_args(input, target, ignore_index, label_smoothing, reduction)
+    z_loss, softcap = public_z_loss(z_loss), public_softcap(softcap)
+    check_return_flags(return_z_loss, return_lse)
     logits_rows, target_rows = _class_rows(input, target, classes_last)
     if process_group is None:
         check_class_weight(weight, logits_rows.shape[1], logits_rows)
-        return library.cross_entropy_loss(
-            logits_rows, target_rows, float(label_smoothing), ignore_index, reduction, weight
-        ).view(_loss_shape(target, reduction))
-    from .distributed import check_process_group, vocab_parallel_cross_entropy_rows, vocab_shard
+        loss, stats = library.cross_entropy_loss(
+            logits_rows, target_rows, float(label_smoothing), ignore_index, reduction, weight, z_loss, softcap
+        )
+        loss = loss.view(_loss_shape(target, reduction))
+    else:
+        from .distributed import check_process_group, vocab_parallel_cross_entropy_rows, vocab_shard
 
-    check_process_group(process_group)
-    check_class_weight(weight, vocab_shard(logits_rows.shape[1], process_group)[1], logits_rows)
-    loss_rows = vocab_parallel_cross_entropy_rows(
-        logits_rows, target_rows, float(label_smoothing), ignore_index, process_group, weight
-    )
-    return reduce_row_losses(loss_rows, target, reduction, ignore_index, weight)
+        check_process_group(process_group)
+        check_class_weight(weight, vocab_shard(logits_rows.shape[1], process_group)[1], logits_rows)
+        loss_rows, stats = vocab_parallel_cross_entropy_rows(
+            logits_rows, target_rows, float(label_smoothing), ignore_index, process_group, weight,
+            z_loss, softcap, with_stats=True,
+        )  # fmt: skip
+        loss = reduce_row_losses(loss_rows, target, reduction, ignore_index, weight)
+    if not (return_z_loss or return_lse):
+        return loss
+    extras = loss_extras(stats, target, reduction, ignore_index, weight, z_loss, return_z_loss, return_lse)
+    return (loss, *extras)
 
 
 def _loss_shape(target: torch.Tensor, reduction: str) -> tuple[int, ...]:
@@ -217,7 +286,11 @@ def cross_entropy_with_mxfp8_grad(
     scale_layout: str = "compact",
     weight: torch.Tensor | None = None,
     process_group=None,
-) -> tuple[torch.Tensor, MXFP8Tensor]:
+    z_loss: float = 0,
+    softcap: float | None = None,
+    return_z_loss: bool = False,
+    return_lse: bool = False,
+) -> tuple[torch.Tensor, MXFP8Tensor] | tuple[torch.Tensor, MXFP8Tensor, torch.Tensor]:
     """The loss and the gradient of ``grad_loss · loss`` w.r.t. the logits, written directly as MXFP8.
 
     For frameworks that consume the quantized gradient. ``logits`` are ``(..., V)`` with ``(...)``
@@ -232,8 +305,14 @@ def cross_entropy_with_mxfp8_grad(
     ``process_group``: vocabulary-parallel (see :func:`cross_entropy`); the payload is this rank's shard,
     byte-identical to the shard's columns of the single-rank payload given the same lse when the shard
     width is a multiple of 32 (compact scales: compare the valid regions; each shard pads its own).
+
+    ``z_loss``, ``softcap``, ``return_z_loss``, ``return_lse``: as :func:`cross_entropy` (the contract
+    above holds with them); extras come after the payload: ``(loss, grad, z_loss, lse)``, only those
+    requested.
     """
     _check_loss_args(logits, target, ignore_index, label_smoothing, reduction)
+    z_loss, softcap = public_z_loss(z_loss), public_softcap(softcap)
+    check_return_flags(return_z_loss, return_lse)
     logits_rows, target_rows = _class_rows(logits, target, classes_last=True)
     fp8_dtype = normalize_fp8_dtype(fp8_dtype)
     check_scale_layout(scale_layout)
@@ -243,7 +322,7 @@ def cross_entropy_with_mxfp8_grad(
         if process_group is None:
             check_class_weight(weight, logits_rows.shape[1], logits_rows)
             loss_rows, lse = library.cross_entropy_fwd(
-                logits_rows, target_rows, float(label_smoothing), ignore_index, weight
+                logits_rows, target_rows, float(label_smoothing), ignore_index, weight, z_loss, softcap
             )
         else:
             from .distributed import check_process_group, vocab_parallel_cross_entropy_stats, vocab_shard
@@ -252,8 +331,9 @@ def cross_entropy_with_mxfp8_grad(
             shard = vocab_shard(logits_rows.shape[1], process_group)
             check_class_weight(weight, shard[1], logits_rows)
             loss_rows, lse = vocab_parallel_cross_entropy_stats(
-                logits_rows, target_rows, float(label_smoothing), ignore_index, process_group, weight
-            )
+                logits_rows, target_rows, float(label_smoothing), ignore_index, process_group, weight,
+                z_loss, softcap,
+            )  # fmt: skip
         loss, grad_rows = _loss_and_grad_rows(loss_rows, target, grad_loss, reduction, ignore_index, weight)
         row_data, row_scale, col_data, col_scale = library.cross_entropy_bwd_mxfp8(
             logits_rows,
@@ -268,9 +348,11 @@ def cross_entropy_with_mxfp8_grad(
             scale_layout,
             *shard,
             weight,
+            z_loss,
+            softcap,
         )
     data_dtype = FP8_DTYPES[fp8_dtype]
-    return loss, MXFP8Tensor(
+    grad = MXFP8Tensor(
         row_data=row_data.view(data_dtype).view(logits.shape) if rowwise else None,
         row_scale=row_scale if rowwise else None,
         col_data=col_data.view(data_dtype).view(logits.shape) if columnwise else None,
@@ -279,6 +361,10 @@ def cross_entropy_with_mxfp8_grad(
         scale_layout=scale_layout,
         shape=logits.shape,
     )
+    if not (return_z_loss or return_lse):
+        return loss, grad
+    extras = loss_extras(lse, target, reduction, ignore_index, weight, z_loss, return_z_loss, return_lse)
+    return (loss, grad, *extras)
 
 
 def _check_softmax_input(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

@@ -238,12 +238,11 @@ nvfp4_group_quantize = _define(
     nvfp4_meta.nvfp4_group_quantize_outputs,
 )
 
-# Dequantize: the reference (graph-safe, no host sync) serves CUDA too.
 nvfp4_dequantize = _define(
     "nvfp4_dequantize",
     "(Tensor data, Tensor scale, Tensor amax, ScalarType dtype) -> Tensor",
     nvfp4_ref.nvfp4_dequantize,
-    None,
+    "nvfp4_decode.launch_nvfp4_dequantize",
     nvfp4_meta.nvfp4_dequantize_output,
 )
 
@@ -337,8 +336,8 @@ softmax_fwd.register_autograd(_softmax_backward, setup_context=_softmax_setup)
 
 cross_entropy_fwd = _define(
     "cross_entropy_fwd",
-    "(Tensor logits, Tensor target, float label_smoothing, SymInt ignore_index, Tensor? weight=None)"
-    " -> (Tensor, Tensor)",
+    "(Tensor logits, Tensor target, float label_smoothing, SymInt ignore_index, Tensor? weight=None,"
+    " float z_loss=0.0, float softcap=0.0) -> (Tensor, Tensor)",
     ce_ref.cross_entropy_fwd,
     "cross_entropy.launch_cross_entropy_fwd",
     ce_meta.cross_entropy_fwd_outputs,
@@ -347,7 +346,8 @@ cross_entropy_fwd = _define(
 cross_entropy_bwd = _define(
     "cross_entropy_bwd",
     "(Tensor logits, Tensor target, Tensor row_stats, Tensor grad_rows, float label_smoothing,"
-    " SymInt ignore_index, SymInt vocab_start=0, SymInt vocab_total=0, Tensor? weight=None) -> Tensor",
+    " SymInt ignore_index, SymInt vocab_start=0, SymInt vocab_total=0, Tensor? weight=None,"
+    " float z_loss=0.0, float softcap=0.0) -> Tensor",
     ce_ref.cross_entropy_bwd,
     "cross_entropy.launch_cross_entropy_bwd",
     ce_meta.cross_entropy_bwd_output,
@@ -357,7 +357,8 @@ cross_entropy_bwd_mxfp8 = _define(
     "cross_entropy_bwd_mxfp8",
     "(Tensor logits, Tensor target, Tensor row_stats, Tensor grad_rows, float label_smoothing,"
     " SymInt ignore_index, str fp8_dtype, bool rowwise, bool columnwise, str scale_layout,"
-    " SymInt vocab_start=0, SymInt vocab_total=0, Tensor? weight=None) -> (Tensor, Tensor, Tensor, Tensor)",
+    " SymInt vocab_start=0, SymInt vocab_total=0, Tensor? weight=None, float z_loss=0.0, float softcap=0.0)"
+    " -> (Tensor, Tensor, Tensor, Tensor)",
     ce_ref.cross_entropy_bwd_mxfp8,
     "cross_entropy.launch_cross_entropy_bwd_mxfp8",
     ce_meta.cross_entropy_bwd_mxfp8_outputs,
@@ -365,13 +366,15 @@ cross_entropy_bwd_mxfp8 = _define(
 
 
 def _cross_entropy_setup(ctx, inputs, output):
-    # inputs: (logits, target, label_smoothing, ignore_index[, weight]); class weights get no gradient.
+    # inputs: (logits, target, label_smoothing, ignore_index[, weight[, z_loss[, softcap]]]); class weights
+    # get no gradient.
     logits, target, label_smoothing, ignore_index, *rest = inputs
-    weight = rest[0] if rest else None
+    weight, z_loss, softcap = (*rest, *(None, 0.0, 0.0)[len(rest) :])
     if weight is not None and weight.requires_grad:
         raise ValueError("weight (class weights) must not require grad: lowp_ops gives it no gradient")
     ctx.label_smoothing = label_smoothing
     ctx.ignore_index = ignore_index
+    ctx.features = (z_loss, softcap)
     ctx.save_for_backward(logits, target, output[1], weight)
     ctx.mark_non_differentiable(output[1])
 
@@ -380,9 +383,10 @@ def _cross_entropy_backward(ctx, grad_loss, _grad_row_stats):
     logits, target, row_stats, weight = ctx.saved_tensors
     # grad_loss may be an expanded (stride-0) view: the kernel reads it through its stride.
     dlogits = cross_entropy_bwd(
-        logits, target, row_stats, grad_loss.float(), ctx.label_smoothing, ctx.ignore_index, 0, 0, weight
-    )
-    return dlogits, None, None, None, None
+        logits, target, row_stats, grad_loss.float(), ctx.label_smoothing, ctx.ignore_index, 0, 0, weight,
+        *ctx.features,
+    )  # fmt: skip
+    return dlogits, None, None, None, None, None, None
 
 
 cross_entropy_fwd.register_autograd(_cross_entropy_backward, setup_context=_cross_entropy_setup)
@@ -493,7 +497,8 @@ mxfp8_gemm = _define(
 linear_cross_entropy_fwd = _define(
     "linear_cross_entropy_fwd",
     "(Tensor hidden, Tensor weight, Tensor target, float label_smoothing, SymInt ignore_index,"
-    " str grad_format, str other_operand, int chunk_size) -> (Tensor, Tensor)",
+    " str grad_format, str other_operand, int chunk_size, float z_loss=0.0, float softcap=0.0)"
+    " -> (Tensor, Tensor)",
     linear_ce_ref.linear_cross_entropy_fwd,
     "linear_cross_entropy.launch_linear_cross_entropy_fwd",
     linear_ce_meta.linear_cross_entropy_fwd_outputs,
@@ -503,7 +508,7 @@ linear_cross_entropy_bwd = _define(
     "linear_cross_entropy_bwd",
     "(Tensor hidden, Tensor weight, Tensor target, Tensor row_stats, Tensor grad_rows, float label_smoothing,"
     " SymInt ignore_index, str grad_format, str other_operand, int chunk_size, bool compute_dhidden,"
-    " bool compute_dweight) -> (Tensor, Tensor)",
+    " bool compute_dweight, float z_loss=0.0, float softcap=0.0) -> (Tensor, Tensor)",
     linear_ce_ref.linear_cross_entropy_bwd,
     "linear_cross_entropy.launch_linear_cross_entropy_bwd",
     linear_ce_meta.linear_cross_entropy_bwd_outputs,
@@ -513,7 +518,7 @@ linear_cross_entropy_fwd_bwd = _define(
     "linear_cross_entropy_fwd_bwd",
     "(Tensor hidden, Tensor weight, Tensor target, Tensor row_weight, float label_smoothing,"
     " SymInt ignore_index, str grad_format, str other_operand, int chunk_size, bool compute_dhidden,"
-    " bool compute_dweight) -> (Tensor, Tensor, Tensor)",
+    " bool compute_dweight, float z_loss=0.0, float softcap=0.0) -> (Tensor, Tensor, Tensor, Tensor)",
     linear_ce_ref.linear_cross_entropy_fwd_bwd,
     "linear_cross_entropy.launch_linear_cross_entropy_fwd_bwd",
     linear_ce_meta.linear_cross_entropy_fwd_bwd_outputs,
@@ -530,8 +535,9 @@ scale_by_ = _define(
 
 
 def _linear_cross_entropy_setup(ctx, inputs, output):
-    hidden, weight, target, label_smoothing, ignore_index, grad_format, other_operand, chunk_size = inputs
+    hidden, weight, target, label_smoothing, ignore_index, grad_format, other_operand, chunk_size = inputs[:8]
     ctx.config = (label_smoothing, ignore_index, grad_format, other_operand, chunk_size)
+    ctx.features = tuple(inputs[8:])  # (z_loss, softcap) when given
     ctx.save_for_backward(hidden, weight, target, output[1])
     ctx.mark_non_differentiable(output[1])
 
@@ -540,21 +546,22 @@ def _linear_cross_entropy_backward(ctx, grad_loss, _grad_row_stats):
     hidden, weight, target, row_stats = ctx.saved_tensors
     need_dhidden, need_dweight = ctx.needs_input_grad[:2]
     dhidden, dweight = linear_cross_entropy_bwd(
-        hidden, weight, target, row_stats, grad_loss.float(), *ctx.config, need_dhidden, need_dweight
-    )
-    return (dhidden if need_dhidden else None, dweight if need_dweight else None, *[None] * 6)
+        hidden, weight, target, row_stats, grad_loss.float(), *ctx.config, need_dhidden, need_dweight,
+        *ctx.features,
+    )  # fmt: skip
+    return (dhidden if need_dhidden else None, dweight if need_dweight else None, *[None] * 8)
 
 
 def _linear_cross_entropy_fwd_bwd_setup(ctx, inputs, output):
-    _, dhidden, dweight = output
-    ctx.computed = inputs[-2:]
+    _, dhidden, dweight, row_stats = output
+    ctx.computed = inputs[9:11]  # compute_dhidden, compute_dweight
     ctx.save_for_backward(dhidden, dweight)
-    ctx.mark_non_differentiable(dhidden, dweight)
+    ctx.mark_non_differentiable(dhidden, dweight, row_stats)
     # Otherwise autograd hands the backward zero-filled gradients of dhidden and dweight: +1 dweight.
     ctx.set_materialize_grads(False)
 
 
-def _linear_cross_entropy_fwd_bwd_backward(ctx, grad_loss, _grad_dhidden, _grad_dweight):
+def _linear_cross_entropy_fwd_bwd_backward(ctx, grad_loss, _grad_dhidden, _grad_dweight, _grad_row_stats):
     # The forward computed the gradients of the loss itself; the chain rule only scales them, in place
     # (no second copy of dweight; a second backward through this node fails autograd's version check).
     dhidden, dweight = ctx.saved_tensors
@@ -562,7 +569,7 @@ def _linear_cross_entropy_fwd_bwd_backward(ctx, grad_loss, _grad_dhidden, _grad_
     for grad, computed in ((dhidden, computed_dhidden), (dweight, computed_dweight)):
         if computed:
             scale_by_(grad, grad_loss)
-    return (dhidden if computed_dhidden else None, dweight if computed_dweight else None, *[None] * 9)
+    return (dhidden if computed_dhidden else None, dweight if computed_dweight else None, *[None] * 11)
 
 
 linear_cross_entropy_fwd.register_autograd(
@@ -576,7 +583,8 @@ linear_cross_entropy_fwd_bwd.register_autograd(
 
 vocab_parallel_ce_stats = _define(
     "vocab_parallel_ce_stats",
-    "(Tensor logits, Tensor target, SymInt vocab_start, bool logit_sum, Tensor? weight=None) -> Tensor",
+    "(Tensor logits, Tensor target, SymInt vocab_start, bool logit_sum, Tensor? weight=None,"
+    " float softcap=0.0) -> Tensor",
     vocab_parallel_ref.vocab_parallel_ce_stats,
     "vocab_parallel.launch_vocab_parallel_ce_stats",
     vocab_parallel_meta.vocab_parallel_ce_stats_output,
@@ -585,7 +593,7 @@ vocab_parallel_ce_stats = _define(
 vocab_parallel_ce_merge = _define(
     "vocab_parallel_ce_merge",
     "(Tensor gathered, Tensor target, SymInt shard_width, float label_smoothing, SymInt ignore_index,"
-    " Tensor? weight=None) -> (Tensor, Tensor)",
+    " Tensor? weight=None, float z_loss=0.0) -> (Tensor, Tensor)",
     vocab_parallel_ref.vocab_parallel_ce_merge,
     "vocab_parallel.launch_vocab_parallel_ce_merge",
     vocab_parallel_meta.vocab_parallel_ce_merge_outputs,
@@ -598,8 +606,8 @@ from .reference import linear_vocab_parallel as linear_vocab_parallel_ref  # noq
 
 linear_vocab_parallel_ce_stats = _define(
     "linear_vocab_parallel_ce_stats",
-    "(Tensor hidden, Tensor weight, Tensor target, SymInt vocab_start, bool logit_sum, int chunk_size)"
-    " -> Tensor",
+    "(Tensor hidden, Tensor weight, Tensor target, SymInt vocab_start, bool logit_sum, int chunk_size,"
+    " float softcap=0.0) -> Tensor",
     linear_vocab_parallel_ref.linear_vocab_parallel_ce_stats,
     "linear_vocab_parallel.launch_linear_vocab_parallel_ce_stats",
     linear_vocab_parallel_meta.linear_vocab_parallel_ce_stats_output,
@@ -609,7 +617,8 @@ linear_vocab_parallel_ce_bwd = _define(
     "linear_vocab_parallel_ce_bwd",
     "(Tensor hidden, Tensor weight, Tensor target, Tensor row_stats, Tensor grad_rows, float label_smoothing,"
     " SymInt ignore_index, str grad_format, str other_operand, int chunk_size, bool compute_dhidden,"
-    " bool compute_dweight, SymInt vocab_start, SymInt vocab_total) -> (Tensor, Tensor)",
+    " bool compute_dweight, SymInt vocab_start, SymInt vocab_total, float z_loss=0.0, float softcap=0.0)"
+    " -> (Tensor, Tensor)",
     linear_vocab_parallel_ref.linear_vocab_parallel_ce_bwd,
     "linear_vocab_parallel.launch_linear_vocab_parallel_ce_bwd",
     linear_vocab_parallel_meta.linear_vocab_parallel_ce_bwd_outputs,
@@ -663,18 +672,18 @@ class _CrossEntropyLoss(torch.autograd.Function):
     """``cross_entropy_fwd`` then ``cross_entropy_reduce`` (mean or sum) as one autograd node."""
 
     @staticmethod
-    def forward(ctx, logits, target, label_smoothing, ignore_index, weight, mean):
-        rows_args = (logits, target, label_smoothing, ignore_index, weight)
+    def forward(ctx, logits, target, label_smoothing, ignore_index, weight, z_loss, softcap, mean):
+        rows_args = (logits, target, label_smoothing, ignore_index, weight, z_loss, softcap)
         reduce_args = (target, ignore_index, mean, weight)
         loss_rows, stats = cross_entropy_fwd.implementation(logits)(*rows_args)
         loss, grad_scale = cross_entropy_reduce.implementation(logits)(loss_rows, *reduce_args)
-        rows, reduced = _Stage((True, False, False, False, False)), _Stage((True, False, False, False, False))
+        rows, reduced = _Stage((True,) + (False,) * 6), _Stage((True, False, False, False, False))
         _cross_entropy_setup(rows, rows_args, (loss_rows, stats))
         _cross_entropy_reduce_setup(reduced, (loss_rows, *reduce_args), (loss, grad_scale))
         ctx.stages, ctx.split = (rows, reduced), len(rows.saved_tensors)
         ctx.save_for_backward(*rows.saved_tensors, *reduced.saved_tensors)
-        ctx.mark_non_differentiable(grad_scale)
-        return loss, grad_scale
+        ctx.mark_non_differentiable(grad_scale, stats)
+        return loss, grad_scale, stats
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
@@ -683,7 +692,7 @@ class _CrossEntropyLoss(torch.autograd.Function):
         saved = ctx.saved_tensors
         rows.saved_tensors, reduced.saved_tensors = saved[: ctx.split], saved[ctx.split :]
         grad_rows = _cross_entropy_reduce_backward(reduced, grad_loss, None)[0]
-        return _cross_entropy_backward(rows, grad_rows, None)[0], None, None, None, None, None
+        return _cross_entropy_backward(rows, grad_rows, None)[0], *(None,) * 7
 
 
 def cross_entropy_loss(
@@ -693,15 +702,19 @@ def cross_entropy_loss(
     ignore_index: int,
     reduction: str,
     weight: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The reduced (or per-row) fp32 cross entropy of ``(N, V)`` logits with optional class weights
-    ``(V,)``: ``lowp::cross_entropy_fwd`` and, for ``mean``/``sum``, ``lowp::cross_entropy_reduce``; one
-    autograd node when called eagerly."""
-    args = (logits, target, label_smoothing, ignore_index, weight)
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, row_stats)``: the reduced (or per-row) fp32 cross entropy of ``(N, V)`` logits with
+    optional class weights ``(V,)`` and loss features (``z_loss``, ``softcap``; 0.0 = off), and the
+    forward's ``(2, N)`` row statistics (not differentiable): ``lowp::cross_entropy_fwd`` and, for
+    ``mean``/``sum``, ``lowp::cross_entropy_reduce``; one autograd node when called eagerly."""
+    args = (logits, target, label_smoothing, ignore_index, weight, z_loss, softcap)
     if reduction == "none":
-        return cross_entropy_fwd(*args)[0]
+        return cross_entropy_fwd(*args)
     mean = reduction == "mean"
     if logits.requires_grad and torch.is_grad_enabled() and eager_call_allowed(args):
-        return _CrossEntropyLoss.apply(*args, mean)[0]
-    loss_rows, _ = cross_entropy_fwd(*args)
-    return cross_entropy_reduce(loss_rows, target, ignore_index, mean, weight)[0]
+        loss, _, stats = _CrossEntropyLoss.apply(*args, mean)
+        return loss, stats
+    loss_rows, stats = cross_entropy_fwd(*args)
+    return cross_entropy_reduce(loss_rows, target, ignore_index, mean, weight)[0], stats

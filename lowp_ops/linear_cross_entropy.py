@@ -7,9 +7,9 @@ import math
 import torch
 
 from . import library
-from .functional import reduce_row_losses
+from .functional import check_return_flags, loss_extras, reduce_row_losses
 from .meta.checks import require
-from .meta.cross_entropy import check_label_smoothing, check_reduction
+from .meta.cross_entropy import check_label_smoothing, check_reduction, public_softcap, public_z_loss
 from .meta.linear_cross_entropy import check_chunk_size, check_hidden_weight_target
 from .meta.mxfp8_gemm import check_other_operand
 
@@ -52,7 +52,11 @@ def linear_cross_entropy(
     chunk_size: int | None = None,
     other_operand: str = "bf16",
     reduce_hidden_grad: bool = True,
-) -> torch.Tensor:
+    z_loss: float = 0,
+    softcap: float | None = None,
+    return_z_loss: bool = False,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """``F.cross_entropy(F.linear(hidden, weight), target)`` without the ``(N, V)`` logits in memory.
 
     Args:
@@ -84,6 +88,12 @@ def linear_cross_entropy(
             fp32 all-reduce in the backward (default). False: each rank gets its shard's partial sum, for
             tensor-parallel regions that all-reduce the input gradient themselves (Megatron's
             column-parallel LM head).
+        z_loss, softcap, return_z_loss, return_lse: the loss features of
+            :func:`lowp_ops.cross_entropy` (z-loss ``z · lse²`` per non-ignored row, final-logit soft-cap
+            ``c · tanh(x / c)`` of the logits, the z-loss and the per-row lse returned apart, detached),
+            applied to every chunk's logits inside the cross-entropy kernels; the in-gradient schedule
+            (the logits inside ``weight``'s gradient) does not run with ``z_loss`` or ``softcap``: the chunk
+            schedule serves those calls.
 
     Returns the fp32 loss (0-d, or ``target.shape`` for ``reduction="none"``); gradients come in the
     inputs' dtypes. Logits are ``dtype(hidden @ weight^T)`` with fp32 accumulation, per chunk.
@@ -93,7 +103,8 @@ def linear_cross_entropy(
     above) and the backward only scales them by the upstream gradient, in fp32.
     With ``reduction="none"`` the forward keeps ``hidden``, ``weight``, ``target`` and the per-row
     log-sum-exp, and the backward recomputes each chunk's logits (four GEMMs per chunk). No host
-    synchronization either way.
+    synchronization either way. With ``return_z_loss`` / ``return_lse``: ``(loss, z_loss, lse)`` holding
+    only the requested extras.
     """
     _check_process_group(process_group, reduce_hidden_grad)
     check_hidden_weight_target(hidden, weight, target)
@@ -107,6 +118,35 @@ def linear_cross_entropy(
     chunk = 0 if chunk_size is None else chunk_size
     check_chunk_size(chunk)
     require(chunk_size is None or chunk_size > 0, lambda: f"chunk_size must be positive, got {chunk_size}")
+    z_loss, softcap = public_z_loss(z_loss), public_softcap(softcap)
+    check_return_flags(return_z_loss, return_lse)
+    loss, stats = _loss_and_stats(
+        hidden, weight, target, grad_format, float(label_smoothing), int(ignore_index), reduction,
+        process_group, chunk_size, other_operand, reduce_hidden_grad, z_loss, softcap,
+    )  # fmt: skip
+    if not (return_z_loss or return_lse):
+        return loss
+    extras = loss_extras(stats, target, reduction, ignore_index, None, z_loss, return_z_loss, return_lse)
+    return (loss, *extras)
+
+
+def _loss_and_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    grad_format: str | None,
+    label_smoothing: float,
+    ignore_index: int,
+    reduction: str,
+    process_group,
+    chunk_size: int | None,
+    other_operand: str,
+    reduce_hidden_grad: bool,
+    z_loss: float,
+    softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the reduced or per-row loss, the ``(2, N)`` row statistics) of checked arguments."""
+    chunk = 0 if chunk_size is None else chunk_size
 
     hidden_rows = hidden.reshape(math.prod(hidden.shape[:-1]), hidden.shape[-1])  # -1 fails for H = 0
     target_rows = target.reshape(-1)
@@ -114,45 +154,52 @@ def linear_cross_entropy(
     if process_group is not None:
         from .distributed import linear_vocab_parallel_cross_entropy_rows
 
-        loss_rows = linear_vocab_parallel_cross_entropy_rows(
+        loss_rows, stats = linear_vocab_parallel_cross_entropy_rows(
             hidden_rows,
             weight,
             target_rows,
-            float(label_smoothing),
-            int(ignore_index),
+            label_smoothing,
+            ignore_index,
             op_format,
             other_operand,
             chunk,
             process_group,
             reduce_hidden_grad,
+            z_loss,
+            softcap,
+            with_stats=True,
         )
-        return reduce_row_losses(loss_rows, target, reduction, ignore_index)
+        return reduce_row_losses(loss_rows, target, reduction, ignore_index), stats
     need_dhidden, need_dweight = hidden.requires_grad, weight.requires_grad
     # No rows: the mean is NaN as in torch, which the reduction kernel gives and the fused schedule does not.
     fused = reduction != "none" and target_rows.shape[0] > 0
     if torch.is_grad_enabled() and (need_dhidden or need_dweight) and fused:
-        loss, _, _ = library.linear_cross_entropy_fwd_bwd(
+        loss, _, _, stats = library.linear_cross_entropy_fwd_bwd(
             hidden_rows,
             weight,
             target_rows,
             _row_weight(target_rows, reduction, ignore_index),
-            float(label_smoothing),
-            int(ignore_index),
+            label_smoothing,
+            ignore_index,
             op_format,
             other_operand,
             chunk,
             need_dhidden,
             need_dweight,
+            z_loss,
+            softcap,
         )
-        return loss
-    loss_rows, _ = library.linear_cross_entropy_fwd(
+        return loss, stats
+    loss_rows, stats = library.linear_cross_entropy_fwd(
         hidden_rows,
         weight,
         target_rows,
-        float(label_smoothing),
-        int(ignore_index),
+        label_smoothing,
+        ignore_index,
         op_format,
         other_operand,
         chunk,
+        z_loss,
+        softcap,
     )
-    return reduce_row_losses(loss_rows, target, reduction, ignore_index)
+    return reduce_row_losses(loss_rows, target, reduction, ignore_index), stats

@@ -15,7 +15,7 @@ import torch
 from .functional import cross_entropy
 from .linear_cross_entropy import linear_cross_entropy
 from .meta.checks import require
-from .meta.cross_entropy import check_label_smoothing, check_reduction
+from .meta.cross_entropy import check_label_smoothing, check_reduction, public_softcap, public_z_loss
 
 __all__ = ["CrossEntropyLoss", "LinearCrossEntropyLoss"]
 
@@ -48,6 +48,21 @@ def _check_class_weight(weight: torch.Tensor | None, function, name: str) -> Non
         )
 
 
+def _features(z_loss, lse_square_scale, softcap, return_z_loss) -> dict:
+    """The loss-feature options, checked now: ``z_loss`` (or Liger's name ``lse_square_scale``, not both),
+    ``softcap`` (None or > 0), ``return_z_loss``; only those that are not the defaults."""
+    if lse_square_scale is not None:
+        require(z_loss == 0, lambda: "pass z_loss or lse_square_scale (Liger's name for it), not both")
+        z_loss = lse_square_scale
+    z_loss, cap = public_z_loss(z_loss), public_softcap(softcap)
+    if not isinstance(return_z_loss, bool):
+        raise TypeError(f"return_z_loss must be a bool, got {type(return_z_loss).__name__}")
+    features = {"z_loss": z_loss} if z_loss else {}
+    features.update({"softcap": softcap} if cap else {})
+    features.update({"return_z_loss": True} if return_z_loss else {})
+    return features
+
+
 class CrossEntropyLoss(torch.nn.Module):
     """``torch.nn.CrossEntropyLoss`` on :func:`lowp_ops.cross_entropy` (masked-safe, fp32 loss, gradient
     in the logits' dtype; vocabulary-parallel with ``process_group``).
@@ -57,6 +72,9 @@ class CrossEntropyLoss(torch.nn.Module):
         ignore_index, reduction, label_smoothing: as ``torch.nn.CrossEntropyLoss`` (keyword arguments:
             torch's deprecated ``size_average`` / ``reduce`` are not taken).
         process_group: vocabulary-parallel loss: each rank passes its vocabulary shard of the logits.
+        z_loss (alias ``lse_square_scale``, Liger's name), softcap, return_z_loss: the loss features of
+            :func:`lowp_ops.cross_entropy` (z-loss coefficient, final-logit soft-cap, also return the
+            z-loss apart: ``forward`` then returns ``(loss, z_loss)``).
         options: passed to :func:`lowp_ops.cross_entropy` as given (e.g. ``classes_last=True`` for
             ``(..., V)`` logits with ``(...)`` targets, the LLM layout; later loss features the same way).
 
@@ -72,10 +90,15 @@ class CrossEntropyLoss(torch.nn.Module):
         reduction: str = "mean",
         label_smoothing: float = 0.0,
         process_group=None,
+        z_loss: float = 0,
+        lse_square_scale: float | None = None,
+        softcap: float | None = None,
+        return_z_loss: bool = False,
         **options,
     ):
         super().__init__()
         _check_options(ignore_index, reduction, label_smoothing)
+        options = {**_features(z_loss, lse_square_scale, softcap, return_z_loss), **options}
         _check_class_weight(weight, cross_entropy, "weight")
         self.register_buffer("weight", weight)
         self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
@@ -112,6 +135,8 @@ class LinearCrossEntropyLoss(torch.nn.Module):
     Args:
         ce_weight: (V,) class weights (Liger's name; a buffer), or None.
         ignore_index, reduction, label_smoothing: as ``torch.nn.CrossEntropyLoss``.
+        z_loss (alias ``lse_square_scale``), softcap, return_z_loss: the loss features of
+            :func:`lowp_ops.linear_cross_entropy`.
         grad_format: None (logits gradient in the inputs' dtype), ``"mxfp8_e4m3"`` or ``"mxfp8_e5m2"``
             (written directly as MXFP8 and fed to the dgrad / wgrad GEMMs).
         process_group: vocabulary-parallel LM head: each rank passes the weight rows of its shard.
@@ -132,10 +157,15 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         label_smoothing: float = 0.0,
         grad_format: str | None = None,
         process_group=None,
+        z_loss: float = 0,
+        lse_square_scale: float | None = None,
+        softcap: float | None = None,
+        return_z_loss: bool = False,
         **options,
     ):
         super().__init__()
         _check_options(ignore_index, reduction, label_smoothing)
+        options = {**_features(z_loss, lse_square_scale, softcap, return_z_loss), **options}
         _check_class_weight(ce_weight, linear_cross_entropy, "ce_weight")
         self.register_buffer("ce_weight", ce_weight)
         self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing

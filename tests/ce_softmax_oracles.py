@@ -237,3 +237,56 @@ def masked_softmax_inputs(
         x[1] = -math.inf
         x[2, : max(n_cols - block - 1, 0)] = -math.inf  # all but the last block masked
     return x.to(dtype)
+
+
+# ------------------------------------------------------------------ z-loss and final-logit soft-capping
+
+
+def softcap64(x: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """float64 ``c · tanh(x / c)`` (Gemma's final-logit soft-capping); ``-inf`` stays ``-inf``."""
+    if softcap is None:
+        return x
+    return torch.where(x == float("-inf"), float("-inf"), softcap * torch.tanh(x / softcap))
+
+
+def features_oracle(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    grad_loss,
+    *,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 ``(loss, dlogits, z_loss value, lse)`` of ``(N, V)`` logits by float64 autograd, from the
+    definitions: logits capped, then ``-(1 - ls) w_y log p_y - (ls / V) Σ_c w_c log p_c + z lse²`` per
+    non-ignored row (0 for ignored ones), reduced as ``F.cross_entropy`` (mean over ``Σ w_y``); the
+    z-loss value is ``z lse²`` reduced the same way; ``lse`` is per row, of the capped logits."""
+    x = logits.detach().double().requires_grad_()
+    capped = softcap64(x, softcap)
+    lse = torch.logsumexp(capped, dim=1)
+    log_p = capped - lse.unsqueeze(1)
+    n_vocab = x.shape[1]
+    w = torch.ones(n_vocab, dtype=torch.float64) if weight is None else weight.double()
+    valid = target != ignore_index
+    safe_target = torch.where(valid, target, 0).long()
+    w_y = w[safe_target]
+    nll = -log_p.gather(1, safe_target.unsqueeze(1)).squeeze(1) * w_y
+    rows = (1 - label_smoothing) * nll + z_loss * lse * lse
+    if label_smoothing > 0:
+        rows = rows - label_smoothing / n_vocab * (log_p * w).sum(dim=1)
+    rows = torch.where(valid, rows, 0.0)
+    z_rows = torch.where(valid, z_loss * lse.detach() ** 2, 0.0)
+    denominator = torch.where(valid, w_y, 0.0).sum()
+    if reduction == "mean":
+        loss, z_value = rows.sum() / denominator, z_rows.sum() / denominator
+    elif reduction == "sum":
+        loss, z_value = rows.sum(), z_rows.sum()
+    else:
+        loss, z_value = rows, z_rows
+    upstream = torch.as_tensor(grad_loss, dtype=torch.float64).expand(loss.shape)
+    (grad,) = torch.autograd.grad(loss, x, grad_outputs=upstream)
+    return loss.detach(), grad, z_value, lse.detach()

@@ -213,7 +213,7 @@ def test_schedule_allocates_no_logits_sized_tensor_besides_dweight_interp():
     h, w, target = make_inputs(n_tokens, hidden, vocab, torch.bfloat16, device="cpu")
     row_weight = torch.full((), 1.0 / n_tokens).expand(n_tokens)
     with RecordAllocations((h, w, target, row_weight)) as recorder:
-        _, dhidden, dweight = lce_kernels.fwd_bwd_in_gradient_buffer(
+        _, dhidden, dweight, _ = lce_kernels.fwd_bwd_in_gradient_buffer(
             h, w, target, row_weight, 0.0, IGNORE, True
         )
     sizes = sorted(recorder.sizes, reverse=True)

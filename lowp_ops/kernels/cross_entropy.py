@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ..formats import FP8_DTYPES, FP8_MAX, FP8_MAX_RCP, round_to_fp32
+from ..meta.checks import require
 from ..meta.cross_entropy import (
     LOG_SUM,
     SHIFT,
@@ -26,10 +27,13 @@ from ..meta.cross_entropy import (
 from ..reference.cross_entropy import cross_entropy_reduce, smoothing_weight_total
 from . import cross_entropy_gluon
 from .cross_entropy_math import (
+    add_z_loss,
     program_tile_grad,
     round_to_dtype,
     row_loss,
     row_stats_and_weighted_shifted_sum,
+    row_stats_softcapped,
+    softcap_logits,
     weighted_row_loss,
 )
 from .launch import cached_launch, rows_with_unit_stride
@@ -65,13 +69,22 @@ def cross_entropy_fwd_kernel(
     weight_ptr,
     smooth_total_ptr,
     smoothing_eps,
+    z_loss,
+    softcap,
+    softcap_rcp,
     BLOCK: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
-    if HAS_WEIGHT and HAS_SMOOTHING:  # only the smoothing term needs the weights of every class
+    if HAS_SOFTCAP:
+        m, d, shifted_sum = row_stats_softcapped(
+            row_ptr, weight_ptr, n_cols, softcap, softcap_rcp, BLOCK, HAS_SMOOTHING, HAS_WEIGHT
+        )
+    elif HAS_WEIGHT and HAS_SMOOTHING:  # only the smoothing term needs the weights of every class
         m, d, shifted_sum = row_stats_and_weighted_shifted_sum(row_ptr, weight_ptr, n_cols, BLOCK, True)
     else:
         m, d, shifted_sum = row_stats_and_shifted_sum(row_ptr, n_cols, BLOCK, HAS_SMOOTHING)
@@ -82,6 +95,8 @@ def cross_entropy_fwd_kernel(
     is_valid = target != ignore_index
     in_range = (target >= 0) & (target < n_cols)
     target_logit = tl.load(row_ptr + target, mask=is_valid & in_range, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        target_logit, _ = softcap_logits(target_logit, softcap, softcap_rcp)
     if HAS_WEIGHT:
         target_class_weight = tl.load(weight_ptr + target, mask=is_valid & in_range, other=0.0)
         loss = weighted_row_loss(
@@ -100,6 +115,8 @@ def cross_entropy_fwd_kernel(
             is_valid,
             HAS_SMOOTHING,
         )
+    if HAS_Z_LOSS:
+        loss = add_z_loss(loss, shift, log_sum, z_loss, is_valid)
     tl.store(loss_ptr + row, loss)
     tl.store(shift_ptr + row, shift)
     tl.store(log_sum_ptr + row, log_sum)
@@ -125,10 +142,15 @@ def cross_entropy_bwd_kernel(
     target_weight,
     weight_ptr,
     smooth_total_ptr,
+    z_loss2,
+    softcap,
+    softcap_rcp,
     BLOCK_COLS: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     EVEN: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     _, rows_idx, cols, _, grad = program_tile_grad(
         logits_ptr,
@@ -147,10 +169,15 @@ def cross_entropy_bwd_kernel(
         target_weight,
         weight_ptr,
         smooth_total_ptr,
+        z_loss2,
+        softcap,
+        softcap_rcp,
         BLOCK_COLS,
         HAS_SMOOTHING,
         EVEN,
         HAS_WEIGHT,
+        HAS_Z_LOSS,
+        HAS_SOFTCAP,
     )
     store_tile(dlogits_ptr, rows_idx, cols, rows, n_cols, grad.to(dlogits_ptr.dtype.element_ty), EVEN)
 
@@ -181,10 +208,15 @@ def cross_entropy_bwd_mxfp8_kernel(
     col_scale_ptr,
     col_scale_rows,
     col_scale_cols,
+    z_loss2,
+    softcap,
+    softcap_rcp,
     BLOCK_COLS: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     EVEN: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     FP8_MAX: tl.constexpr,
     MAX_RCP: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
@@ -209,10 +241,15 @@ def cross_entropy_bwd_mxfp8_kernel(
         target_weight,
         weight_ptr,
         smooth_total_ptr,
+        z_loss2,
+        softcap,
+        softcap_rcp,
         BLOCK_COLS,
         HAS_SMOOTHING,
         EVEN,
         HAS_WEIGHT,
+        HAS_Z_LOSS,
+        HAS_SOFTCAP,
     )
     # Quantize exactly what the other kernel stores: the gradient rounded to the logits' dtype.
     grad = round_to_dtype(grad, logits_ptr.dtype.element_ty)
@@ -254,6 +291,18 @@ def _bwd_scalars(label_smoothing: float, vocab_total: int) -> tuple[float, float
     return round_to_fp32(label_smoothing / vocab_total), 1.0 - label_smoothing
 
 
+def feature_args(z_loss: float, softcap: float) -> dict:
+    """The loss features' kernel arguments: scalars ``z_loss2 = 2 z``, ``softcap``, ``softcap_rcp =
+    fp32(1 / c)`` and the ``HAS_Z_LOSS`` / ``HAS_SOFTCAP`` constexprs (False: the code without them)."""
+    return {
+        "z_loss2": 2.0 * z_loss,
+        "softcap": softcap,
+        "softcap_rcp": round_to_fp32(1.0 / softcap) if softcap > 0 else 0.0,
+        "HAS_Z_LOSS": z_loss > 0,
+        "HAS_SOFTCAP": softcap > 0,
+    }
+
+
 def class_weight_args(
     weight: torch.Tensor | None, eps: float, placeholder: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,12 +320,16 @@ def launch_cross_entropy_fwd(
     label_smoothing: float,
     ignore_index: int,
     weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
     *,
     block: int | None = None,
     num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``lowp::cross_entropy_fwd``; ``block`` / ``num_warps`` override the launch configuration."""
-    loss, stats = cross_entropy_fwd_outputs(logits, target, label_smoothing, ignore_index, weight)
+    loss, stats = cross_entropy_fwd_outputs(
+        logits, target, label_smoothing, ignore_index, weight, z_loss, softcap
+    )
     rows, n_cols = logits.shape
     if rows == 0:
         return loss, stats
@@ -298,12 +351,21 @@ def launch_cross_entropy_fwd(
         class_weights,
         smooth_total,
         eps,
+        z_loss,
+        **_fwd_feature_args(z_loss, softcap),
         BLOCK=block,
         HAS_SMOOTHING=label_smoothing > 0,
         HAS_WEIGHT=weight is not None,
         num_warps=num_warps,
     )
     return loss, stats
+
+
+def _fwd_feature_args(z_loss: float, softcap: float) -> dict:
+    """:func:`feature_args` without ``z_loss2``: the forward takes ``z`` itself."""
+    args = feature_args(z_loss, softcap)
+    del args["z_loss2"]
+    return args
 
 
 def _bwd_grid(rows: int, n_cols: int, block_cols: int) -> tuple[int]:
@@ -321,14 +383,17 @@ def launch_cross_entropy_bwd(
     vocab_start: int = 0,
     vocab_total: int = 0,
     weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``lowp::cross_entropy_bwd``. ``out``: where to write dlogits; may be ``logits`` itself when it is
     contiguous (each program reads its tile before writing it), which the LM-head loss uses."""
     dlogits = cross_entropy_bwd_output(
-        logits, target, stats, grad_rows, label_smoothing, ignore_index, vocab_start, vocab_total, weight, out
-    )
+        logits, target, stats, grad_rows, label_smoothing, ignore_index, vocab_start, vocab_total, weight,
+        z_loss, softcap, out,
+    )  # fmt: skip
     rows, n_cols = logits.shape
     if rows == 0 or n_cols == 0:
         return dlogits
@@ -353,6 +418,7 @@ def launch_cross_entropy_bwd(
         target_weight,
         class_weights,
         smooth_total,
+        **feature_args(z_loss, softcap),
         BLOCK_COLS=BWD_BLOCK_COLS,
         HAS_SMOOTHING=label_smoothing > 0,
         EVEN=rows % TILE_ROWS == 0 and n_cols % BWD_BLOCK_COLS == 0,
@@ -376,6 +442,8 @@ def launch_cross_entropy_bwd_mxfp8(
     vocab_start: int = 0,
     vocab_total: int = 0,
     weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
     *,
     gluon: bool | None = None,
     block_cols: int | None = None,
@@ -383,7 +451,10 @@ def launch_cross_entropy_bwd_mxfp8(
 ):
     """``lowp::cross_entropy_bwd_mxfp8``. On CUDA, with compact scales, >= 128 columns (a whole
     vocabulary or a shard of it) and a Triton with Gluon, the Gluon kernel runs (``cross_entropy_gluon``);
-    ``gluon=False`` forces the Triton one, whose launch config ``block_cols`` / ``num_warps`` override."""
+    ``gluon=False`` forces the Triton one, whose launch config ``block_cols`` / ``num_warps`` override.
+    With ``z_loss`` or ``softcap`` the Triton kernel always runs: the Gluon kernel has no loss features
+    (it cannot be run without a GPU here, and the Triton kernel gives the same bytes a few points of
+    bandwidth slower)."""
     outputs = cross_entropy_bwd_mxfp8_outputs(
         logits,
         target,
@@ -398,6 +469,8 @@ def launch_cross_entropy_bwd_mxfp8(
         vocab_start,
         vocab_total,
         weight,
+        z_loss,
+        softcap,
     )
     row_data, row_scale, col_data, col_scale = outputs
     rows, n_cols = logits.shape
@@ -415,8 +488,11 @@ def launch_cross_entropy_bwd_mxfp8(
             and scale_layout == "compact"
             and n_cols >= cross_entropy_gluon.BLOCK_COLS
             and 32 * max(n_cols, logits.stride(0)) < 2**31  # its in-tile offsets are int32
+            and z_loss == 0
+            and softcap == 0
         )
     if gluon:
+        require(z_loss == 0 and softcap == 0, lambda: "the Gluon kernel has no z_loss / softcap: gluon=False")
         kernel = cross_entropy_gluon.cross_entropy_bwd_mxfp8_gluon_kernel
         block_cols, num_warps, tile_config = cross_entropy_gluon.BLOCK_COLS, cross_entropy_gluon.NUM_WARPS, {}
     else:
@@ -425,7 +501,7 @@ def launch_cross_entropy_bwd_mxfp8(
         kernel = cross_entropy_bwd_mxfp8_kernel
         block_cols = block_cols or tile_cols(n_cols, widest=128)
         num_warps = num_warps or (2 if block_cols == 128 else 1)
-        tile_config = {"BLOCK_COLS": block_cols}
+        tile_config = {"BLOCK_COLS": block_cols, **feature_args(z_loss, softcap)}
     kernel[_bwd_grid(rows, n_cols, block_cols)](
         logits,
         logits.stride(0),

@@ -1,6 +1,9 @@
 """Element-wise ``@triton.jit`` helpers of the cross-entropy kernels: per-row losses, the class-weighted
 forward terms, the fp32 gradient of a tile (``softmax_minus_eps``, ``cross_entropy_grad`` and their
-class-weighted forms), loading the saved row statistics and rounding to the logits' dtype.
+class-weighted forms), loading the saved row statistics and rounding to the logits' dtype; and the loss
+features' helpers (``softcap_logits``, ``row_stats_softcapped``, ``add_z_loss``, ``z_loss_factor``), which
+the kernels call only under their ``HAS_SOFTCAP`` / ``HAS_Z_LOSS`` constexprs, so the code compiled
+without the features is unchanged.
 
 Shared by ``kernels.cross_entropy`` (Triton), ``kernels.cross_entropy_gluon`` (the same math in an
 explicit layout) and ``kernels.vocab_parallel``: one definition, so their bytes agree by construction
@@ -11,11 +14,85 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from .bf16_pairs import round_pairs_to_bf16
 from .launch import INTERPRETING_CONSTEXPR as INTERPRETING
 from .mxfp8 import tile_coords
 from .softmax import online_softmax_update, rebase_shifted_sum
+
+
+@triton.jit
+def tanh_fp32(y):
+    """fp32 ``tanh``: libdevice's on the GPU; in the interpreter (which has no libdevice ``tanh``)
+    ``sign(y) (1 - e) / (1 + e)`` with ``e = exp(-2|y|)`` (±1 at ±inf, NaN at NaN)."""
+    if INTERPRETING:
+        e = tl.exp(-2.0 * tl.abs(y))
+        t = (1.0 - e) / (1.0 + e)
+        result = tl.where(y < 0, -t, t)
+    else:
+        result = libdevice.tanh(y)
+    return result
+
+
+@triton.jit
+def softcap_logits(x, softcap, softcap_rcp):
+    """Final-logit soft-capping of fp32 ``x``: ``(c tanh(x · (1/c)), tanh(x · (1/c)))``; ``-inf`` stays
+    ``-inf`` (a masked class stays masked), and the cap's derivative is ``1 - tanh²`` (0 there)."""
+    t = tanh_fp32(x * softcap_rcp)
+    return tl.where(x == float("-inf"), float("-inf"), softcap * t), t
+
+
+@triton.jit
+def row_stats_softcapped(
+    row_ptr,
+    weight_ptr,
+    n_cols,
+    softcap,
+    softcap_rcp,
+    BLOCK: tl.constexpr,
+    WITH_SUM: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+):
+    """(max m, ``d = Σ exp(cap(x) - shift(m))``, ``Σ w_c (cap(x_c) - shift(m))``) in fp32 of one row's
+    capped logits (``w_c = 1`` unless ``WEIGHTED``: fp32 weights at ``weight_ptr``); the sum, rebased by
+    the weight seen so far as the shift moves, is 0 unless ``WITH_SUM``."""
+    m = float("-inf")
+    d = 0.0
+    total = 0.0
+    weight_seen = 0.0
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        in_row = cols < n_cols
+        block = tl.load(row_ptr + cols, mask=in_row, other=float("-inf")).to(tl.float32)
+        block, _ = softcap_logits(block, softcap, softcap_rcp)
+        m_old = m
+        m, d, shifted = online_softmax_update(m, d, block)
+        if WITH_SUM:
+            if WEIGHTED:  # noqa: SIM108 (a constexpr branch: the other one is never compiled)
+                w = tl.load(weight_ptr + cols, mask=in_row, other=0.0)
+            else:
+                w = in_row.to(tl.float32)
+            total = rebase_shifted_sum(total, weight_seen, m_old, m)
+            total += tl.sum(tl.where(in_row, w * shifted, 0.0), 0)
+            weight_seen += tl.sum(w, 0)
+    return m, d, total
+
+
+@triton.jit
+def add_z_loss(loss, shift, log_sum, z_loss, is_valid):
+    """``loss + z · lse · lse`` (``lse = shift + log_sum``) on valid rows; the loss (0) elsewhere."""
+    lse = shift + log_sum
+    return tl.where(is_valid, loss + z_loss * lse * lse, loss)
+
+
+@triton.jit
+def z_loss_factor(shift_ptr, log_sum_ptr, rows_idx, row_ok, z_loss2, base):
+    """``base + 2 z lse`` per row (one FMA): the z-loss's share ``2 z lse p_i`` of the gradient joins the
+    softmax term's multiplier (1, or the class-weighted ``α``). ``z_loss2`` is ``2 z``."""
+    shift = tl.load(shift_ptr + rows_idx, mask=row_ok, other=0.0)
+    lse = shift + tl.load(log_sum_ptr + rows_idx, mask=row_ok, other=0.0)
+    return tl.fma(z_loss2, lse, base)
 
 
 @triton.jit
@@ -220,22 +297,33 @@ def program_tile_grad(
     target_weight,
     weight_ptr,
     smooth_total_ptr,
+    z_loss2,
+    softcap,
+    softcap_rcp,
     BLOCK_COLS: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     EVEN: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     """This program's 32 x BLOCK_COLS tile: (row_block, rows_idx, cols, tile_col0, fp32 gradient).
 
     Rows that are ignored or hold their target column in the tile need the per-element selects of
     ``cross_entropy_grad``; a tile with none of them (most tiles of a large vocabulary) takes a branch
     without them, which computes the same values (H200, bf16 backward at 4096 x 129280: 88% -> 98% of copy).
+
+    Loss features: ``HAS_SOFTCAP`` computes on the capped logits and multiplies the gradient by the cap's
+    derivative ``1 - tanh²`` last; ``HAS_Z_LOSS`` scales the softmax term by ``1 + 2 z lse`` (``z_loss2 =
+    2 z``; with class weights ``α + 2 z lse``).
     """
     row_block, col_tile = tile_coords(n_cols, BLOCK_COLS)
     rows_idx = row_block * 32 + tl.arange(0, 32)
     tile_col0 = col_tile * BLOCK_COLS
     cols = tile_col0 + tl.arange(0, BLOCK_COLS)
-    x = load_logits_tile(logits_ptr, stride_row, rows_idx, cols, rows, n_cols, EVEN)
+    x = load_logits_tile(logits_ptr, stride_row, rows_idx, cols, rows, n_cols, EVEN).to(tl.float32)
+    if HAS_SOFTCAP:
+        x, tanh = softcap_logits(x, softcap, softcap_rcp)
     shift, log2_sum, target, row_scale, ignored = load_row_stats(
         target_ptr,
         shift_ptr,
@@ -255,7 +343,9 @@ def program_tile_grad(
             target_ptr, weight_ptr, smooth_total_ptr, rows_idx, rows, vocab_total, ignore_index, target_weight
         )
         column_weight = tl.load(weight_ptr + vocab_start + cols, mask=cols < n_cols, other=0.0)
-        p = softmax_minus_eps(x.to(tl.float32), shift[:, None], log2_sum[:, None], 0.0, False)
+        if HAS_Z_LOSS:
+            alpha = z_loss_factor(shift_ptr, log_sum_ptr, rows_idx, rows_idx < rows, z_loss2, alpha)
+        p = softmax_minus_eps(x, shift[:, None], log2_sum[:, None], 0.0, False)
         q = class_weighted_probs(p, alpha[:, None], (smoothing_eps * column_weight)[None, :], HAS_SMOOTHING)
         if tl.max(special.to(tl.int32), 0) > 0:
             grad = weighted_cross_entropy_grad(
@@ -265,13 +355,18 @@ def program_tile_grad(
         else:
             grad = q * row_scale[:, None]
     else:
-        p = softmax_minus_eps(
-            x.to(tl.float32), shift[:, None], log2_sum[:, None], smoothing_eps, HAS_SMOOTHING
-        )
+        if HAS_Z_LOSS:
+            factor = z_loss_factor(shift_ptr, log_sum_ptr, rows_idx, rows_idx < rows, z_loss2, 1.0)
+            p = softmax_minus_eps(x, shift[:, None], log2_sum[:, None], 0.0, False)
+            p = class_weighted_probs(p, factor[:, None], smoothing_eps, HAS_SMOOTHING)
+        else:
+            p = softmax_minus_eps(x, shift[:, None], log2_sum[:, None], smoothing_eps, HAS_SMOOTHING)
         if tl.max(special.to(tl.int32), 0) > 0:
             grad = cross_entropy_grad(
                 p, cols[None, :], target[:, None], row_scale[:, None], ignored[:, None], target_weight
             )
         else:
             grad = p * row_scale[:, None]
+    if HAS_SOFTCAP:
+        grad = grad * tl.fma(-tanh, tanh, 1.0)
     return row_block, rows_idx, cols, tile_col0, grad

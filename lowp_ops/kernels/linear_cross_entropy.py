@@ -112,12 +112,14 @@ def launch_linear_cross_entropy_bwd(*args):
     return backward_chunks(*args, steps=KERNEL_STEPS)
 
 
-def in_gradient_buffer_applies(hidden, grad_format, chunk_size, compute_dweight) -> bool:
+def in_gradient_buffer_applies(hidden, grad_format, chunk_size, compute_dweight, features=()) -> bool:
     """Whether :func:`fwd_bwd_in_gradient_buffer` serves a ``linear_cross_entropy_fwd_bwd`` call: bf16
-    (input-dtype) gradient, automatic chunk, ``dweight`` wanted, and ``0 < N <= H`` so that the logits fit
-    in ``dweight``'s storage."""
+    (input-dtype) gradient, automatic chunk, ``dweight`` wanted, ``0 < N <= H`` so that the logits fit
+    in ``dweight``'s storage, and no loss feature (``features``: ``z_loss, softcap``; the column kernels
+    have none, the chunk schedule serves those calls)."""
     return (
-        grad_format == "none"
+        not any(features)
+        and grad_format == "none"
         and chunk_size == 0
         and compute_dweight
         and 0 < hidden.shape[0] <= hidden.shape[1]
@@ -161,7 +163,7 @@ def fwd_bwd_in_gradient_buffer(
         end = min(start + outside, inside)
         torch.mm(logits_inside[start:end], hidden, out=dweight[start:end])
     torch.mm(logits_outside, hidden, out=dweight[inside:])
-    return (loss_rows * row_weight).sum(), dhidden, dweight
+    return (loss_rows * row_weight).sum(), dhidden, dweight, stats
 
 
 def launch_linear_cross_entropy_fwd_bwd(*args):
@@ -169,7 +171,7 @@ def launch_linear_cross_entropy_fwd_bwd(*args):
     else the chunk schedule."""
     hidden, weight, target, row_weight, label_smoothing, ignore_index, grad_format, _, chunk_size = args[:9]
     compute_dhidden, compute_dweight = args[9:11]
-    if in_gradient_buffer_applies(hidden, grad_format, chunk_size, compute_dweight):
+    if in_gradient_buffer_applies(hidden, grad_format, chunk_size, compute_dweight, args[11:]):
         return fwd_bwd_in_gradient_buffer(
             hidden, weight, target, row_weight, label_smoothing, ignore_index, compute_dhidden
         )

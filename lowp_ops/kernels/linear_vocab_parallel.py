@@ -11,7 +11,9 @@ from .linear_cross_entropy import KERNEL_STEPS
 from .vocab_parallel import launch_vocab_parallel_ce_stats
 
 
-def launch_linear_vocab_parallel_ce_stats(hidden, weight, target, vocab_start, logit_sum, chunk_size):
+def launch_linear_vocab_parallel_ce_stats(
+    hidden, weight, target, vocab_start, logit_sum, chunk_size, softcap=0.0
+):
     """``lowp::linear_vocab_parallel_ce_stats``."""
     return stats_chunks(
         hidden,
@@ -20,6 +22,7 @@ def launch_linear_vocab_parallel_ce_stats(hidden, weight, target, vocab_start, l
         vocab_start,
         logit_sum,
         chunk_size,
+        softcap,
         logits=KERNEL_STEPS.logits,
         shard_stats=launch_vocab_parallel_ce_stats,
     )

@@ -24,7 +24,14 @@ from ..meta.vocab_parallel import (
     vocab_parallel_ce_stats_output,
 )
 from .cross_entropy import fwd_config
-from .cross_entropy_math import row_loss, row_stats_and_weighted_shifted_sum, weighted_row_loss
+from .cross_entropy_math import (
+    add_z_loss,
+    row_loss,
+    row_stats_and_weighted_shifted_sum,
+    row_stats_softcapped,
+    softcap_logits,
+    weighted_row_loss,
+)
 from .launch import rows_with_unit_stride
 from .softmax import finish_log_sum, masked_safe_shift, row_stats_and_shifted_sum
 
@@ -42,9 +49,12 @@ def vocab_parallel_ce_stats_kernel(
     vocab_start,
     width_value,
     weight_ptr,
+    softcap,
+    softcap_rcp,
     BLOCK: tl.constexpr,
     LOGIT_SUM_ON: tl.constexpr,
     WEIGHTED: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     SHIFT_ROW: tl.constexpr,
     LOG_SUM_ROW: tl.constexpr,
     TARGET_ROW: tl.constexpr,
@@ -54,7 +64,11 @@ def vocab_parallel_ce_stats_kernel(
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
     # An all -inf shard gives log_sum = -inf (d = 0), which the merge's exp turns into a 0 contribution.
-    if WEIGHTED:
+    if HAS_SOFTCAP:
+        m, d, shifted_sum = row_stats_softcapped(
+            row_ptr, weight_ptr + vocab_start, n_cols, softcap, softcap_rcp, BLOCK, LOGIT_SUM_ON, WEIGHTED
+        )
+    elif WEIGHTED:
         shard_weight_ptr = weight_ptr + vocab_start
         m, d, shifted_sum = row_stats_and_weighted_shifted_sum(
             row_ptr, shard_weight_ptr, n_cols, BLOCK, LOGIT_SUM_ON
@@ -65,6 +79,8 @@ def vocab_parallel_ce_stats_kernel(
     local_target = tl.load(target_ptr + row).to(tl.int64) - vocab_start
     in_shard = (local_target >= 0) & (local_target < n_cols)
     target_logit = tl.load(row_ptr + local_target, mask=in_shard, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:  # 0 (not this shard's target) stays 0
+        target_logit, _ = softcap_logits(target_logit, softcap, softcap_rcp)
     tl.store(stats_ptr + SHIFT_ROW * rows + row, masked_safe_shift(m))
     tl.store(stats_ptr + LOG_SUM_ROW * rows + row, finish_log_sum(d))
     tl.store(stats_ptr + TARGET_ROW * rows + row, target_logit)
@@ -90,10 +106,12 @@ def vocab_parallel_ce_merge_kernel(
     shard_weight_ptr,
     smooth_total_ptr,
     smoothing_eps,
+    z_loss,
     BLOCK_ROWS: tl.constexpr,
     N_STATS: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
     SHIFT_ROW: tl.constexpr,
     LOG_SUM_ROW: tl.constexpr,
     TARGET_ROW: tl.constexpr,
@@ -146,6 +164,8 @@ def vocab_parallel_ce_merge_kernel(
             shift, log_sum, target_logit, shifted_sum, vocab_total_value, label_smoothing, in_range,
             is_valid, HAS_SMOOTHING,
         )  # fmt: skip
+    if HAS_Z_LOSS:
+        loss = add_z_loss(loss, shift, log_sum, z_loss, is_valid)
     widths_ok = bad_widths == 0
     tl.store(loss_ptr + rows_idx, tl.where(widths_ok, loss, float("nan")), mask=row_ok)
     tl.store(shift_ptr + rows_idx, tl.where(widths_ok, shift, float("nan")), mask=row_ok)
@@ -158,8 +178,9 @@ def launch_vocab_parallel_ce_stats(
     vocab_start: int,
     logit_sum: bool,
     weight: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    stats = vocab_parallel_ce_stats_output(logits, target, vocab_start, logit_sum, weight)
+    stats = vocab_parallel_ce_stats_output(logits, target, vocab_start, logit_sum, weight, softcap)
     rows, n_cols = logits.shape
     if rows == 0:
         return stats
@@ -175,9 +196,12 @@ def launch_vocab_parallel_ce_stats(
         vocab_start,
         float(n_cols),
         stats if weight is None else weight.float().contiguous(),
+        softcap,
+        round_to_fp32(1.0 / softcap) if softcap > 0 else 0.0,
         BLOCK=block,
         LOGIT_SUM_ON=logit_sum,
         WEIGHTED=weight is not None,
+        HAS_SOFTCAP=softcap > 0,
         SHIFT_ROW=SHARD_SHIFT,
         LOG_SUM_ROW=SHARD_LOG_SUM,
         TARGET_ROW=TARGET_LOGIT,
@@ -204,9 +228,10 @@ def launch_vocab_parallel_ce_merge(
     label_smoothing: float,
     ignore_index: int,
     weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     loss, stats = vocab_parallel_ce_merge_outputs(
-        gathered, target, shard_width, label_smoothing, ignore_index, weight
+        gathered, target, shard_width, label_smoothing, ignore_index, weight, z_loss
     )
     rows = gathered.shape[1]
     if rows == 0:
@@ -230,10 +255,12 @@ def launch_vocab_parallel_ce_merge(
         label_smoothing,
         *merge_weight_args(weight, n_ranks, shard_width, eps, loss),
         eps,
+        z_loss,
         BLOCK_ROWS=MERGE_BLOCK_ROWS,
         N_STATS=len(SHARD_STATS),
         HAS_SMOOTHING=label_smoothing > 0,
         HAS_WEIGHT=weight is not None,
+        HAS_Z_LOSS=z_loss > 0,
         SHIFT_ROW=SHARD_SHIFT,
         LOG_SUM_ROW=SHARD_LOG_SUM,
         TARGET_ROW=TARGET_LOGIT,

@@ -43,6 +43,51 @@ def check_label_smoothing(label_smoothing: float) -> None:
     )
 
 
+def check_z_loss(z_loss: float) -> None:
+    """The z-loss coefficient: a finite float >= 0 (0 = off)."""
+    require(
+        z_loss >= 0.0 and z_loss != float("inf"), lambda: f"z_loss must be a finite float >= 0, got {z_loss}"
+    )
+
+
+def check_softcap(softcap: float) -> None:
+    """The ops' final-logit soft-cap: a finite float >= 0, where 0 means no cap (the public functions
+    take None for that and require a cap > 0)."""
+    require(
+        softcap >= 0.0 and softcap != float("inf"),
+        lambda: f"softcap must be a finite float > 0 (0.0 = no cap in the ops), got {softcap}",
+    )
+
+
+def check_loss_features(z_loss: float, softcap: float) -> None:
+    """Both feature scalars of the cross-entropy ops (:func:`check_z_loss`, :func:`check_softcap`)."""
+    check_z_loss(z_loss)
+    check_softcap(softcap)
+
+
+def public_z_loss(z_loss) -> float:
+    """A public ``z_loss=`` argument as the ops' float: a real number >= 0, else a TypeError /
+    ValueError naming ``z_loss``."""
+    if not isinstance(z_loss, (int, float)) or isinstance(z_loss, bool):
+        raise TypeError(f"z_loss must be a float, got {type(z_loss).__name__} {z_loss!r}")
+    check_z_loss(float(z_loss))
+    # The literal for the default: Dynamo would otherwise trace 0.0 as a symbolic float and restart.
+    return 0.0 if z_loss == 0 else float(z_loss)
+
+
+def public_softcap(softcap) -> float:
+    """A public ``softcap=`` argument (None or a float > 0) as the ops' float (0.0 = no cap)."""
+    if softcap is None:
+        return 0.0
+    if not isinstance(softcap, (int, float)) or isinstance(softcap, bool):
+        raise TypeError(f"softcap must be None or a float, got {type(softcap).__name__} {softcap!r}")
+    require(
+        softcap > 0 and softcap != float("inf"),
+        lambda: f"softcap must be None or a finite float > 0, got {softcap}",
+    )
+    return float(softcap)
+
+
 def check_reduction(reduction: str) -> None:
     require(
         reduction in REDUCTIONS, lambda: f"reduction must be one of {list(REDUCTIONS)}, got {reduction!r}"
@@ -81,10 +126,13 @@ def cross_entropy_fwd_outputs(
     label_smoothing: float,
     ignore_index: int,
     weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss (N,) fp32, row_stats (2, N) fp32)``; ``weight``: optional class weights (V,)."""
     _check_rows(logits, target)
     check_label_smoothing(label_smoothing)
+    check_loss_features(z_loss, softcap)
     check_class_weight(weight, logits.shape[1], logits)
     rows = logits.shape[0]
     return row_loss_and_stats_outputs(logits, rows)
@@ -122,8 +170,11 @@ def check_vocab_shard(n_cols: int, vocab_start: int, vocab_total: int) -> None:
     require(vocab_total != 0 or vocab_start == 0, lambda: "vocab_start must be 0 when vocab_total is 0")
 
 
-def _check_bwd_inputs(logits, target, stats, grad_rows, vocab_start=0, vocab_total=0, weight=None) -> None:
+def _check_bwd_inputs(
+    logits, target, stats, grad_rows, vocab_start=0, vocab_total=0, weight=None, z_loss=0.0, softcap=0.0
+) -> None:
     _check_rows(logits, target)
+    check_loss_features(z_loss, softcap)
     check_vocab_shard(logits.shape[1], vocab_start, vocab_total)
     check_class_weight(weight, vocab_total or logits.shape[1], logits)
     rows = logits.shape[0]
@@ -146,12 +197,14 @@ def cross_entropy_bwd_output(
     vocab_start: int = 0,
     vocab_total: int = 0,
     weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """dlogits: ``(N, V)`` contiguous, logits' dtype; ``weight``: optional class weights of the whole
     vocabulary (``vocab_total``,); ``out`` (launchers only), when given, is checked and returned instead
     of a new tensor. It may be ``logits`` itself when that is contiguous."""
-    _check_bwd_inputs(logits, target, stats, grad_rows, vocab_start, vocab_total, weight)
+    _check_bwd_inputs(logits, target, stats, grad_rows, vocab_start, vocab_total, weight, z_loss, softcap)
     if out is None:
         return logits.new_empty(logits.shape)
     require(
@@ -179,9 +232,11 @@ def cross_entropy_bwd_mxfp8_outputs(
     vocab_start: int = 0,
     vocab_total: int = 0,
     weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The MXFP8 payload of dlogits, as :func:`lowp_ops.meta.mxfp8.mxfp8_quantize_outputs` of logits."""
-    _check_bwd_inputs(logits, target, stats, grad_rows, vocab_start, vocab_total, weight)
+    _check_bwd_inputs(logits, target, stats, grad_rows, vocab_start, vocab_total, weight, z_loss, softcap)
     return mxfp8_quantize_outputs(logits, fp8_dtype, rowwise, columnwise, scale_layout)
 
 

@@ -29,7 +29,13 @@ import torch
 
 from ..formats import HIGH_PRECISION_DTYPES
 from .checks import require
-from .cross_entropy import TARGET_DTYPES, check_label_smoothing, check_row_stats, row_loss_and_stats_outputs
+from .cross_entropy import (
+    TARGET_DTYPES,
+    check_label_smoothing,
+    check_loss_features,
+    check_row_stats,
+    row_loss_and_stats_outputs,
+)
 from .mxfp8_gemm import check_other_operand
 
 GRAD_FORMATS = ("none", "mxfp8_e4m3", "mxfp8_e5m2")
@@ -132,10 +138,13 @@ def linear_cross_entropy_fwd_outputs(
     grad_format: str,
     other_operand: str,
     chunk_size: int,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss (N,) fp32, row_stats (2, N) fp32)`` (:mod:`lowp_ops.meta.cross_entropy`); ``grad_format``
-    and ``other_operand`` are for the backward."""
+    and ``other_operand`` are for the backward; ``z_loss``, ``softcap`` the loss features (0.0 = off)."""
     _check_rows(hidden, weight, target, label_smoothing, chunk_size)
+    check_loss_features(z_loss, softcap)
     check_grad_format(grad_format)
     check_other_operand(other_operand)
     return row_loss_and_stats_outputs(hidden, hidden.shape[0])
@@ -154,9 +163,12 @@ def linear_cross_entropy_bwd_outputs(
     chunk_size: int,
     compute_dhidden: bool,
     compute_dweight: bool,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dhidden, dweight)`` as :func:`_grad_outputs`."""
     _check_rows(hidden, weight, target, label_smoothing, chunk_size)
+    check_loss_features(z_loss, softcap)
     _check_grad_args(hidden, grad_format, other_operand, "grad_rows", grad_rows)
     check_row_stats(stats, hidden.shape[0])
     return _grad_outputs(hidden, weight, compute_dhidden, compute_dweight)
@@ -174,12 +186,16 @@ def linear_cross_entropy_fwd_bwd_outputs(
     chunk_size: int,
     compute_dhidden: bool,
     compute_dweight: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(loss () fp32, dhidden, dweight)``."""
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss () fp32, dhidden, dweight, row_stats (2, N) fp32)``: the row statistics as the forward's
+    (for the lse and the z-loss of logging)."""
     _check_rows(hidden, weight, target, label_smoothing, chunk_size)
+    check_loss_features(z_loss, softcap)
     _check_grad_args(hidden, grad_format, other_operand, "row_weight", row_weight)
-    loss = hidden.new_empty((), dtype=torch.float32)
-    return (loss, *_grad_outputs(hidden, weight, compute_dhidden, compute_dweight))
+    loss, stats = row_loss_and_stats_outputs(hidden, hidden.shape[0])
+    return (loss.new_empty(()), *_grad_outputs(hidden, weight, compute_dhidden, compute_dweight), stats)
 
 
 def check_scale_by_args(x: torch.Tensor, scale: torch.Tensor) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .checks import require
-from .cross_entropy import check_vocab_shard
+from .cross_entropy import check_softcap, check_vocab_shard
 from .linear_cross_entropy import (
     check_chunk_size,
     check_hidden_weight_target,
@@ -26,8 +26,11 @@ def linear_vocab_parallel_ce_stats_output(
     vocab_start: int,
     logit_sum: bool,
     chunk_size: int,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """The packet ``(SHARD_STATS, N)`` fp32 of the logits ``hidden @ weight^T`` (ids ``vocab_start + i``)."""
+    """The packet ``(SHARD_STATS, N)`` fp32 of the logits ``hidden @ weight^T`` (ids ``vocab_start + i``),
+    capped by ``softcap`` (0.0 = no cap)."""
+    check_softcap(softcap)
     require(hidden.dim() == 2, lambda: f"hidden must be 2-D (N, H) here, got {hidden.dim()}-D")
     check_hidden_weight_target(hidden, weight, target)
     check_chunk_size(chunk_size)
@@ -60,6 +63,8 @@ def linear_vocab_parallel_ce_bwd_outputs(
     compute_dweight: bool,
     vocab_start: int,
     vocab_total: int,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dhidden (N, H), dweight (V_shard, H))`` in the inputs' dtype (an empty ``(0,)`` when not
     computed); ``dhidden`` is this shard's partial sum, ``stats`` the global row statistics (2, N)."""
@@ -77,4 +82,6 @@ def linear_vocab_parallel_ce_bwd_outputs(
         chunk_size,
         compute_dhidden,
         compute_dweight,
+        z_loss,
+        softcap,
     )

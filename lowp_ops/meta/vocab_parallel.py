@@ -14,6 +14,8 @@ from .cross_entropy import (
     check_class_weight,
     check_label_smoothing,
     check_logits_target,
+    check_softcap,
+    check_z_loss,
     row_loss_and_stats_outputs,
 )
 
@@ -47,10 +49,12 @@ def vocab_parallel_ce_stats_output(
     vocab_start: int,
     logit_sum: bool,
     weight: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """The packet ``(SHARD_STATS, N)`` fp32 of ``(N, V)`` logits holding ids ``[vocab_start, +V)``;
-    ``weight``: optional class weights of the whole vocabulary."""
+    ``weight``: optional class weights of the whole vocabulary; ``softcap``: the cap (0.0 = none)."""
     require(logits.dim() == 2, lambda: f"logits must be 2-D (N, V) here, got {logits.dim()}-D")
+    check_softcap(softcap)
     check_logits_target(logits, target)
     require(vocab_start >= 0, lambda: f"vocab_start must be >= 0, got {vocab_start}")
     check_vocab_weight(weight, vocab_start + logits.shape[1], logits)
@@ -68,9 +72,11 @@ def vocab_parallel_ce_merge_outputs(
     label_smoothing: float,
     ignore_index: int,
     weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss (N,) fp32, global row_stats (2, N) fp32)`` from the gathered packets ``(W * SHARD_STATS, N)``
-    fp32; ``weight``: optional class weights ``(W * shard_width,)``."""
+    fp32; ``weight``: optional class weights ``(W * shard_width,)``; ``z_loss``: the z-loss coefficient."""
+    check_z_loss(z_loss)
     n_stats = len(SHARD_STATS)
     require(
         gathered.dtype == torch.float32 and gathered.dim() == 2 and gathered.shape[0] % n_stats == 0,

@@ -28,6 +28,17 @@ with ``W = Σ_c w_c`` and ``s_w = fp32(eps * W)``, per non-ignored row
   PyTorch's ``0 * -inf``);
 - gradient ``g = (p_i α - eps w_i - (1 - ls) w_y [i == y]) * grad_row`` with ``α = (1 - ls) w_y + s_w``;
 - the mean divides by ``Σ w_y`` over the non-ignored rows (:func:`cross_entropy_reduce`).
+
+Loss features (0.0 = off; docs/cross_entropy.md#z-loss-and-soft-capping):
+
+- ``softcap = c > 0``: every logit is first replaced by ``cap(x) = c tanh(x · fp32(1/c))`` (Gemma 2/3's
+  final-logit soft-capping), except that ``-inf`` stays ``-inf`` (a masked class stays masked; ``+inf``
+  becomes ``c``, NaN stays NaN). The row statistics, the target logit and ``p`` are those of the capped
+  logits, and the gradient is the capped logits' gradient times ``cap'(x) = 1 - tanh²`` (0 at ``-inf``).
+- ``z_loss = z > 0``: each non-ignored row's loss gains ``z · lse²`` with ``lse = shift + log_sum`` (the
+  log-sum-exp of the, possibly capped, logits; PaLM's z-loss), not multiplied by a class weight; its
+  gradient ``2 z lse p_i`` joins the softmax term: ``p_i`` becomes ``p_i (1 + 2 z lse)`` (with class
+  weights ``α`` becomes ``α + 2 z lse``).
 """
 
 from __future__ import annotations
@@ -45,6 +56,24 @@ from ..meta.cross_entropy import (
 from ..meta.mxfp8 import check_quantize_args
 from .mxfp8 import mxfp8_quantize
 from .softmax import finish_log_sum, row_stats
+
+
+def softcap_logits(x: torch.Tensor, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``(cap(x), tanh(x · fp32(1/c)))`` of fp32 ``x`` (module docstring): ``-inf`` stays ``-inf``;
+    ``1 - tanh²`` is the cap's derivative."""
+    t = torch.tanh(x * round_to_fp32(1.0 / softcap))
+    return torch.where(x == float("-inf"), float("-inf"), softcap * t), t
+
+
+def row_lse(stats: torch.Tensor) -> torch.Tensor:
+    """fp32 ``(N,)`` log-sum-exp ``shift + log_sum`` of ``(2, N)`` row statistics (rounded once)."""
+    return stats[SHIFT] + stats[LOG_SUM]
+
+
+def z_loss_rows(shift: torch.Tensor, log_sum: torch.Tensor, z_loss: float) -> torch.Tensor:
+    """fp32 ``z · lse · lse`` per row (``(z lse) lse``: the kernels' order), ``lse = shift + log_sum``."""
+    lse = shift + log_sum
+    return z_loss * lse * lse
 
 
 def _target_logit(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -109,10 +138,18 @@ def cross_entropy_fwd(
     label_smoothing: float,
     ignore_index: int,
     weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (per-row loss (N,) fp32, row_stats (2, N) fp32); ``weight``: optional class weights (V,)."""
-    loss, stats = cross_entropy_fwd_outputs(logits, target, label_smoothing, ignore_index, weight)
+    """-> (per-row loss (N,) fp32, row_stats (2, N) fp32); ``weight``: optional class weights (V,);
+    ``z_loss``, ``softcap``: the loss features of the module docstring (0.0 = off). The row statistics
+    are those of the capped logits."""
+    loss, stats = cross_entropy_fwd_outputs(
+        logits, target, label_smoothing, ignore_index, weight, z_loss, softcap
+    )
     x = logits.float()
+    if softcap > 0:
+        x = softcap_logits(x, softcap)[0]
     shift, log_sum, shifted = row_stats(x)
     log_sum = finish_log_sum(log_sum)
     target_logit = _target_logit(x, target)
@@ -132,6 +169,8 @@ def cross_entropy_fwd(
             eps,
             label_smoothing,
         )
+    if z_loss > 0:
+        loss_rows = loss_rows + z_loss_rows(shift, log_sum, z_loss)
     loss.copy_(torch.where(target != ignore_index, loss_rows, 0.0))
     stats[SHIFT] = shift
     stats[LOG_SUM] = log_sum
@@ -154,24 +193,35 @@ def cross_entropy_grad_fp32(
     vocab_start: int = 0,
     vocab_total: int = 0,
     weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """The fp32 gradient before rounding to the logits' dtype."""
     x = logits.float()
+    if softcap > 0:
+        x, tanh = softcap_logits(x, softcap)
+    # d(z lse^2)/dx_i = 2 z lse p_i: a per-row factor of the softmax term.
+    z_term = (2.0 * z_loss) * row_lse(stats).unsqueeze(1) if z_loss > 0 else None
     n_cols = x.shape[1]
     vocab_total = vocab_total or n_cols
     eps = round_to_fp32(label_smoothing / vocab_total)
     # A target in another rank's shard matches no column of this one.
     is_target = torch.arange(n_cols, device=x.device).unsqueeze(0) == (target - vocab_start).unsqueeze(1)
     if weight is None:
-        grad = probabilities(x, stats) - eps
+        p = probabilities(x, stats)
+        grad = (p if z_term is None else p * (1.0 + z_term)) - eps
         grad = torch.where(is_target, grad - (1.0 - label_smoothing), grad)
     else:
         target_weight = target_class_weight(weight, target).unsqueeze(1)
         alpha = (1.0 - label_smoothing) * target_weight + smoothing_weight_total(weight, eps)
+        if z_term is not None:
+            alpha = alpha + z_term
         column_eps = eps * weight.float()[vocab_start : vocab_start + n_cols]
         grad = probabilities(x, stats) * alpha - column_eps
         grad = torch.where(is_target, grad - (1.0 - label_smoothing) * target_weight, grad)
     grad = grad * grad_rows.unsqueeze(1)
+    if softcap > 0:
+        grad = grad * (1.0 - tanh * tanh)
     in_range = ((target >= 0) & (target < vocab_total)).unsqueeze(1)
     grad = torch.where(in_range, grad, float("nan"))
     return torch.where((target != ignore_index).unsqueeze(1), grad, 0.0)
@@ -187,10 +237,16 @@ def cross_entropy_bwd(
     vocab_start: int = 0,
     vocab_total: int = 0,
     weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """-> dlogits (N, V) in the logits' dtype; ``stats`` (2, N) fp32 the forward's row statistics,
-    ``grad_rows`` (N,) fp32 dloss per row, ``weight`` optional class weights (vocab_total,)."""
-    args = (logits, target, stats, grad_rows, label_smoothing, ignore_index, vocab_start, vocab_total, weight)
+    ``grad_rows`` (N,) fp32 dloss per row, ``weight`` optional class weights (vocab_total,); ``z_loss``,
+    ``softcap`` the forward's."""
+    args = (
+        logits, target, stats, grad_rows, label_smoothing, ignore_index, vocab_start, vocab_total, weight,
+        z_loss, softcap,
+    )  # fmt: skip
     dlogits = cross_entropy_bwd_output(*args)
     dlogits.copy_(cross_entropy_grad_fp32(*args))
     return dlogits
@@ -210,13 +266,16 @@ def cross_entropy_bwd_mxfp8(
     vocab_start: int = 0,
     vocab_total: int = 0,
     weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> the MXFP8 payload of :func:`cross_entropy_bwd` (by definition: quantize its output)."""
     # Reject bad MXFP8 arguments before computing the gradient (the bf16 backward checks the rest).
     check_quantize_args(logits, fp8_dtype, rowwise, columnwise, scale_layout)
     dlogits = cross_entropy_bwd(
-        logits, target, stats, grad_rows, label_smoothing, ignore_index, vocab_start, vocab_total, weight
-    )
+        logits, target, stats, grad_rows, label_smoothing, ignore_index, vocab_start, vocab_total, weight,
+        z_loss, softcap,
+    )  # fmt: skip
     return mxfp8_quantize(dlogits, fp8_dtype, rowwise, columnwise, scale_layout)
 
 

@@ -12,7 +12,8 @@ Per chunk of rows ``c``:
   chunk's tokens, the K dim) for MXFP8; fp32 inside a chunk, one rounding per chunk.
 
 ``other_operand="mxfp8"`` also quantizes the GEMMs' other operand with its blocks along K (E4M3, TE's
-recipe): ``weight`` column-wise once, each ``hidden_c`` column-wise. The schedule (:func:`forward_chunks`,
+recipe): ``weight`` column-wise once, each ``hidden_c`` column-wise. The loss features ``z_loss`` and
+``softcap`` (0.0 = off) go to every chunk's cross entropy unchanged. The schedule (:func:`forward_chunks`,
 :func:`gradient_chunks`) is shared with the CUDA implementation, which passes its own :class:`Steps`.
 """
 
@@ -98,6 +99,9 @@ class GradientWriter:
     grad_format: str
     other_operand: str
     steps: Steps
+    z_loss: float = 0.0
+    softcap: float = 0.0
+    vocab: tuple[int, int] = (0, 0)  # (vocab_start, vocab_total) of a vocabulary shard; (0, 0): all
     dweight_written: bool = False
     weight_mxfp8: tuple[torch.Tensor, torch.Tensor] | None = None
     on_dlogits: Callable | None = None  # test hook: called with each chunk's dlogits (tensor or payload)
@@ -112,15 +116,16 @@ class GradientWriter:
 
     def write(self, start: int, end: int, hidden_c, logits_c, target_c, stats_c, grad_rows_c) -> None:
         args = (logits_c, target_c, stats_c, grad_rows_c, self.label_smoothing, self.ignore_index)
+        features = (*self.vocab, None, self.z_loss, self.softcap)  # no class weights here
         if self.grad_format == "none":
-            dlogits = self.steps.ce_bwd(*args)
+            dlogits = self.steps.ce_bwd(*args, *features)
             if self.on_dlogits is not None:
                 self.on_dlogits(start, end, dlogits)
             self._bf16_gemms(start, end, hidden_c, dlogits)
         else:
             fp8_dtype = fp8_dtype_of(self.grad_format)
             payload = self.steps.ce_bwd_mxfp8(
-                *args, fp8_dtype, self.compute_dhidden, self.compute_dweight, "compact"
+                *args, fp8_dtype, self.compute_dhidden, self.compute_dweight, "compact", *features
             )
             if self.on_dlogits is not None:
                 self.on_dlogits(start, end, payload)
@@ -181,15 +186,29 @@ class GradientWriter:
 
 
 def forward_chunks(
-    hidden, weight, target, label_smoothing, ignore_index, grad_format, other_operand, chunk_size, *, steps
+    hidden,
+    weight,
+    target,
+    label_smoothing,
+    ignore_index,
+    grad_format,
+    other_operand,
+    chunk_size,
+    z_loss=0.0,
+    softcap=0.0,
+    *,
+    steps,
 ):
     """``lowp::linear_cross_entropy_fwd`` with the given steps: ``(loss (N,), row_stats (2, N))`` fp32."""
     loss, stats = linear_cross_entropy_fwd_outputs(
-        hidden, weight, target, label_smoothing, ignore_index, grad_format, other_operand, chunk_size
-    )
+        hidden, weight, target, label_smoothing, ignore_index, grad_format, other_operand, chunk_size,
+        z_loss, softcap,
+    )  # fmt: skip
     for start, end in chunk_bounds(hidden.shape[0], weight.shape[0], chunk_size):
         logits_c = steps.logits(hidden[start:end], weight)
-        loss_c, stats_c = steps.ce_fwd(logits_c, target[start:end], label_smoothing, ignore_index)
+        loss_c, stats_c = steps.ce_fwd(
+            logits_c, target[start:end], label_smoothing, ignore_index, None, z_loss, softcap
+        )
         loss[start:end] = loss_c
         stats[:, start:end] = stats_c
         del logits_c
@@ -197,18 +216,21 @@ def forward_chunks(
 
 
 def gradient_chunks(
-    hidden, weight, target, stats, per_row, writer: GradientWriter, chunk_size, loss_rows=None
+    hidden, weight, target, stats, per_row, writer: GradientWriter, chunk_size, loss_rows=None, stats_out=None
 ) -> None:
     """The gradient of ``Σ per_row[r] · loss[r]`` into ``writer``. With ``stats`` None (fused forward),
-    the forward runs on the same logits chunk, fills ``loss_rows`` and supplies the row statistics."""
+    the forward runs on the same logits chunk, fills ``loss_rows`` and ``stats_out`` and supplies the
+    row statistics."""
     for start, end in chunk_bounds(hidden.shape[0], weight.shape[0], chunk_size):
         hidden_c, target_c = hidden[start:end], target[start:end]
         logits_c = writer.steps.logits(hidden_c, weight)
         if stats is None:
             loss_c, stats_c = writer.steps.ce_fwd(
-                logits_c, target_c, writer.label_smoothing, writer.ignore_index
-            )
+                logits_c, target_c, writer.label_smoothing, writer.ignore_index, None, writer.z_loss,
+                writer.softcap,
+            )  # fmt: skip
             loss_rows[start:end] = loss_c
+            stats_out[:, start:end] = stats_c
         else:
             stats_c = stats[:, start:end]
         writer.write(start, end, hidden_c, logits_c, target_c, stats_c, per_row[start:end])
@@ -229,10 +251,15 @@ def backward_chunks(
     chunk_size,
     compute_dhidden,
     compute_dweight,
+    z_loss=0.0,
+    softcap=0.0,
+    *,
     steps: Steps,
     on_dlogits=None,
+    vocab: tuple[int, int] = (0, 0),
 ):
-    """``lowp::linear_cross_entropy_bwd`` with the given steps: logits recomputed per chunk."""
+    """``lowp::linear_cross_entropy_bwd`` with the given steps: logits recomputed per chunk; ``vocab``:
+    ``(vocab_start, vocab_total)`` when ``weight`` holds one vocabulary shard."""
     dhidden, dweight = linear_cross_entropy_bwd_outputs(
         hidden,
         weight,
@@ -246,6 +273,8 @@ def backward_chunks(
         chunk_size,
         compute_dhidden,
         compute_dweight,
+        z_loss,
+        softcap,
     )
     writer = GradientWriter(
         weight,
@@ -256,6 +285,9 @@ def backward_chunks(
         grad_format,
         other_operand,
         steps,
+        z_loss,
+        softcap,
+        vocab,
         on_dlogits=on_dlogits,
     )
     gradient_chunks(hidden, weight, target, stats, grad_rows, writer, chunk_size)
@@ -274,12 +306,16 @@ def fwd_bwd_chunks(
     chunk_size,
     compute_dhidden,
     compute_dweight,
+    z_loss=0.0,
+    softcap=0.0,
+    *,
     steps: Steps,
     on_dlogits=None,
 ):
-    """``lowp::linear_cross_entropy_fwd_bwd`` with the given steps: ``loss = Σ row_weight · loss_rows``
-    and its gradients, from one logits chunk each (three GEMMs per chunk, none recomputed)."""
-    loss, dhidden, dweight = linear_cross_entropy_fwd_bwd_outputs(
+    """``lowp::linear_cross_entropy_fwd_bwd`` with the given steps: ``loss = Σ row_weight · loss_rows``,
+    its gradients and the row statistics, from one logits chunk each (three GEMMs per chunk, none
+    recomputed)."""
+    loss, dhidden, dweight, stats = linear_cross_entropy_fwd_bwd_outputs(
         hidden,
         weight,
         target,
@@ -291,6 +327,8 @@ def fwd_bwd_chunks(
         chunk_size,
         compute_dhidden,
         compute_dweight,
+        z_loss,
+        softcap,
     )
     writer = GradientWriter(
         weight,
@@ -301,12 +339,14 @@ def fwd_bwd_chunks(
         grad_format,
         other_operand,
         steps,
+        z_loss,
+        softcap,
         on_dlogits=on_dlogits,
     )
     loss_rows = row_weight.new_empty(row_weight.shape)
-    gradient_chunks(hidden, weight, target, None, row_weight, writer, chunk_size, loss_rows)
+    gradient_chunks(hidden, weight, target, None, row_weight, writer, chunk_size, loss_rows, stats)
     loss.copy_((loss_rows * row_weight).sum())
-    return loss, dhidden, dweight
+    return loss, dhidden, dweight, stats
 
 
 def linear_cross_entropy_fwd(*args):

@@ -18,7 +18,6 @@ Rank ``r`` holds the weight rows of the vocabulary ids ``[vocab_start, vocab_sta
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -30,45 +29,34 @@ from .vocab_parallel import vocab_parallel_ce_stats as shard_stats_ref
 
 
 def stats_chunks(
-    hidden, weight, target, vocab_start, logit_sum, chunk_size, *, logits: Callable, shard_stats
+    hidden, weight, target, vocab_start, logit_sum, chunk_size, softcap=0.0, *, logits: Callable, shard_stats
 ):
     """``lowp::linear_vocab_parallel_ce_stats`` with the given ``logits`` and ``shard_stats`` steps."""
-    stats = linear_vocab_parallel_ce_stats_output(hidden, weight, target, vocab_start, logit_sum, chunk_size)
+    stats = linear_vocab_parallel_ce_stats_output(
+        hidden, weight, target, vocab_start, logit_sum, chunk_size, softcap
+    )
     for start, end in chunk_bounds(hidden.shape[0], weight.shape[0], chunk_size):
         logits_c = logits(hidden[start:end], weight)
-        stats[:, start:end] = shard_stats(logits_c, target[start:end], vocab_start, logit_sum)
+        stats[:, start:end] = shard_stats(logits_c, target[start:end], vocab_start, logit_sum, None, softcap)
     return stats
 
 
-def _with_shard(step: Callable, vocab_start: int, vocab_total: int) -> Callable:
-    """``step`` with ``vocab_start, vocab_total`` appended to its positional arguments."""
-
-    def sharded(*args):
-        return step(*args, vocab_start, vocab_total)
-
-    return sharded
-
-
-def shard_steps(steps: Steps, vocab_start: int, vocab_total: int) -> Steps:
-    """``steps`` whose cross-entropy backward steps treat the logits as the given vocabulary shard."""
-    return dataclasses.replace(
-        steps,
-        ce_bwd=_with_shard(steps.ce_bwd, vocab_start, vocab_total),
-        ce_bwd_mxfp8=_with_shard(steps.ce_bwd_mxfp8, vocab_start, vocab_total),
-    )
+SINGLE_RANK_BWD_ARGS = 12
+"""``lowp::linear_cross_entropy_bwd``'s arguments before its loss features."""
 
 
 def bwd_chunks(*args, steps: Steps, on_dlogits=None):
-    """``lowp::linear_vocab_parallel_ce_bwd``: ``lowp::linear_cross_entropy_bwd``'s arguments followed by
-    ``vocab_start, vocab_total``."""
-    *single_rank_args, vocab_start, vocab_total = args
+    """``lowp::linear_vocab_parallel_ce_bwd``: the first 12 arguments of ``lowp::linear_cross_entropy_bwd``,
+    then ``vocab_start, vocab_total`` and the loss features ``z_loss, softcap`` (optional)."""
+    single_rank_args = args[:SINGLE_RANK_BWD_ARGS]
+    vocab_start, vocab_total, *features = args[SINGLE_RANK_BWD_ARGS:]
     check_weight_shard(single_rank_args[1], vocab_start, vocab_total)
     return backward_chunks(
-        *single_rank_args, steps=shard_steps(steps, vocab_start, vocab_total), on_dlogits=on_dlogits
+        *single_rank_args, *features, steps=steps, on_dlogits=on_dlogits, vocab=(vocab_start, vocab_total)
     )
 
 
-def linear_vocab_parallel_ce_stats(hidden, weight, target, vocab_start, logit_sum, chunk_size):
+def linear_vocab_parallel_ce_stats(hidden, weight, target, vocab_start, logit_sum, chunk_size, softcap=0.0):
     """Reference of ``lowp::linear_vocab_parallel_ce_stats``: the packet ``(SHARD_STATS, N)`` fp32."""
     return stats_chunks(
         hidden,
@@ -77,6 +65,7 @@ def linear_vocab_parallel_ce_stats(hidden, weight, target, vocab_start, logit_su
         vocab_start,
         logit_sum,
         chunk_size,
+        softcap,
         logits=REFERENCE_STEPS.logits,
         shard_stats=shard_stats_ref,
     )

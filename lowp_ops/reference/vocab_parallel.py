@@ -20,6 +20,10 @@ same ops, so all ranks compute the same bits:
 With class weights ``w`` (the whole vocabulary's, on every rank) the shards send ``t_r = Σ_c w_c (x_c -
 shift_r)``, rebased with the shard's weight ``Σ_{c in r} w_c`` instead of ``V``, and the loss is the
 single-rank weighted one (:func:`lowp_ops.reference.cross_entropy.weighted_row_loss`).
+
+Loss features: with ``softcap`` every shard caps its logits before its statistics (the packet then holds
+the capped logits' statistics and target logit); with ``z_loss`` the merge adds ``z · lse²`` of the merged
+statistics to each non-ignored row's loss. The backward gets both (``lowp::cross_entropy_bwd``).
 """
 
 from __future__ import annotations
@@ -38,7 +42,14 @@ from ..meta.vocab_parallel import (
     vocab_parallel_ce_merge_outputs,
     vocab_parallel_ce_stats_output,
 )
-from .cross_entropy import row_loss, smoothing_weight_total, target_class_weight, weighted_row_loss
+from .cross_entropy import (
+    row_loss,
+    smoothing_weight_total,
+    softcap_logits,
+    target_class_weight,
+    weighted_row_loss,
+    z_loss_rows,
+)
 from .softmax import finish_log_sum, masked_safe_shift, row_stats
 
 
@@ -48,11 +59,15 @@ def vocab_parallel_ce_stats(
     vocab_start: int,
     logit_sum: bool,
     weight: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """-> the packet ``(SHARD_STATS, N)`` fp32 of this rank's ``(N, V)`` logits; ``logit_sum``: fill
-    the shifted sum (label smoothing; class-weighted with ``weight``), else 0."""
-    stats = vocab_parallel_ce_stats_output(logits, target, vocab_start, logit_sum, weight)
+    the shifted sum (label smoothing; class-weighted with ``weight``), else 0; ``softcap``: the statistics
+    of the capped logits (0.0 = no cap)."""
+    stats = vocab_parallel_ce_stats_output(logits, target, vocab_start, logit_sum, weight, softcap)
     x = logits.float()
+    if softcap > 0:
+        x = softcap_logits(x, softcap)[0]
     n_cols = x.shape[1]
     local_target = target.long() - vocab_start
     in_shard = (local_target >= 0) & (local_target < n_cols)
@@ -75,10 +90,11 @@ def vocab_parallel_ce_merge(
     label_smoothing: float,
     ignore_index: int,
     weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (loss (N,) fp32, global row_stats (2, N) fp32) from the ranks' packets ``(W * SHARD_STATS, N)``;
-    ``weight``: optional class weights ``(W * shard_width,)``."""
-    args = (gathered, target, shard_width, label_smoothing, ignore_index, weight)
+    ``weight``: optional class weights ``(W * shard_width,)``; ``z_loss``: the z-loss coefficient."""
+    args = (gathered, target, shard_width, label_smoothing, ignore_index, weight, z_loss)
     loss, stats = vocab_parallel_ce_merge_outputs(*args)
     n_stats = len(SHARD_STATS)
     packets = gathered.view(gathered.shape[0] // n_stats, n_stats, gathered.shape[1]).unbind(0)
@@ -116,6 +132,8 @@ def vocab_parallel_ce_merge(
         loss_rows = weighted_row_loss(
             shift, log_sum, picked, class_weight, shifted_sum, smooth_total, eps, label_smoothing
         )
+    if z_loss > 0:
+        loss_rows = loss_rows + z_loss_rows(shift, log_sum, z_loss)
     loss_rows = torch.where(target != ignore_index, loss_rows, 0.0)
     loss.copy_(torch.where(widths_ok, loss_rows, float("nan")))
     stats[SHIFT] = torch.where(widths_ok, shift, float("nan"))
