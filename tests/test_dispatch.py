@@ -103,6 +103,7 @@ TRITON_LAUNCHES = {
     "logsumexp fwd": 1,
     "mxfp8_quantize": 1,
     "mxfp8_dequantize": 1,
+    "nvfp4_dequantize": 1,
 }
 
 
@@ -112,6 +113,7 @@ def _launch_cases(device):
     target = torch.randint(0, 96, (16,), generator=gen).to(device)
     x = torch.randn(8, 64, generator=gen).to(device)
     q = lowp_ops.mxfp8_quantize(x)
+    q4 = lowp_ops.nvfp4_quantize(x, rowwise=True, columnwise=False)
 
     logits_leaf = logits.clone().requires_grad_()
     x_leaf = x.clone().requires_grad_()
@@ -130,6 +132,7 @@ def _launch_cases(device):
         "logsumexp fwd": lambda: lowp_ops.logsumexp(x),
         "mxfp8_quantize": lambda: lowp_ops.mxfp8_quantize(x),
         "mxfp8_dequantize": lambda: lowp_ops.mxfp8_dequantize(q),
+        "nvfp4_dequantize": lambda: lowp_ops.nvfp4_dequantize(q4),
     }
 
 
@@ -152,6 +155,7 @@ CUDA_KERNELS = {
     "logsumexp fwd": 1,
     "mxfp8_quantize": 3,  # 2 scale-padding fills (8 rows pad to 128), the kernel
     "mxfp8_dequantize": 1,
+    "nvfp4_dequantize": 1,
 }
 
 

@@ -629,3 +629,33 @@ def test_group_quantize_bad_arguments_raise_naming_them(kwargs, match):
     kwargs.setdefault("split_sizes", torch.tensor([16, 16]))
     with pytest.raises(ValueError, match=match):
         lowp_ops.nvfp4_group_quantize(torch.ones(32, 16, dtype=torch.bfloat16), **kwargs)
+
+
+# ------------------------------------------------------------------------------------- dequantize
+
+
+@pytest.mark.parametrize("suite", SUITES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("amax", [0.0, 1e-30, 3.5, 6e4, 7.6e35, 3e38], ids=str)
+@pytest.mark.parametrize("shape", [(16, 256), (5, 48), (33, 272)], ids=str)
+def test_dequantize_kernel_equals_the_reference_bytes(suite, kernel_device, dtype, amax, shape):
+    """Every E2M1 code and E4M3 scale pattern (NaN 0x7F/0xFF and subnormals included) at amaxes on both
+    sides of the staging threshold: the kernel's fp32 roundings are the reference's, in its order."""
+    from lowp_ops.kernels.nvfp4_decode import launch_nvfp4_dequantize
+    from lowp_ops.meta.nvfp4 import scale_shape
+
+    rows, cols = shape
+    gen = torch.Generator().manual_seed(rows * cols)
+    data = torch.randint(0, 256, (rows, cols // 2), generator=gen, dtype=torch.uint8)
+    scale = torch.randint(0, 256, tuple(scale_shape(rows, cols)), generator=gen, dtype=torch.uint8)
+    amax_t = torch.tensor([amax], dtype=torch.float32)
+    expected = reference.nvfp4_dequantize(data, scale, amax_t, dtype)
+    got = launch_nvfp4_dequantize(
+        data.to(kernel_device), scale.to(kernel_device), amax_t.to(kernel_device), dtype
+    )
+    assert got.dtype == dtype and got.shape == (rows, cols)
+    got = got.cpu()
+    nan = expected.isnan()
+    assert torch.equal(got.isnan(), nan)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(got.masked_fill(nan, 0).view(bits), expected.masked_fill(nan, 0).view(bits))

@@ -7,7 +7,9 @@ writes the bf16 values once, row-contiguous. The grouped column-wise copy is a r
 tiles that never straddle experts, mapped from the device cumsum of the split sizes (no host sync).
 
 Both formats are decoded with integer steps on the bits (the interpreter has no fp8 types) and one fp32
-multiply, which is exact: bf16 holds the product, so the final cast rounds nothing.
+multiply, which is exact: bf16 holds the product, so the final cast rounds nothing. The dequantize
+(``lowp::nvfp4_dequantize``) decodes the same tiles and applies the per-tensor scale with the
+reference's fp32 roundings, in their order.
 """
 
 from __future__ import annotations
@@ -16,18 +18,23 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import SCALE_TILE_COLS
+from ..formats import NVFP4_GLOBAL_SCALE_NUMERATOR, SCALE_TILE_COLS
+from ..meta.nvfp4 import nvfp4_dequantize_output
 from ..meta.nvfp4_decode import (
     DECODE_SPLIT_MULTIPLE,
     nvfp4_decode_rows_output,
     nvfp4_group_decode_columns_output,
 )
+from ..reference.nvfp4 import STAGED_AMAX_UNIT
+from .bf16_pairs import to_dtype_rne
 from .launch import cached_launch
 from .split_sizes import effective_sizes, scale_col_start, tile_owner
 
 SCALE_COLS_MULTIPLE = tl.constexpr(SCALE_TILE_COLS)
 SPLIT_MULTIPLE = tl.constexpr(DECODE_SPLIT_MULTIPLE)
 FP32_QUIET_NAN_BITS = tl.constexpr(0x7FC00000)
+STAGE = tl.constexpr(STAGED_AMAX_UNIT)
+GLOBAL_SCALE_RCP = tl.constexpr(1.0 / NVFP4_GLOBAL_SCALE_NUMERATOR)
 
 
 @triton.jit
@@ -57,14 +64,12 @@ def e4m3_value(bits):
 
 
 @triton.jit
-def decode_tile(
+def tile_codes(
     data_ptr,
     data_row_stride,
     scale_ptr,
     scale_row_stride,
     scale_col_stride,
-    out_ptr,
-    out_row_stride,
     row_idx,
     rows_ok,
     col0,
@@ -72,11 +77,12 @@ def decode_tile(
     BLOCK_COLS: tl.constexpr,
     MASK_COLS: tl.constexpr,
 ):
-    """Decode rows ``row_idx`` (int64 [BLOCK_ROWS], masked by ``rows_ok``), columns ``[col0, col0 +
-    BLOCK_COLS)`` (below ``n_cols`` when MASK_COLS) of one matrix: codes at ``data_ptr`` (byte ``r *
-    data_row_stride + c / 2``), scale of column c at ``scale_ptr + r * scale_row_stride + (c / 16) *
-    scale_col_stride``, value to ``out_ptr + r * out_row_stride + c``. col0 and BLOCK_COLS are multiples
-    of 16. Without MASK_COLS the masks are constant along a row, so loads and stores can be vectors."""
+    """(E2M1 codes int32 [BLOCK_ROWS, NB, 16], block scales fp32 [BLOCK_ROWS, NB], output columns
+    [NB, 16], output mask [BLOCK_ROWS, NB, 16]) of rows ``row_idx`` (int64, masked by ``rows_ok``),
+    columns ``[col0, col0 + BLOCK_COLS)`` (below ``n_cols`` when MASK_COLS) of one matrix: codes at
+    ``data_ptr`` (byte ``r * data_row_stride + c / 2``), scale of column c at ``scale_ptr + r *
+    scale_row_stride + (c / 16) * scale_col_stride``; NB = BLOCK_COLS / 16. col0 and BLOCK_COLS are
+    multiples of 16. Without MASK_COLS the masks are constant along a row, so accesses can be vectors."""
     NB: tl.constexpr = BLOCK_COLS // 16
     block_idx = col0 // 16 + tl.arange(0, NB)
     byte_col = block_idx[:, None] * 8 + tl.arange(0, 8)[None, :]  # [NB, 8]
@@ -94,6 +100,31 @@ def decode_tile(
     block_scale = e4m3_value(tl.load(scale_ptrs, mask=scale_ok, other=0).to(tl.int32))
     # Element 2i is the low nibble: join puts (low, high) last, so [NB, 8, 2] flattens in column order.
     codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [row_idx.shape[0], NB, 16])
+    return codes, block_scale, out_col, out_ok
+
+
+@triton.jit
+def decode_tile(
+    data_ptr,
+    data_row_stride,
+    scale_ptr,
+    scale_row_stride,
+    scale_col_stride,
+    out_ptr,
+    out_row_stride,
+    row_idx,
+    rows_ok,
+    col0,
+    n_cols,
+    BLOCK_COLS: tl.constexpr,
+    MASK_COLS: tl.constexpr,
+):
+    """The bf16 local values ``e2m1 * s_b`` of :func:`tile_codes`'s tile to ``out_ptr + r *
+    out_row_stride + c``."""
+    codes, block_scale, out_col, out_ok = tile_codes(
+        data_ptr, data_row_stride, scale_ptr, scale_row_stride, scale_col_stride, row_idx, rows_ok, col0,
+        n_cols, BLOCK_COLS, MASK_COLS,
+    )  # fmt: skip
     values = e2m1_value(codes) * block_scale[:, :, None]
     out_ptrs = out_ptr + row_idx[:, None, None] * out_row_stride + out_col[None, :, :]
     tl.store(out_ptrs, values.to(tl.bfloat16), mask=out_ok)
@@ -134,6 +165,38 @@ def nvfp4_decode_rows_kernel(
         BLOCK_COLS,
         not EVEN_COLS,
     )
+
+
+@cached_launch
+@triton.jit
+def nvfp4_dequantize_kernel(
+    data_ptr,
+    scale_ptr,
+    amax_ptr,
+    out_ptr,
+    rows,
+    cols,
+    scale_row_stride,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    EVEN_COLS: tl.constexpr,
+):
+    """``lowp::nvfp4_dequantize``: ``e2m1 * (s_b * amax' * fp32(1/2688)) * unstage`` in the reference's
+    order of fp32 roundings (``amax'``, ``unstage``: the staged amax, ``reference.nvfp4.staged_amax``),
+    cast to the output's dtype. Grid (row tiles, column tiles)."""
+    row_idx = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    codes, block_scale, out_col, out_ok = tile_codes(
+        data_ptr, cols // 2, scale_ptr, scale_row_stride, 1, row_idx, row_idx < rows,
+        tl.program_id(1) * BLOCK_COLS, cols, BLOCK_COLS, not EVEN_COLS,
+    )  # fmt: skip
+    amax = tl.load(amax_ptr).to(tl.float32)
+    large = amax >= STAGE
+    amax = tl.where(large, amax * (1.0 / STAGE), amax)
+    unstage = tl.where(large, STAGE, 1.0)
+    final_scale = block_scale * amax * GLOBAL_SCALE_RCP
+    values = e2m1_value(codes) * final_scale[:, :, None] * unstage
+    out_ptrs = out_ptr + row_idx[:, None, None] * cols + out_col[None, :, :]
+    tl.store(out_ptrs, to_dtype_rne(values, out_ptr.dtype.element_ty), mask=out_ok)
 
 
 @triton.jit
@@ -258,6 +321,31 @@ def launch_nvfp4_decode_rows(
         scale3.stride(0),
         scale3.stride(1),
         scale3.stride(2),
+        BLOCK_ROWS=block_rows,
+        BLOCK_COLS=block_cols,
+        EVEN_COLS=cols % block_cols == 0,
+        num_warps=num_warps,
+    )
+    return out
+
+
+def launch_nvfp4_dequantize(
+    data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``lowp::nvfp4_dequantize`` on CUDA (or interpreted CPU) tensors: one launch."""
+    out = nvfp4_dequantize_output(data, scale, amax, dtype)
+    rows, cols = out.shape
+    if out.numel() == 0:
+        return out
+    block_rows, block_cols, num_warps = decode_config(cols)
+    nvfp4_dequantize_kernel[(triton.cdiv(rows, block_rows), triton.cdiv(cols, block_cols))](
+        data.contiguous(),
+        scale,
+        amax.reshape(1),
+        out,
+        rows,
+        cols,
+        scale.stride(0),
         BLOCK_ROWS=block_rows,
         BLOCK_COLS=block_cols,
         EVEN_COLS=cols % block_cols == 0,

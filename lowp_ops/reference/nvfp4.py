@@ -42,7 +42,7 @@ from ..meta.split_sizes import effective_split_sizes
 
 _BLOCK = NVFP4_BLOCK_SIZE
 FLT_MAX = torch.finfo(torch.float32).max
-_STAGE = 2.0**64  # amaxes at or above it are dequantized in units of it (staged_amax)
+STAGED_AMAX_UNIT = 2.0**64  # amaxes at or above it are dequantized in units of it (staged_amax)
 # RNE bins of |v| on the E2M1 grid: code k covers (threshold k-1, threshold k]; ties go to the even code.
 _E2M1_UPPER_EXCLUSIVE = (0.25, 1.25, 2.5, 5.0)  # |v| above these (strictly) moves up one code
 _E2M1_UPPER_INCLUSIVE = (0.75, 1.75, 3.5)  # |v| at or above these moves up one code
@@ -344,8 +344,10 @@ def staged_amax(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     roundings, so the value times 2^64 is bit-identical wherever the unstaged one was finite.
     """
     amax = amax.float()
-    large = amax >= _STAGE
-    return torch.where(large, amax * (1.0 / _STAGE), amax), torch.where(large, _STAGE, 1.0)
+    large = amax >= STAGED_AMAX_UNIT
+    return torch.where(large, amax * (1.0 / STAGED_AMAX_UNIT), amax), torch.where(
+        large, STAGED_AMAX_UNIT, 1.0
+    )
 
 
 def nvfp4_dequantize(
