@@ -68,7 +68,7 @@ class ClockWatch:
     pulled down during the measurement; both stay None where nvidia-smi is missing or gave no sample.
 
     The fused MXFP8 backward loses 4-7 points of copy bandwidth when the power cap throttles the SMs
-    (RESULTS.md, S6-5): a time without its clock cannot be read."""
+    (H200, 2026-11-30): a time without its clock cannot be read."""
 
     def __init__(self) -> None:
         self.min_mhz: int | None = None
@@ -118,7 +118,7 @@ def sustained_ms(fn, seconds: float = 2.0, calls: int = 20, graph: bool = True) 
     """Per-call time of ``fn`` run back to back for ``seconds`` (replays of a CUDA graph of ``calls``
     calls, or eager calls), the first 40% untimed: the GPU reaches the clock its power cap allows for
     this kernel alone, which a 100 ms ``do_bench`` burst does not show (the fused MXFP8 backward draws the
-    H200's 700 W cap within a second, RESULTS.md S8-1). Also the ClockWatch of the timed part."""
+    H200's 700 W cap within a second, measured on 2026-11-30). Also the ClockWatch of the timed part."""
     step = capture_graph(fn, calls).replay if graph else fn
     per_step = calls if graph else 1
 

@@ -8,9 +8,11 @@ Each case is timed twice: eager calls (host launch overhead included: do_bench) 
 graph of the same calls (GPU time only: what a CUDA-graph-captured training step pays). Every case
 cycles through ROTATE copies of the logits, a new one each call, so no call finds the previous call's
 logits in L2 (our MXFP8 backward loads them with an evict_last hint: on one buffer its back-to-back
-figures rose by up to 5 points, S9-8).
+figures rose by up to 5 points,).
 ``--sustained SECONDS`` adds our three kernels run back to back for that long each (CUDA-graph replays),
 next to a copy run the same way: the steady state under the GPU's power cap, with the median SM clock.
+``--features`` adds forward+backward rows with the LM-loss features on (z-loss, soft-capping, both with
+label smoothing) for ours (bf16 and MXFP8 gradients), torch.compile of the same loss in PyTorch and Liger.
 Run: ``PYTHONPATH=. python3 benchmarks/bench_cross_entropy.py`` (Liger from a wheel on PYTHONPATH).
 """
 
@@ -37,6 +39,13 @@ import lowp_ops
 
 SHAPES = [(4096, 129280), (8192, 32768), (16384, 131072)]
 ROTATE = 3
+# The LM-loss features (``--features``): each timed forward+backward next to the same loss in PyTorch
+# under torch.compile and in Liger (its lse_square_scale is the z-loss coefficient).
+FEATURES = {
+    "z_loss 1e-4": {"z_loss": 1e-4},
+    "softcap 30": {"softcap": 30.0},
+    "z_loss+softcap+smoothing": {"z_loss": 1e-4, "softcap": 30.0, "label_smoothing": 0.1},
+}
 
 
 def load_liger():
@@ -76,7 +85,16 @@ def our_kernels(copies, target, lse, grad_rows) -> dict:
     }
 
 
-def run_shape(n_rows: int, vocab: int, copy_tbs: float, liger) -> list[dict]:
+def plain_loss(x, target, z_loss: float = 0.0, softcap: float | None = None, label_smoothing: float = 0.0):
+    """The features' loss in plain PyTorch (fp32): soft-capped logits, cross entropy, z · mean(lse²)."""
+    x = x.float()
+    if softcap is not None:
+        x = softcap * torch.tanh(x / softcap)
+    loss = F.cross_entropy(x, target, label_smoothing=label_smoothing)
+    return loss + z_loss * torch.logsumexp(x, -1).square().mean() if z_loss else loss
+
+
+def run_shape(n_rows: int, vocab: int, copy_tbs: float, liger, features: bool = False) -> list[dict]:
     copies, target, lse, grad_rows = ce_inputs(n_rows, vocab)
     elems = n_rows * vocab
     rows = []
@@ -145,25 +163,42 @@ def run_shape(n_rows: int, vocab: int, copy_tbs: float, liger) -> list[dict]:
     record("torch.compile", "fwd", rotating(leaves, lambda x: compiled(x, target)), 2)
     record("torch.compile", "fwd+bwd bf16", fwd_bwd(compiled), 6)
 
+    for name, kwargs in FEATURES.items() if features else ():
+        record(
+            "lowp",
+            f"fwd+bwd bf16, {name}",
+            fwd_bwd(lambda x, t, kw=kwargs: lowp_ops.cross_entropy(x, t, **kw)),
+            6,
+        )
+        mxfp8 = rotating(
+            copies, lambda x, kw=kwargs: lowp_ops.cross_entropy_with_mxfp8_grad(x.detach(), target, **kw)
+        )
+        record("lowp", f"fwd+bwd mxfp8, {name}", mxfp8, 6.0625)
+        plain = torch.compile(lambda x, t, kw=kwargs: plain_loss(x, t, **kw), dynamic=False)
+        record("torch.compile", f"fwd+bwd bf16, {name}", fwd_bwd(plain), 6)
+
     if liger is not None:
         # Liger computes the gradient in the forward, in place into its input: time forward+backward,
         # on scratch copies (its in-place writes must not reach the logits above).
         del leaves
         scratch = [x.detach().clone().requires_grad_() for x in copies]
 
-        def liger_fwd_bwd(x):
-            loss = liger.apply(x, target, None, -100, 0.0, 0.0, "mean")[0]
+        def liger_fwd_bwd(x, z_loss=0.0, softcap=None, label_smoothing=0.0):
+            loss = liger.apply(x, target, None, -100, z_loss, label_smoothing, "mean", softcap)[0]
             return torch.autograd.grad(loss, x)
 
         # Liger's forward synchronizes with the host: not capturable, eager timing only.
         record("liger", "fwd+bwd bf16", rotating(scratch, liger_fwd_bwd), 6, capturable=False)
+        for name, kwargs in FEATURES.items() if features else ():
+            liger_case = rotating(scratch, lambda x, kw=kwargs: liger_fwd_bwd(x, **kw))
+            record("liger", f"fwd+bwd bf16, {name}", liger_case, 6, capturable=False)
     return rows
 
 
 def run_sustained(n_rows: int, vocab: int, seconds: float) -> list[dict]:
     """Our forward and both backwards, each back to back for ``seconds``, against a copy of as many
     bytes as the MXFP8 backward moves, run back to back as eager calls (replayed from a CUDA graph the
-    same copy_ measured 2.7 TB/s against 4.27 eager, S8-1)."""
+    same copy_ measured 2.7 TB/s against 4.27 eager on the H200, 2026-11-30)."""
     copies, target, lse, grad_rows = ce_inputs(n_rows, vocab)
     elems = n_rows * vocab
     src = torch.empty(int(4.0625 * elems) // 4, device="cuda", dtype=torch.bfloat16).normal_()
@@ -220,6 +255,7 @@ def main() -> None:
     parser.add_argument("--shapes", default=None, help="e.g. 4096x129280,8192x32768")
     parser.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS", help="also back to back")
     parser.add_argument("--sustained-only", action="store_true", help="only the back-to-back measurements")
+    parser.add_argument("--features", action="store_true", help="also z-loss, softcap and smoothing rows")
     args = parser.parse_args()
     shapes = (
         SHAPES if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
@@ -244,7 +280,7 @@ def main() -> None:
     liger = load_liger()
     rows = []
     for n_rows, vocab in shapes:
-        rows += run_shape(n_rows, vocab, copy_tbs, liger)
+        rows += run_shape(n_rows, vocab, copy_tbs, liger, args.features)
         torch.cuda.empty_cache()
     sustained = run_all_sustained()
     print(
