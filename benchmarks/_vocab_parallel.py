@@ -12,7 +12,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _common import capture_graph
+from _common import capture_graph, environment, write_json
 
 WORLD = 2
 
@@ -116,3 +116,22 @@ def report_graph_errors(single: dict, parallel: dict) -> None:
     for name, row in [*(("1 GPU " + k, v) for k, v in single.items()), *parallel.items()]:
         if "graph_error" in row:
             print(f"CUDA-graph capture failed, {name}: {row['graph_error']}")
+
+
+def run_benchmark(name: str, doc: str, worker, report, *, calls: int, hidden: bool) -> None:
+    """A vocabulary-parallel benchmark's command line: parse ``--rows --vocab --calls --no-graphs``
+    (and ``--hidden`` when ``hidden``), spawn the ranks, print ``report(args, single, parallel,
+    copy_tbs)`` and write ``<name>.json``; skipped (exit 0) with fewer than WORLD GPUs."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=4096)
+    if hidden:
+        parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--vocab", type=int, default=129280)
+    parser.add_argument("--calls", type=int, default=calls)
+    parser.add_argument("--no-graphs", dest="graphs", action="store_false")
+    args = parser.parse_args()
+    if not enough_gpus(name):
+        return
+    result = run_ranks(worker, args)
+    report(args, result["single"], result["parallel"], result["copy_tbs"])
+    write_json(f"{name}.json", {"environment": environment(), "world": WORLD, **vars(args), **result})

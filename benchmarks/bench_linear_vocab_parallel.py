@@ -24,15 +24,14 @@ import traceback
 
 import torch
 import torch.distributed as dist
-from _common import copy_bandwidth_tbs, environment, write_json
+from _common import copy_bandwidth_tbs
 from _vocab_parallel import (
     WORLD,
-    enough_gpus,
     finish_rank,
     graph_timed_ms,
     keep_slowest_rank,
     print_tables,
-    run_ranks,
+    run_benchmark,
     start_rank,
     timed_ms,
 )
@@ -124,19 +123,7 @@ def report(args, single: dict, parallel: dict, copy_tbs: float) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=4096)
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--vocab", type=int, default=129280)
-    parser.add_argument("--calls", type=int, default=10)
-    parser.add_argument("--no-graphs", dest="graphs", action="store_false")
-    args = parser.parse_args()
-    if not enough_gpus("bench_linear_vocab_parallel"):
-        return
-    result = run_ranks(worker, args)
-    report(args, result["single"], result["parallel"], result["copy_tbs"])
-    payload = {"environment": environment(), "world": WORLD, **vars(args), **result}
-    write_json("bench_linear_vocab_parallel.json", payload)
+    run_benchmark("bench_linear_vocab_parallel", __doc__, worker, report, calls=10, hidden=True)
 
 
 if __name__ == "__main__":
