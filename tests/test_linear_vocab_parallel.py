@@ -284,38 +284,7 @@ def test_interp_gloo_group_runs_the_kernels(tmp_path):
 # --------------------------------------------------------------------------- real process groups
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda world: f"gloo{world}")
-def gloo_results(request, tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp(f"lm_gloo{request.param}")
-    return checks.run_backend("gloo", request.param, str(out_dir), lm_checks.LM_HEAD_CHECKS)
-
-
-@pytest.fixture(scope="module")
-def nccl_results(tmp_path_factory):
-    return checks.run_backend("nccl", 2, str(tmp_path_factory.mktemp("lm_nccl2")), lm_checks.LM_HEAD_CHECKS)
-
-
-GROUP_CHECKS = pytest.mark.parametrize("name", lm_checks.LM_HEAD_CHECKS)
-
-
-@GROUP_CHECKS
-def test_gloo(gloo_results, name):
-    checks.assert_passed(gloo_results, name)
-
-
-@pytest.mark.gpu
-@pytest.mark.multigpu
-@GROUP_CHECKS
-def test_nccl(nccl_results, name):
-    checks.assert_passed(nccl_results, name)
-
-
-@pytest.mark.gpu
-@pytest.mark.multigpu
-@pytest.mark.cudagraph
-def test_nccl_cuda_graph_replay_matches_eager(tmp_path):
-    name = "lm_head_cuda_graph_replay_matches_eager"
-    checks.assert_passed(checks.run_backend("nccl", 2, str(tmp_path), [name]), name)
+checks.define_group_tests(globals(), lm_checks.LM_HEAD_CHECKS, "lm_head_cuda_graph_replay_matches_eager")
 
 
 @pytest.mark.gpu

@@ -421,3 +421,44 @@ def assert_passed(results: list[dict], name: str) -> None:
 # Registered into CHECKS by importing their module here, so that the spawned ranks (which import this
 # module to find _worker) know them too.
 import linear_vocab_parallel_checks  # noqa: E402, F401
+
+
+def define_group_tests(namespace: dict, names: list[str], graph_check: str) -> None:
+    """Add to a test module's ``namespace`` the tests that run the check functions ``names`` in real
+    process groups: ``test_gloo`` (2 and 3 CPU ranks), ``test_nccl`` (2 GPUs) and
+    ``test_nccl_cuda_graph_replay_matches_eager`` (the check ``graph_check`` in its own process)."""
+    import pytest
+
+    @pytest.fixture(scope="module", params=[2, 3], ids=lambda world: f"gloo{world}")
+    def gloo_results(request, tmp_path_factory):
+        return run_backend("gloo", request.param, str(tmp_path_factory.mktemp("gloo")), names)
+
+    @pytest.fixture(scope="module")
+    def nccl_results(tmp_path_factory):
+        return run_backend("nccl", 2, str(tmp_path_factory.mktemp("nccl2")), names)
+
+    each_check = pytest.mark.parametrize("name", names)
+
+    @each_check
+    def test_gloo(gloo_results, name):
+        assert_passed(gloo_results, name)
+
+    @pytest.mark.gpu
+    @pytest.mark.multigpu
+    @each_check
+    def test_nccl(nccl_results, name):
+        assert_passed(nccl_results, name)
+
+    @pytest.mark.gpu
+    @pytest.mark.multigpu
+    @pytest.mark.cudagraph
+    def test_nccl_cuda_graph_replay_matches_eager(tmp_path):
+        assert_passed(run_backend("nccl", 2, str(tmp_path), [graph_check]), graph_check)
+
+    namespace.update(
+        gloo_results=gloo_results,
+        nccl_results=nccl_results,
+        test_gloo=test_gloo,
+        test_nccl=test_nccl,
+        test_nccl_cuda_graph_replay_matches_eager=test_nccl_cuda_graph_replay_matches_eager,
+    )
