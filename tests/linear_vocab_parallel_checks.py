@@ -265,6 +265,23 @@ def lm_head_compiled_fullgraph_matches_eager(r: Rank):
     assert counter.frame_count == 1, f"{counter.frame_count} graphs (want one, no recompile)"
 
 
+@lm_check
+def lm_head_loss_features_match_the_single_rank_loss(r: Rank):
+    """z-loss and soft-capping (with smoothing) through the vocabulary-parallel LM head: the loss equal
+    on every rank and at fp32 precision of the single-rank loss; the gradients those of the single rank
+    (this rank's weight rows) within bf16 rounding."""
+    for kwargs in ({"z_loss": 1e-3}, {"softcap": 5.0, "label_smoothing": 0.1, "z_loss": 1e-3}):
+        hidden, weight, target = lm_inputs(r, 6)
+        kwargs = dict(kwargs, chunk_size=CHUNK)
+        loss, dh, dw = loss_and_grads(hidden, my_rows(r, weight), target, process_group=r.group, **kwargs)
+        what = f"{kwargs}"
+        assert_same_on_every_rank(r, loss, what)
+        want_loss, want_dh, want_dw = loss_and_grads(hidden, weight, target, **kwargs)
+        torch.testing.assert_close(loss.float(), want_loss.float(), rtol=1e-5, atol=1e-5, msg=what)
+        assert relative_error(dh, want_dh.double().cpu()) < 1e-2, what
+        assert relative_error(dw, my_rows(r, want_dw).double().cpu()) < 1e-2, what
+
+
 def loss_and_grads_of(fn, hidden, weight, target):
     h = hidden.detach().clone().requires_grad_()
     w = weight.detach().clone().requires_grad_()

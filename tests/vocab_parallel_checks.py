@@ -23,6 +23,7 @@ from ce_softmax_oracles import (
     bits,
     ce_loss_fp32_atol,
     cross_entropy_oracle,
+    features_oracle,
 )
 from cudagraph_checks import capture
 from process_groups import spawn_ranks
@@ -351,6 +352,39 @@ def cuda_graph_replay_matches_eager(r: Rank):
         assert torch.equal(bits(static_loss), bits(want_loss)), f"seed {seed}: replayed loss"
         assert torch.equal(bits(static_grad), bits(want_grad)), f"seed {seed}: replayed gradient"
         assert_same_on_every_rank(r, static_loss, "replayed loss")
+
+
+FEATURE_CASES = ({"z_loss": 1e-3}, {"softcap": 5.0}, {"z_loss": 1e-3, "softcap": 5.0, "label_smoothing": 0.1})
+
+
+@check
+def loss_features_are_identical_on_every_rank_and_match_float64(r: Rank):
+    """z-loss, soft-capping and both with smoothing across the group: loss, z-loss, lse equal on every
+    rank and, like each rank's gradient shard, at fp32 precision of the float64 definitions."""
+    for kwargs in FEATURE_CASES:
+        for reduction in ("mean", "none"):
+            logits, target = r.inputs(5, dtype=torch.float32)
+            grad_loss = r.row_weights(50) if reduction == "none" else None
+            leaf = r.shard(logits).requires_grad_()
+            loss, z_value, lse = lowp_ops.cross_entropy(
+                leaf, target, reduction=reduction, process_group=r.group, classes_last=True,
+                return_z_loss=True, return_lse=True, **kwargs,
+            )  # fmt: skip
+            upstream = torch.ones_like(loss) if grad_loss is None else grad_loss
+            (grad,) = torch.autograd.grad(loss, leaf, grad_outputs=upstream)
+            what = f"{kwargs} {reduction}"
+            for name, value in (("loss", loss), ("z_loss", z_value), ("lse", lse)):
+                assert_same_on_every_rank(r, value, f"{name} {what}")
+            want = features_oracle(
+                logits.cpu(), target.cpu(), 1.0 if grad_loss is None else grad_loss.cpu(),
+                ignore_index=IGNORE, reduction=reduction, **kwargs,
+            )  # fmt: skip
+            torch.testing.assert_close(loss.detach().cpu().double(), want[0], rtol=2e-5, atol=1e-5, msg=what)
+            torch.testing.assert_close(z_value.cpu().double(), want[2], rtol=2e-5, atol=1e-6, msg=what)
+            torch.testing.assert_close(lse.cpu().double(), want[3], rtol=1e-6, atol=1e-5, msg=what)
+            scale = want[1].abs().max().item()
+            mine = want[1][:, r.columns]
+            torch.testing.assert_close(grad.cpu().double(), mine, rtol=2e-5, atol=2e-5 * scale, msg=what)
 
 
 CPU_CHECKS = [name for name in CHECKS if name != "cuda_graph_replay_matches_eager"]
