@@ -22,11 +22,16 @@ declare -A jobs=(
     [nvfp4_decode]="python3 benchmarks/bench_nvfp4_decode.py"
     [linear_ce]="python3 benchmarks/bench_linear_cross_entropy.py --quick --no-gemms --json $json/lce.json"
     [host]="python3 benchmarks/bench_host_overhead.py"
+    [ce_features]="python3 benchmarks/bench_cross_entropy.py --features --shapes 4096x129280 --json $json/ce_features.json"
+    [probe]="python3 benchmarks/probe_autograd_thread.py"
+    [host_nvfp4_dequantize]="python3 benchmarks/bench_host_overhead.py --no-compile --only nvfp4_dequantize"
+    [transformers]="python3 benchmarks/bench_transformers.py --impls liger,lowp,stock --steps 6 --warmup 2 --budget-seconds ${TRANSFORMERS_SECONDS:-200} --json $json/transformers.json"
 )
 # The example's training step in each mode: lowp with each expert recipe, then the plain-PyTorch model.
 for mode in eager compiled graph; do
     jobs[tiny_moe_$mode]="for run in '--recipe bf16' '--recipe mxfp8' '--recipe nvfp4' --baseline; do
         python3 examples/train_tiny_moe.py --device cuda --steps 60 --mode $mode \$run; done"
+    jobs[tiny_moe_${mode}_baseline]="python3 examples/train_tiny_moe.py --device cuda --steps 60 --mode $mode --baseline"
 done
 order=(ce mxfp8 nvfp4 grouped_mlp nvfp4_decode linear_ce host tiny_moe_eager tiny_moe_compiled tiny_moe_graph)
 [ $# -gt 0 ] && order=("$@")

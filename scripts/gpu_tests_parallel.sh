@@ -4,7 +4,8 @@
 # gets at most four files, written as each stage ends, so a run cut short still leaves its results:
 # summary.log (each group's last line, then one PASS/SKIP/FAIL line per cudagraph test), gpu_failures.log
 # (the failing tests' assertion lines of every group), gpu_groups.log (the groups' whole output) and
-# cudagraph_output.log. Raw per-process logs stay in a temporary directory. H200, 2026-11-30: 394 passed,
+# cudagraph_output.log. Raw per-process logs stay in a temporary directory. Arguments "name=file,file"
+# replace the groups (and limit the cudagraph tests to those files). H200, 2026-11-30: 394 passed,
 # 17 skipped (two-GPU tests) and 15 + 2 cudagraph tests in 349 s. Exits nonzero if any test failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,12 +19,25 @@ declare -A groups=(
     [moe]="tests/test_grouped_mlp.py tests/test_swiglu_kernels.py tests/test_train_tiny_moe.py tests/test_mxfp8_gemm.py"
     [lmhead]="tests/test_linear_cross_entropy.py tests/test_linear_cross_entropy_kernels.py tests/test_mxfp8_kernels.py"
 )
-# Any other test file (one added later) in a fifth process.
-rest="tests"
-for files in "${groups[@]}"; do
-    for file in $files; do rest+=" --ignore=$file"; done
-done
-groups[rest]="$rest"
+cudagraph_files=(tests)
+if [ $# -gt 0 ]; then
+    # Groups given as arguments, "name=file,file,...": only those files, their cudagraph tests included.
+    groups=()
+    cudagraph_files=()
+    for spec in "$@"; do
+        groups[${spec%%=*}]="${spec#*=}"
+        groups[${spec%%=*}]="${groups[${spec%%=*}]//,/ }"
+        IFS=, read -ra listed <<< "${spec#*=}"
+        cudagraph_files+=("${listed[@]}")
+    done
+else
+    # Any other test file (one added later) in a fifth process.
+    rest="tests"
+    for files in "${groups[@]}"; do
+        for file in $files; do rest+=" --ignore=$file"; done
+    done
+    groups[rest]="$rest"
+fi
 pids=()
 for name in "${!groups[@]}"; do
     # shellcheck disable=SC2086 # the group is a list of files
@@ -41,7 +55,7 @@ done
 cat "$raw"/gpu_*.log > "$OUT/gpu_groups.log"
 grep -h -E "^(FAILED|ERROR)|^E   " "$raw"/gpu_*.log > "$OUT/gpu_failures.log"
 # Each cudagraph test in its own process, four at a time.
-mapfile -t ids < <(python3 -m pytest --collect-only -q -m cudagraph 2>/dev/null | grep "::")
+mapfile -t ids < <(python3 -m pytest --collect-only -q -m cudagraph "${cudagraph_files[@]}" 2>/dev/null | grep "::")
 printf '%s\n' "${ids[@]}" | xargs -P 4 -I{} bash -c \
     'out="$(timeout 300 python3 -m pytest -q "$1" 2>&1)"; s=$?; printf -- "---- %s\n%s\n" "$1" "$out" >> "$2/cudagraph_$BASHPID.log";
      last="$(tail -n 1 <<< "$out")"
