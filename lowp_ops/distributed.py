@@ -163,18 +163,20 @@ def linear_vocab_parallel_cross_entropy_stats(
     process_group: dist.ProcessGroup,
     z_loss: float = 0.0,
     softcap: float = 0.0,
+    ce_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (per-row loss (N,) fp32, global row_stats (2, N) fp32) of ``hidden @ weight^T``, identical on
     every rank; not differentiable. Only one ``chunk_size`` chunk of this rank's logits exists at a time.
-    ``z_loss``, ``softcap``: the loss features (0.0 = off)."""
+    ``z_loss``, ``softcap``: the loss features (0.0 = off); ``ce_weight``: optional class weights of the
+    whole vocabulary (``W V``,), the same on every rank (each shard sends its class-weighted sum)."""
     check_process_group(process_group)
     shard_width = weight.shape[0]
     vocab_start, _ = vocab_shard(shard_width, process_group)
     stats = library.linear_vocab_parallel_ce_stats(
-        hidden, weight, target, vocab_start, label_smoothing > 0, chunk_size, softcap
+        hidden, weight, target, vocab_start, label_smoothing > 0, chunk_size, softcap, ce_weight
     )
     return _gather_and_merge(
-        stats, target, shard_width, label_smoothing, ignore_index, process_group, None, z_loss
+        stats, target, shard_width, label_smoothing, ignore_index, process_group, ce_weight, z_loss
     )
 
 
@@ -197,22 +199,24 @@ class LinearVocabParallelCrossEntropy(torch.autograd.Function):
         reduce_hidden_grad,
         z_loss=0.0,
         softcap=0.0,
+        ce_weight=None,
     ):
         loss, row_stats = linear_vocab_parallel_cross_entropy_stats(
-            hidden, weight, target, label_smoothing, ignore_index, chunk_size, process_group, z_loss, softcap
-        )
+            hidden, weight, target, label_smoothing, ignore_index, chunk_size, process_group, z_loss, softcap,
+            ce_weight,
+        )  # fmt: skip
         ctx.config = (label_smoothing, ignore_index, grad_format, other_operand, chunk_size)
         ctx.shard = vocab_shard(weight.shape[0], process_group)
         ctx.features = (z_loss, softcap)
         ctx.process_group, ctx.reduce_hidden_grad = process_group, reduce_hidden_grad
-        ctx.save_for_backward(hidden, weight, target, row_stats)
+        ctx.save_for_backward(hidden, weight, target, row_stats, ce_weight)
         ctx.mark_non_differentiable(row_stats)
         return loss, row_stats
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_row_stats):
         refuse_double_backward("linear_vocab_parallel_cross_entropy")
-        hidden, weight, target, row_stats = ctx.saved_tensors
+        hidden, weight, target, row_stats, ce_weight = ctx.saved_tensors
         need_dhidden, need_dweight = ctx.needs_input_grad[:2]
         dhidden, dweight = library.linear_vocab_parallel_ce_bwd(
             hidden,
@@ -225,12 +229,13 @@ class LinearVocabParallelCrossEntropy(torch.autograd.Function):
             need_dweight,
             *ctx.shard,
             *ctx.features,
+            ce_weight,
         )
         if need_dhidden and ctx.reduce_hidden_grad:
             # Summed in fp32 (one rounding of the W shard partials), identical on every rank.
             summed = funcol.all_reduce(dhidden.float(), "sum", ctx.process_group)
             dhidden = funcol.wait_tensor(summed).to(hidden.dtype)
-        return (dhidden if need_dhidden else None, dweight if need_dweight else None, *[None] * 10)
+        return (dhidden if need_dhidden else None, dweight if need_dweight else None, *[None] * 11)
 
 
 def linear_vocab_parallel_cross_entropy_rows(
@@ -246,6 +251,7 @@ def linear_vocab_parallel_cross_entropy_rows(
     reduce_hidden_grad: bool,
     z_loss: float = 0.0,
     softcap: float = 0.0,
+    ce_weight: torch.Tensor | None = None,
     *,
     with_stats: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -255,8 +261,10 @@ def linear_vocab_parallel_cross_entropy_rows(
     Gradients: ``weight``'s is this rank's rows of the single-rank gradient (given the same row
     statistics: byte for byte); ``hidden``'s is summed over the ranks (all-reduce in fp32) unless
     ``reduce_hidden_grad`` is False, when it is this shard's partial sum for a caller that all-reduces
-    input gradients itself. ``z_loss``, ``softcap``: the loss features (0.0 = off); ``with_stats``: also
-    return the merged ``(2, N)`` row statistics (not differentiable)."""
+    input gradients itself. ``z_loss``, ``softcap``: the loss features (0.0 = off); ``ce_weight``:
+    optional class weights of the whole vocabulary (``W V``,), the same on every rank (each row's loss is
+    class-weighted; the mean's denominator is the caller's, ``lowp::cross_entropy_reduce`` with them);
+    ``with_stats``: also return the merged ``(2, N)`` row statistics (not differentiable)."""
     loss, row_stats = LinearVocabParallelCrossEntropy.apply(
         hidden,
         weight,
@@ -270,5 +278,6 @@ def linear_vocab_parallel_cross_entropy_rows(
         reduce_hidden_grad,
         z_loss,
         softcap,
+        ce_weight,
     )
     return (loss, row_stats) if with_stats else loss

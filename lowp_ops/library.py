@@ -497,8 +497,8 @@ mxfp8_gemm = _define(
 linear_cross_entropy_fwd = _define(
     "linear_cross_entropy_fwd",
     "(Tensor hidden, Tensor weight, Tensor target, float label_smoothing, SymInt ignore_index,"
-    " str grad_format, str other_operand, int chunk_size, float z_loss=0.0, float softcap=0.0)"
-    " -> (Tensor, Tensor)",
+    " str grad_format, str other_operand, int chunk_size, float z_loss=0.0, float softcap=0.0,"
+    " Tensor? ce_weight=None) -> (Tensor, Tensor)",
     linear_ce_ref.linear_cross_entropy_fwd,
     "linear_cross_entropy.launch_linear_cross_entropy_fwd",
     linear_ce_meta.linear_cross_entropy_fwd_outputs,
@@ -508,7 +508,8 @@ linear_cross_entropy_bwd = _define(
     "linear_cross_entropy_bwd",
     "(Tensor hidden, Tensor weight, Tensor target, Tensor row_stats, Tensor grad_rows, float label_smoothing,"
     " SymInt ignore_index, str grad_format, str other_operand, int chunk_size, bool compute_dhidden,"
-    " bool compute_dweight, float z_loss=0.0, float softcap=0.0) -> (Tensor, Tensor)",
+    " bool compute_dweight, float z_loss=0.0, float softcap=0.0, Tensor? ce_weight=None)"
+    " -> (Tensor, Tensor)",
     linear_ce_ref.linear_cross_entropy_bwd,
     "linear_cross_entropy.launch_linear_cross_entropy_bwd",
     linear_ce_meta.linear_cross_entropy_bwd_outputs,
@@ -518,7 +519,8 @@ linear_cross_entropy_fwd_bwd = _define(
     "linear_cross_entropy_fwd_bwd",
     "(Tensor hidden, Tensor weight, Tensor target, Tensor row_weight, float label_smoothing,"
     " SymInt ignore_index, str grad_format, str other_operand, int chunk_size, bool compute_dhidden,"
-    " bool compute_dweight, float z_loss=0.0, float softcap=0.0) -> (Tensor, Tensor, Tensor, Tensor)",
+    " bool compute_dweight, float z_loss=0.0, float softcap=0.0, Tensor? ce_weight=None)"
+    " -> (Tensor, Tensor, Tensor, Tensor)",
     linear_ce_ref.linear_cross_entropy_fwd_bwd,
     "linear_cross_entropy.launch_linear_cross_entropy_fwd_bwd",
     linear_ce_meta.linear_cross_entropy_fwd_bwd_outputs,
@@ -537,24 +539,29 @@ scale_by_ = _define(
 def _linear_cross_entropy_setup(ctx, inputs, output):
     hidden, weight, target, label_smoothing, ignore_index, grad_format, other_operand, chunk_size = inputs[:8]
     ctx.config = (label_smoothing, ignore_index, grad_format, other_operand, chunk_size)
-    ctx.features = tuple(inputs[8:])  # (z_loss, softcap) when given
-    ctx.save_for_backward(hidden, weight, target, output[1])
+    ctx.features = tuple(inputs[8:10])  # (z_loss, softcap) when given
+    ctx.n_inputs = len(inputs)
+    ce_weight = inputs[10] if len(inputs) > 10 else None  # class weights: a saved tensor, not a ctx field
+    ctx.save_for_backward(hidden, weight, target, output[1], ce_weight)
     ctx.mark_non_differentiable(output[1])
 
 
 def _linear_cross_entropy_backward(ctx, grad_loss, _grad_row_stats):
-    hidden, weight, target, row_stats = ctx.saved_tensors
+    hidden, weight, target, row_stats, ce_weight = ctx.saved_tensors
     need_dhidden, need_dweight = ctx.needs_input_grad[:2]
+    features = (*ctx.features, ce_weight) if ce_weight is not None else ctx.features
     dhidden, dweight = linear_cross_entropy_bwd(
         hidden, weight, target, row_stats, grad_loss.float(), *ctx.config, need_dhidden, need_dweight,
-        *ctx.features,
+        *features,
     )  # fmt: skip
-    return (dhidden if need_dhidden else None, dweight if need_dweight else None, *[None] * 8)
+    grads = (dhidden if need_dhidden else None, dweight if need_dweight else None)
+    return (*grads, *[None] * (ctx.n_inputs - 2))
 
 
 def _linear_cross_entropy_fwd_bwd_setup(ctx, inputs, output):
     _, dhidden, dweight, row_stats = output
     ctx.computed = inputs[9:11]  # compute_dhidden, compute_dweight
+    ctx.n_inputs = len(inputs)
     ctx.save_for_backward(dhidden, dweight)
     ctx.mark_non_differentiable(dhidden, dweight, row_stats)
     # Otherwise autograd hands the backward zero-filled gradients of dhidden and dweight: +1 dweight.
@@ -569,7 +576,8 @@ def _linear_cross_entropy_fwd_bwd_backward(ctx, grad_loss, _grad_dhidden, _grad_
     for grad, computed in ((dhidden, computed_dhidden), (dweight, computed_dweight)):
         if computed:
             scale_by_(grad, grad_loss)
-    return (dhidden if computed_dhidden else None, dweight if computed_dweight else None, *[None] * 11)
+    grads = (dhidden if computed_dhidden else None, dweight if computed_dweight else None)
+    return (*grads, *[None] * (ctx.n_inputs - 2))
 
 
 linear_cross_entropy_fwd.register_autograd(
@@ -607,7 +615,7 @@ from .reference import linear_vocab_parallel as linear_vocab_parallel_ref  # noq
 linear_vocab_parallel_ce_stats = _define(
     "linear_vocab_parallel_ce_stats",
     "(Tensor hidden, Tensor weight, Tensor target, SymInt vocab_start, bool logit_sum, int chunk_size,"
-    " float softcap=0.0) -> Tensor",
+    " float softcap=0.0, Tensor? ce_weight=None) -> Tensor",
     linear_vocab_parallel_ref.linear_vocab_parallel_ce_stats,
     "linear_vocab_parallel.launch_linear_vocab_parallel_ce_stats",
     linear_vocab_parallel_meta.linear_vocab_parallel_ce_stats_output,
@@ -617,8 +625,8 @@ linear_vocab_parallel_ce_bwd = _define(
     "linear_vocab_parallel_ce_bwd",
     "(Tensor hidden, Tensor weight, Tensor target, Tensor row_stats, Tensor grad_rows, float label_smoothing,"
     " SymInt ignore_index, str grad_format, str other_operand, int chunk_size, bool compute_dhidden,"
-    " bool compute_dweight, SymInt vocab_start, SymInt vocab_total, float z_loss=0.0, float softcap=0.0)"
-    " -> (Tensor, Tensor)",
+    " bool compute_dweight, SymInt vocab_start, SymInt vocab_total, float z_loss=0.0, float softcap=0.0,"
+    " Tensor? ce_weight=None) -> (Tensor, Tensor)",
     linear_vocab_parallel_ref.linear_vocab_parallel_ce_bwd,
     "linear_vocab_parallel.launch_linear_vocab_parallel_ce_bwd",
     linear_vocab_parallel_meta.linear_vocab_parallel_ce_bwd_outputs,

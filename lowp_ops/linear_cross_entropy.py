@@ -7,11 +7,13 @@ import math
 import torch
 
 from . import library
+from .formats import HIGH_PRECISION_DTYPES
 from .functional import check_return_flags, loss_extras, reduce_row_losses
 from .meta.checks import require
 from .meta.cross_entropy import check_label_smoothing, check_reduction, public_softcap, public_z_loss
-from .meta.linear_cross_entropy import check_chunk_size, check_hidden_weight_target
+from .meta.linear_cross_entropy import check_ce_weight, check_chunk_size, check_hidden_weight_target
 from .meta.mxfp8_gemm import check_other_operand
+from .reference.cross_entropy import reduce_denominator
 
 __all__ = ["linear_cross_entropy"]
 
@@ -29,14 +31,32 @@ def _check_process_group(process_group, reduce_hidden_grad) -> None:
         check_process_group(process_group)
 
 
-def _row_weight(target_rows: torch.Tensor, reduction: str, ignore_index: int) -> torch.Tensor:
+def _row_weight(
+    target_rows: torch.Tensor, reduction: str, ignore_index: int, ce_weight: torch.Tensor | None = None
+) -> torch.Tensor:
     """fp32 (N,) weights of the per-row losses in the reduced loss: 1 (sum) or 1 / n_valid (mean), on
-    the device (an expanded 0-d tensor; inf when every row is ignored, so the mean is NaN like PyTorch)."""
+    the device (an expanded 0-d tensor; inf when every row is ignored, so the mean is NaN like PyTorch).
+    With class weights ``ce_weight`` (V,) the mean's ``n_valid`` is the non-ignored rows' target weights
+    ``Σ w_y`` (torch's definition; the per-row losses already carry their ``w_y``)."""
     if reduction == "sum":
         weight = torch.ones((), dtype=torch.float32, device=target_rows.device)
     else:
-        weight = torch.reciprocal((target_rows != ignore_index).sum().float())
+        weight = torch.reciprocal(reduce_denominator(target_rows, ignore_index, ce_weight))
     return weight.expand(target_rows.shape)
+
+
+def _public_ce_weight(ce_weight, weight: torch.Tensor, process_group) -> torch.Tensor | None:
+    """Checked class weights, float64 ones as fp32 (the kernels compute in fp32); ``(V,)``, or with a
+    process group ``(W·V,)`` of the whole vocabulary."""
+    n_classes = weight.shape[0]
+    if process_group is not None:
+        from .distributed import vocab_shard
+
+        n_classes = vocab_shard(n_classes, process_group)[1]
+    check_ce_weight(ce_weight, n_classes, weight)
+    if ce_weight is not None and ce_weight.dtype not in HIGH_PRECISION_DTYPES:
+        ce_weight = ce_weight.float()
+    return ce_weight
 
 
 def linear_cross_entropy(
@@ -56,6 +76,7 @@ def linear_cross_entropy(
     softcap: float | None = None,
     return_z_loss: bool = False,
     return_lse: bool = False,
+    ce_weight: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """``F.cross_entropy(F.linear(hidden, weight), target)`` without the ``(N, V)`` logits in memory.
 
@@ -94,6 +115,14 @@ def linear_cross_entropy(
             applied to every chunk's logits inside the cross-entropy kernels; the in-gradient schedule
             (the logits inside ``weight``'s gradient) does not run with ``z_loss`` or ``softcap``: the chunk
             schedule serves those calls.
+        ce_weight: class weights, ``F.cross_entropy``'s ``weight=`` (named apart from the LM-head matrix
+            ``weight``, as Liger does): a 1-D float ``(V,)`` tensor on ``hidden``'s device (with
+            ``process_group``: the whole vocabulary's ``(W·V,)``, the same on every rank), no gradient;
+            float32/bf16/fp16 are read as they are and float64 is cast to fp32. Torch's semantics: a row's
+            loss is ``w_y`` times its NLL, label smoothing's term is ``(ls / V) Σ_c w_c (-log p_c)``, the
+            mean divides by the non-ignored rows' ``Σ w_y`` (NaN when that is 0); the z-loss is not
+            weighted. Applied inside the cross-entropy kernels of every chunk (no extra pass over the
+            logits); the in-gradient schedule takes no class weights (the chunk schedule serves them).
 
     Returns the fp32 loss (0-d, or ``target.shape`` for ``reduction="none"``); gradients come in the
     inputs' dtypes. Logits are ``dtype(hidden @ weight^T)`` with fp32 accumulation, per chunk.
@@ -120,13 +149,14 @@ def linear_cross_entropy(
     require(chunk_size is None or chunk_size > 0, lambda: f"chunk_size must be positive, got {chunk_size}")
     z_loss, softcap = public_z_loss(z_loss), public_softcap(softcap)
     check_return_flags(return_z_loss, return_lse)
+    ce_weight = _public_ce_weight(ce_weight, weight, process_group)
     loss, stats = _loss_and_stats(
         hidden, weight, target, grad_format, float(label_smoothing), int(ignore_index), reduction,
-        process_group, chunk_size, other_operand, reduce_hidden_grad, z_loss, softcap,
+        process_group, chunk_size, other_operand, reduce_hidden_grad, z_loss, softcap, ce_weight,
     )  # fmt: skip
     if not (return_z_loss or return_lse):
         return loss
-    extras = loss_extras(stats, target, reduction, ignore_index, None, z_loss, return_z_loss, return_lse)
+    extras = loss_extras(stats, target, reduction, ignore_index, ce_weight, z_loss, return_z_loss, return_lse)
     return (loss, *extras)
 
 
@@ -144,6 +174,7 @@ def _loss_and_stats(
     reduce_hidden_grad: bool,
     z_loss: float,
     softcap: float,
+    ce_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the reduced or per-row loss, the ``(2, N)`` row statistics) of checked arguments."""
     chunk = 0 if chunk_size is None else chunk_size
@@ -167,9 +198,10 @@ def _loss_and_stats(
             reduce_hidden_grad,
             z_loss,
             softcap,
+            ce_weight,
             with_stats=True,
         )
-        return reduce_row_losses(loss_rows, target, reduction, ignore_index), stats
+        return reduce_row_losses(loss_rows, target, reduction, ignore_index, ce_weight), stats
     need_dhidden, need_dweight = hidden.requires_grad, weight.requires_grad
     # No rows: the mean is NaN as in torch, which the reduction kernel gives and the fused schedule does not.
     fused = reduction != "none" and target_rows.shape[0] > 0
@@ -178,7 +210,7 @@ def _loss_and_stats(
             hidden_rows,
             weight,
             target_rows,
-            _row_weight(target_rows, reduction, ignore_index),
+            _row_weight(target_rows, reduction, ignore_index, ce_weight),
             label_smoothing,
             ignore_index,
             op_format,
@@ -188,6 +220,7 @@ def _loss_and_stats(
             need_dweight,
             z_loss,
             softcap,
+            ce_weight,
         )
         return loss, stats
     loss_rows, stats = library.linear_cross_entropy_fwd(
@@ -201,5 +234,6 @@ def _loss_and_stats(
         chunk,
         z_loss,
         softcap,
+        ce_weight,
     )
-    return reduce_row_losses(loss_rows, target, reduction, ignore_index), stats
+    return reduce_row_losses(loss_rows, target, reduction, ignore_index, ce_weight), stats

@@ -282,6 +282,48 @@ def lm_head_loss_features_match_the_single_rank_loss(r: Rank):
         assert relative_error(dw, my_rows(r, want_dw).double().cpu()) < 1e-2, what
 
 
+def float64_weighted(hidden, weight, target, ce_weight, reduction, label_smoothing):
+    """Float64 ``F.cross_entropy(logits, t, weight=ce_weight)``: (loss of the bf16 logits the op computes,
+    dhidden and dweight of ``F.linear(h, w)``)."""
+    h64 = hidden.cpu().double().requires_grad_()
+    w64 = weight.cpu().double().requires_grad_()
+    options = dict(
+        target=target.cpu(), weight=ce_weight.cpu().double(), ignore_index=IGNORE, reduction=reduction,
+        label_smoothing=label_smoothing,
+    )  # fmt: skip
+    loss = F.cross_entropy(F.linear(h64, w64), **options)
+    dh, dw = torch.autograd.grad(loss, (h64, w64), grad_outputs=torch.ones_like(loss))
+    bf16_logits = (hidden.float() @ weight.float().t()).bfloat16().cpu().double()
+    return F.cross_entropy(bf16_logits, **options), dh, dw
+
+
+@lm_check
+def lm_head_class_weights_match_float64_and_the_single_rank(r: Rank):
+    """ce_weight (the whole vocabulary's, on every rank): the loss equal on every rank, at fp32 precision
+    of the single-rank weighted loss and near float64 ``F.cross_entropy(weight=)``; the gradients this
+    rank's rows of the single-rank ones; with MXFP8 too."""
+    hidden, weight, target = lm_inputs(r, 7)
+    gen = torch.Generator().manual_seed(8)
+    ce_weight = (torch.rand(weight.shape[0], generator=gen) * 2).to(r.device)
+    for reduction, ls, grad_format in (("mean", 0.1, None), ("sum", 0.0, "mxfp8_e4m3"), ("none", 0.1, None)):
+        kwargs = dict(reduction=reduction, label_smoothing=ls, chunk_size=CHUNK, grad_format=grad_format)
+        what = f"ce_weight {kwargs}"
+        loss, dh, dw = loss_and_grads(
+            hidden, my_rows(r, weight), target, process_group=r.group, ce_weight=ce_weight, **kwargs
+        )
+        assert_same_on_every_rank(r, loss, what)
+        assert_same_on_every_rank(r, dh, what + ": hidden gradient")
+        want_loss, want_dh, want_dw = loss_and_grads(hidden, weight, target, ce_weight=ce_weight, **kwargs)
+        torch.testing.assert_close(loss.float(), want_loss.float(), rtol=1e-5, atol=1e-5, msg=what)
+        rtol = GRAD_RTOL[grad_format]
+        assert relative_error(dh, want_dh.double().cpu()) < rtol / 2, what
+        assert relative_error(dw, my_rows(r, want_dw).double().cpu()) < rtol / 2, what
+        f64_loss, f64_dh, f64_dw = float64_weighted(hidden, weight, target, ce_weight, reduction, ls)
+        torch.testing.assert_close(loss.cpu().double(), f64_loss, rtol=1e-5, atol=1e-4, msg=what)
+        assert relative_error(dh, f64_dh) < rtol, what + " vs float64"
+        assert relative_error(dw, f64_dw[r.columns]) < rtol, what + " vs float64"
+
+
 def loss_and_grads_of(fn, hidden, weight, target):
     h = hidden.detach().clone().requires_grad_()
     w = weight.detach().clone().requires_grad_()

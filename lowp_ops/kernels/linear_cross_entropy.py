@@ -112,13 +112,19 @@ def launch_linear_cross_entropy_bwd(*args):
     return backward_chunks(*args, steps=KERNEL_STEPS)
 
 
+def _has_features(z_loss: float = 0.0, softcap: float = 0.0, ce_weight: torch.Tensor | None = None) -> bool:
+    """Whether a loss feature or class weights are on (the trailing arguments of the LM-head ops)."""
+    return z_loss != 0.0 or softcap != 0.0 or ce_weight is not None
+
+
 def in_gradient_buffer_applies(hidden, grad_format, chunk_size, compute_dweight, features=()) -> bool:
     """Whether :func:`fwd_bwd_in_gradient_buffer` serves a ``linear_cross_entropy_fwd_bwd`` call: bf16
     (input-dtype) gradient, automatic chunk, ``dweight`` wanted, ``0 < N <= H`` so that the logits fit
-    in ``dweight``'s storage, and no loss feature (``features``: ``z_loss, softcap``; the column kernels
-    have none, the chunk schedule serves those calls)."""
+    in ``dweight``'s storage, and no loss feature and no class weights (``features``: ``z_loss, softcap,
+    ce_weight``; the column kernels, which read the logits along tokens, take none of them: the chunk
+    schedule serves those calls with the row kernels, which do)."""
     return (
-        not any(features)
+        not _has_features(*features)
         and grad_format == "none"
         and chunk_size == 0
         and compute_dweight

@@ -12,7 +12,7 @@ from .vocab_parallel import launch_vocab_parallel_ce_stats
 
 
 def launch_linear_vocab_parallel_ce_stats(
-    hidden, weight, target, vocab_start, logit_sum, chunk_size, softcap=0.0
+    hidden, weight, target, vocab_start, logit_sum, chunk_size, softcap=0.0, ce_weight=None
 ):
     """``lowp::linear_vocab_parallel_ce_stats``."""
     return stats_chunks(
@@ -23,6 +23,7 @@ def launch_linear_vocab_parallel_ce_stats(
         logit_sum,
         chunk_size,
         softcap,
+        ce_weight,
         logits=KERNEL_STEPS.logits,
         shard_stats=launch_vocab_parallel_ce_stats,
     )

@@ -31,6 +31,7 @@ from ..formats import HIGH_PRECISION_DTYPES
 from .checks import require
 from .cross_entropy import (
     TARGET_DTYPES,
+    check_class_weight,
     check_label_smoothing,
     check_loss_features,
     check_row_stats,
@@ -140,11 +141,14 @@ def linear_cross_entropy_fwd_outputs(
     chunk_size: int,
     z_loss: float = 0.0,
     softcap: float = 0.0,
+    ce_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss (N,) fp32, row_stats (2, N) fp32)`` (:mod:`lowp_ops.meta.cross_entropy`); ``grad_format``
-    and ``other_operand`` are for the backward; ``z_loss``, ``softcap`` the loss features (0.0 = off)."""
+    and ``other_operand`` are for the backward; ``z_loss``, ``softcap`` the loss features (0.0 = off);
+    ``ce_weight`` the optional class weights ``(V,)``."""
     _check_rows(hidden, weight, target, label_smoothing, chunk_size)
     check_loss_features(z_loss, softcap)
+    check_class_weight(ce_weight, weight.shape[0], hidden)
     check_grad_format(grad_format)
     check_other_operand(other_operand)
     return row_loss_and_stats_outputs(hidden, hidden.shape[0])
@@ -165,10 +169,14 @@ def linear_cross_entropy_bwd_outputs(
     compute_dweight: bool,
     z_loss: float = 0.0,
     softcap: float = 0.0,
+    ce_weight: torch.Tensor | None = None,
+    vocab_total: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dhidden, dweight)`` as :func:`_grad_outputs`."""
+    """``(dhidden, dweight)`` as :func:`_grad_outputs`; ``ce_weight``: optional class weights of the whole
+    vocabulary (``vocab_total`` classes for a shard's backward, 0: ``V``)."""
     _check_rows(hidden, weight, target, label_smoothing, chunk_size)
     check_loss_features(z_loss, softcap)
+    check_class_weight(ce_weight, vocab_total or weight.shape[0], hidden)
     _check_grad_args(hidden, grad_format, other_operand, "grad_rows", grad_rows)
     check_row_stats(stats, hidden.shape[0])
     return _grad_outputs(hidden, weight, compute_dhidden, compute_dweight)
@@ -188,14 +196,45 @@ def linear_cross_entropy_fwd_bwd_outputs(
     compute_dweight: bool,
     z_loss: float = 0.0,
     softcap: float = 0.0,
+    ce_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss () fp32, dhidden, dweight, row_stats (2, N) fp32)``: the row statistics as the forward's
-    (for the lse and the z-loss of logging)."""
+    (for the lse and the z-loss of logging); ``ce_weight`` the optional class weights ``(V,)``."""
     _check_rows(hidden, weight, target, label_smoothing, chunk_size)
     check_loss_features(z_loss, softcap)
+    check_class_weight(ce_weight, weight.shape[0], hidden)
     _check_grad_args(hidden, grad_format, other_operand, "row_weight", row_weight)
     loss, stats = row_loss_and_stats_outputs(hidden, hidden.shape[0])
     return (loss.new_empty(()), *_grad_outputs(hidden, weight, compute_dhidden, compute_dweight), stats)
+
+
+def check_ce_weight(ce_weight, n_classes: int, like: torch.Tensor) -> None:
+    """Public check of ``linear_cross_entropy``'s class weights: None, or a 1-D floating ``(n_classes,)``
+    tensor on ``like``'s device that does not require grad (``n_classes``: the whole vocabulary with a
+    process group). TypeError / ValueError naming ``ce_weight``."""
+    if ce_weight is None:
+        return
+    if not isinstance(ce_weight, torch.Tensor):
+        raise TypeError(f"ce_weight must be a Tensor or None, got {type(ce_weight).__name__}")
+    require(
+        ce_weight.is_floating_point(),
+        lambda: f"ce_weight must be a floating-point tensor of class weights, got {ce_weight.dtype}",
+    )
+    require(
+        ce_weight.dim() == 1 and ce_weight.shape[0] == n_classes,
+        lambda: (
+            f"ce_weight must have shape ({n_classes},) (one weight per vocabulary id), "
+            f"got {tuple(ce_weight.shape)}"
+        ),
+    )
+    require(
+        ce_weight.device == like.device,
+        lambda: f"ce_weight must be on hidden's device {like.device}, got {ce_weight.device}",
+    )
+    require(
+        not ce_weight.requires_grad,
+        lambda: "ce_weight must not require grad: linear_cross_entropy gives class weights no gradient",
+    )
 
 
 def check_scale_by_args(x: torch.Tensor, scale: torch.Tensor) -> None:

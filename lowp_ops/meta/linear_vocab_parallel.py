@@ -16,7 +16,7 @@ from .linear_cross_entropy import (
     check_hidden_weight_target,
     linear_cross_entropy_bwd_outputs,
 )
-from .vocab_parallel import MAX_EXACT_WIDTH, SHARD_STATS
+from .vocab_parallel import MAX_EXACT_WIDTH, SHARD_STATS, check_vocab_weight
 
 
 def linear_vocab_parallel_ce_stats_output(
@@ -27,10 +27,12 @@ def linear_vocab_parallel_ce_stats_output(
     logit_sum: bool,
     chunk_size: int,
     softcap: float = 0.0,
+    ce_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The packet ``(SHARD_STATS, N)`` fp32 of the logits ``hidden @ weight^T`` (ids ``vocab_start + i``),
-    capped by ``softcap`` (0.0 = no cap)."""
+    capped by ``softcap`` (0.0 = no cap); ``ce_weight``: optional class weights of the whole vocabulary."""
     check_softcap(softcap)
+    check_vocab_weight(ce_weight, vocab_start + weight.shape[0], hidden)
     require(hidden.dim() == 2, lambda: f"hidden must be 2-D (N, H) here, got {hidden.dim()}-D")
     check_hidden_weight_target(hidden, weight, target)
     check_chunk_size(chunk_size)
@@ -65,9 +67,11 @@ def linear_vocab_parallel_ce_bwd_outputs(
     vocab_total: int,
     z_loss: float = 0.0,
     softcap: float = 0.0,
+    ce_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dhidden (N, H), dweight (V_shard, H))`` in the inputs' dtype (an empty ``(0,)`` when not
-    computed); ``dhidden`` is this shard's partial sum, ``stats`` the global row statistics (2, N)."""
+    computed); ``dhidden`` is this shard's partial sum, ``stats`` the global row statistics (2, N),
+    ``ce_weight`` optional class weights ``(vocab_total,)``."""
     check_weight_shard(weight, vocab_start, vocab_total)
     return linear_cross_entropy_bwd_outputs(
         hidden,
@@ -84,4 +88,6 @@ def linear_vocab_parallel_ce_bwd_outputs(
         compute_dweight,
         z_loss,
         softcap,
+        ce_weight,
+        vocab_total,
     )

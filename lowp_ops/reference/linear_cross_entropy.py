@@ -13,8 +13,12 @@ Per chunk of rows ``c``:
 
 ``other_operand="mxfp8"`` also quantizes the GEMMs' other operand with its blocks along K (E4M3, TE's
 recipe): ``weight`` column-wise once, each ``hidden_c`` column-wise. The loss features ``z_loss`` and
-``softcap`` (0.0 = off) go to every chunk's cross entropy unchanged. The schedule (:func:`forward_chunks`,
-:func:`gradient_chunks`) is shared with the CUDA implementation, which passes its own :class:`Steps`.
+``softcap`` (0.0 = off) and the class weights ``ce_weight`` (None = off; the whole vocabulary's ``(V,)``,
+or ``(vocab_total,)`` for a shard) go to every chunk's cross entropy unchanged: each row's loss and
+gradient are the class-weighted ones of :mod:`lowp_ops.reference.cross_entropy`; the mean's denominator
+(the non-ignored rows' target weights) is in the per-row gradient the caller passes. The schedule
+(:func:`forward_chunks`, :func:`gradient_chunks`) is shared with the CUDA implementation, which passes
+its own :class:`Steps`.
 """
 
 from __future__ import annotations
@@ -101,6 +105,7 @@ class GradientWriter:
     steps: Steps
     z_loss: float = 0.0
     softcap: float = 0.0
+    ce_weight: torch.Tensor | None = None  # class weights (V,), or (vocab_total,) for a shard
     vocab: tuple[int, int] = (0, 0)  # (vocab_start, vocab_total) of a vocabulary shard; (0, 0): all
     dweight_written: bool = False
     weight_mxfp8: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -116,7 +121,7 @@ class GradientWriter:
 
     def write(self, start: int, end: int, hidden_c, logits_c, target_c, stats_c, grad_rows_c) -> None:
         args = (logits_c, target_c, stats_c, grad_rows_c, self.label_smoothing, self.ignore_index)
-        features = (*self.vocab, None, self.z_loss, self.softcap)  # no class weights here
+        features = (*self.vocab, self.ce_weight, self.z_loss, self.softcap)
         if self.grad_format == "none":
             dlogits = self.steps.ce_bwd(*args, *features)
             if self.on_dlogits is not None:
@@ -196,18 +201,19 @@ def forward_chunks(
     chunk_size,
     z_loss=0.0,
     softcap=0.0,
+    ce_weight=None,
     *,
     steps,
 ):
     """``lowp::linear_cross_entropy_fwd`` with the given steps: ``(loss (N,), row_stats (2, N))`` fp32."""
     loss, stats = linear_cross_entropy_fwd_outputs(
         hidden, weight, target, label_smoothing, ignore_index, grad_format, other_operand, chunk_size,
-        z_loss, softcap,
+        z_loss, softcap, ce_weight,
     )  # fmt: skip
     for start, end in chunk_bounds(hidden.shape[0], weight.shape[0], chunk_size):
         logits_c = steps.logits(hidden[start:end], weight)
         loss_c, stats_c = steps.ce_fwd(
-            logits_c, target[start:end], label_smoothing, ignore_index, None, z_loss, softcap
+            logits_c, target[start:end], label_smoothing, ignore_index, ce_weight, z_loss, softcap
         )
         loss[start:end] = loss_c
         stats[:, start:end] = stats_c
@@ -226,8 +232,8 @@ def gradient_chunks(
         logits_c = writer.steps.logits(hidden_c, weight)
         if stats is None:
             loss_c, stats_c = writer.steps.ce_fwd(
-                logits_c, target_c, writer.label_smoothing, writer.ignore_index, None, writer.z_loss,
-                writer.softcap,
+                logits_c, target_c, writer.label_smoothing, writer.ignore_index, writer.ce_weight,
+                writer.z_loss, writer.softcap,
             )  # fmt: skip
             loss_rows[start:end] = loss_c
             stats_out[:, start:end] = stats_c
@@ -253,6 +259,7 @@ def backward_chunks(
     compute_dweight,
     z_loss=0.0,
     softcap=0.0,
+    ce_weight=None,
     *,
     steps: Steps,
     on_dlogits=None,
@@ -275,6 +282,8 @@ def backward_chunks(
         compute_dweight,
         z_loss,
         softcap,
+        ce_weight,
+        vocab[1],
     )
     writer = GradientWriter(
         weight,
@@ -287,6 +296,7 @@ def backward_chunks(
         steps,
         z_loss,
         softcap,
+        ce_weight,
         vocab,
         on_dlogits=on_dlogits,
     )
@@ -308,13 +318,14 @@ def fwd_bwd_chunks(
     compute_dweight,
     z_loss=0.0,
     softcap=0.0,
+    ce_weight=None,
     *,
     steps: Steps,
     on_dlogits=None,
 ):
     """``lowp::linear_cross_entropy_fwd_bwd`` with the given steps: ``loss = Σ row_weight · loss_rows``,
     its gradients and the row statistics, from one logits chunk each (three GEMMs per chunk, none
-    recomputed)."""
+    recomputed). With class weights ``row_weight`` is ``1 / Σ w_y`` for the mean (the caller's)."""
     loss, dhidden, dweight, stats = linear_cross_entropy_fwd_bwd_outputs(
         hidden,
         weight,
@@ -329,6 +340,7 @@ def fwd_bwd_chunks(
         compute_dweight,
         z_loss,
         softcap,
+        ce_weight,
     )
     writer = GradientWriter(
         weight,
@@ -341,6 +353,7 @@ def fwd_bwd_chunks(
         steps,
         z_loss,
         softcap,
+        ce_weight,
         on_dlogits=on_dlogits,
     )
     loss_rows = row_weight.new_empty(row_weight.shape)

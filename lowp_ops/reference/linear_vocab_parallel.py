@@ -29,15 +29,28 @@ from .vocab_parallel import vocab_parallel_ce_stats as shard_stats_ref
 
 
 def stats_chunks(
-    hidden, weight, target, vocab_start, logit_sum, chunk_size, softcap=0.0, *, logits: Callable, shard_stats
+    hidden,
+    weight,
+    target,
+    vocab_start,
+    logit_sum,
+    chunk_size,
+    softcap=0.0,
+    ce_weight=None,
+    *,
+    logits: Callable,
+    shard_stats,
 ):
-    """``lowp::linear_vocab_parallel_ce_stats`` with the given ``logits`` and ``shard_stats`` steps."""
+    """``lowp::linear_vocab_parallel_ce_stats`` with the given ``logits`` and ``shard_stats`` steps;
+    ``ce_weight``: optional class weights of the whole vocabulary (the shard's class-weighted sum)."""
     stats = linear_vocab_parallel_ce_stats_output(
-        hidden, weight, target, vocab_start, logit_sum, chunk_size, softcap
+        hidden, weight, target, vocab_start, logit_sum, chunk_size, softcap, ce_weight
     )
     for start, end in chunk_bounds(hidden.shape[0], weight.shape[0], chunk_size):
         logits_c = logits(hidden[start:end], weight)
-        stats[:, start:end] = shard_stats(logits_c, target[start:end], vocab_start, logit_sum, None, softcap)
+        stats[:, start:end] = shard_stats(
+            logits_c, target[start:end], vocab_start, logit_sum, ce_weight, softcap
+        )
     return stats
 
 
@@ -47,7 +60,8 @@ SINGLE_RANK_BWD_ARGS = 12
 
 def bwd_chunks(*args, steps: Steps, on_dlogits=None):
     """``lowp::linear_vocab_parallel_ce_bwd``: the first 12 arguments of ``lowp::linear_cross_entropy_bwd``,
-    then ``vocab_start, vocab_total`` and the loss features ``z_loss, softcap`` (optional)."""
+    then ``vocab_start, vocab_total``, the loss features ``z_loss, softcap`` and the class weights
+    ``ce_weight`` of the whole vocabulary (optional)."""
     single_rank_args = args[:SINGLE_RANK_BWD_ARGS]
     vocab_start, vocab_total, *features = args[SINGLE_RANK_BWD_ARGS:]
     check_weight_shard(single_rank_args[1], vocab_start, vocab_total)
@@ -56,7 +70,9 @@ def bwd_chunks(*args, steps: Steps, on_dlogits=None):
     )
 
 
-def linear_vocab_parallel_ce_stats(hidden, weight, target, vocab_start, logit_sum, chunk_size, softcap=0.0):
+def linear_vocab_parallel_ce_stats(
+    hidden, weight, target, vocab_start, logit_sum, chunk_size, softcap=0.0, ce_weight=None
+):
     """Reference of ``lowp::linear_vocab_parallel_ce_stats``: the packet ``(SHARD_STATS, N)`` fp32."""
     return stats_chunks(
         hidden,
@@ -66,6 +82,7 @@ def linear_vocab_parallel_ce_stats(hidden, weight, target, vocab_start, logit_su
         logit_sum,
         chunk_size,
         softcap,
+        ce_weight,
         logits=REFERENCE_STEPS.logits,
         shard_stats=shard_stats_ref,
     )
