@@ -691,6 +691,7 @@ class _CrossEntropyLoss(torch.autograd.Function):
         ctx.stages, ctx.split = (rows, reduced), len(rows.saved_tensors)
         ctx.save_for_backward(*rows.saved_tensors, *reduced.saved_tensors)
         ctx.mark_non_differentiable(grad_scale, stats)
+        ctx.set_materialize_grads(False)  # no zero-filled gradients of grad_scale and stats
         return loss, grad_scale, stats
 
     @staticmethod
