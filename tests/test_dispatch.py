@@ -98,12 +98,30 @@ def test_public_functions_give_the_same_bytes_with_and_without_the_direct_call(m
 TRITON_LAUNCHES = {
     # public call -> Triton kernels it launches (aten kernels not counted here; see the GPU test)
     "cross_entropy fwd+bwd": 3,  # row forward, reduction, backward
+    "cross_entropy fwd+bwd, z_loss and softcap": 3,  # the same kernels, the features inside them
+    "nn.CrossEntropyLoss fwd+bwd": 3,
     "cross_entropy_with_mxfp8_grad": 3,  # row forward, reduction, fused MXFP8 backward
     "softmax fwd+bwd": 2,
+    "log_softmax fwd+bwd": 2,
     "logsumexp fwd": 1,
+    "logsumexp fwd+bwd": 1,  # the backward is aten (exp(x - lse) * grad)
     "mxfp8_quantize": 1,
     "mxfp8_dequantize": 1,
+    "nvfp4_quantize row+col RHT, given amaxes": 1,
+    "nvfp4_quantize row+col RHT, computed amaxes, SR": 2,  # amax, quantize
+    "nvfp4_group_quantize row+col RHT": 2,  # per-expert amaxes, quantize
     "nvfp4_dequantize": 1,
+    # the in-gradient schedule: column statistics, their combination, the gradient in place, 2 scalings
+    "linear_cross_entropy fwd+bwd": 5,
+    # chunk forward, fused MXFP8 backward, 2 MXFP8 GEMMs (dgrad, wgrad), 2 scalings
+    "linear_cross_entropy fwd+bwd, MXFP8 gradient": 6,
+    "nn.LinearCrossEntropyLoss fwd+bwd, weight frozen": 3,  # chunk forward, backward, dhidden scaling
+    "swiglu fwd+bwd": 2,
+    "dglu": 1,
+    # 6 grouped GEMMs, each: its valid group ends (1), and the 4 row-grouped ones zero rows past the last
+    # end (1); then SwiGLU forward and dGLU
+    "grouped_swiglu_mlp bf16 fwd+bwd": 12,
+    "nn.GroupedSwiGLUMLP bf16 fwd+bwd": 12,
 }
 
 
@@ -112,9 +130,31 @@ def _launch_cases(device):
     logits = torch.randn(16, 96, generator=gen).to(device)
     target = torch.randint(0, 96, (16,), generator=gen).to(device)
     x = torch.randn(8, 64, generator=gen).to(device)
+    x16 = torch.randn(16, 64, generator=gen).bfloat16().to(device)
+    amax = x16.float().abs().amax().reshape(1)
     q = lowp_ops.mxfp8_quantize(x)
     q4 = lowp_ops.nvfp4_quantize(x, rowwise=True, columnwise=False)
+    tokens, hidden, ffn = 64, 32, 32
+    splits = torch.tensor([16, 0, 32, 16]).to(device)
+    xt = torch.randn(tokens, hidden, generator=gen).bfloat16().to(device)
+    w1 = (torch.randn(4, 2 * ffn, hidden, generator=gen) * 0.1).bfloat16().to(device)
+    w2 = (torch.randn(4, hidden, ffn, generator=gen) * 0.1).bfloat16().to(device)
+    probs = torch.rand(tokens, generator=gen).to(device)
+    c = torch.randn(tokens, 2 * ffn, generator=gen).bfloat16().to(device)
+    grad_h = torch.randn(tokens, ffn, generator=gen).bfloat16().to(device)
+    hid = torch.randn(16, 32, generator=gen).bfloat16().to(device)
+    head = (torch.randn(96, 32, generator=gen) * 0.1).bfloat16().to(device)
+    mlp = lowp_ops.nn.GroupedSwiGLUMLP(4, hidden, ffn).to(device)
 
+    def fwd_bwd(fn, *inputs):
+        def run():
+            leaves = [t.clone().requires_grad_() for t in inputs]
+            out = fn(*leaves)
+            (out[0] if isinstance(out, tuple) else out).float().sum().backward()
+
+        return run
+
+    # The cases the GPU test counts aten kernels of too: leaves made once, backward() of the loss itself.
     logits_leaf = logits.clone().requires_grad_()
     x_leaf = x.clone().requires_grad_()
     grad_y = torch.ones_like(x)
@@ -127,12 +167,42 @@ def _launch_cases(device):
 
     return {
         "cross_entropy fwd+bwd": ce,
+        "cross_entropy fwd+bwd, z_loss and softcap": fwd_bwd(
+            lambda a: lowp_ops.cross_entropy(a, target, z_loss=1e-3, softcap=5.0), logits
+        ),
+        "nn.CrossEntropyLoss fwd+bwd": fwd_bwd(lambda a: lowp_ops.nn.CrossEntropyLoss()(a, target), logits),
         "cross_entropy_with_mxfp8_grad": lambda: lowp_ops.cross_entropy_with_mxfp8_grad(logits, target),
         "softmax fwd+bwd": sm,
+        "log_softmax fwd+bwd": fwd_bwd(lowp_ops.log_softmax, x),
         "logsumexp fwd": lambda: lowp_ops.logsumexp(x),
+        "logsumexp fwd+bwd": fwd_bwd(lowp_ops.logsumexp, x),
         "mxfp8_quantize": lambda: lowp_ops.mxfp8_quantize(x),
         "mxfp8_dequantize": lambda: lowp_ops.mxfp8_dequantize(q),
+        "nvfp4_quantize row+col RHT, given amaxes": lambda: lowp_ops.nvfp4_quantize(
+            x16, columnwise=True, rht=True, amax_rowwise=amax, amax_columnwise=amax
+        ),
+        "nvfp4_quantize row+col RHT, computed amaxes, SR": lambda: lowp_ops.nvfp4_quantize(
+            x16, columnwise=True, rht=True, stochastic_rounding=True, sr_seed=torch.tensor([1, 2]).to(device)
+        ),
+        "nvfp4_group_quantize row+col RHT": lambda: lowp_ops.nvfp4_group_quantize(
+            xt, splits, columnwise=True, rht=True
+        ),
         "nvfp4_dequantize": lambda: lowp_ops.nvfp4_dequantize(q4),
+        "linear_cross_entropy fwd+bwd": fwd_bwd(
+            lambda h, w: lowp_ops.linear_cross_entropy(h, w, target), hid, head
+        ),
+        "linear_cross_entropy fwd+bwd, MXFP8 gradient": fwd_bwd(
+            lambda h, w: lowp_ops.linear_cross_entropy(h, w, target, grad_format="mxfp8_e4m3"), hid, head
+        ),
+        "nn.LinearCrossEntropyLoss fwd+bwd, weight frozen": fwd_bwd(
+            lambda h: lowp_ops.nn.LinearCrossEntropyLoss()(head, h, target), hid
+        ),
+        "swiglu fwd+bwd": fwd_bwd(lowp_ops.swiglu, c, probs),
+        "dglu": lambda: lowp_ops.dglu(grad_h, c, probs, splits),
+        "grouped_swiglu_mlp bf16 fwd+bwd": fwd_bwd(
+            lambda a, b, d, p: lowp_ops.grouped_swiglu_mlp(a, b, d, splits, p), xt, w1, w2, probs
+        ),
+        "nn.GroupedSwiGLUMLP bf16 fwd+bwd": fwd_bwd(lambda a, p: mlp(a, splits, p), xt, probs),
     }
 
 
