@@ -1,4 +1,4 @@
-"""Grouped SwiGLU MLP benchmark (H200), at the MoE shape of issue 7: T=16384 tokens, H=4096, F=1536,
+"""Grouped SwiGLU MLP benchmark (H200), at one MoE layer of T=16384 tokens, H=4096, F=1536,
 E=8 experts with uneven splits (multiples of 128, one expert empty), bf16.
 
 1. The fused dGLU kernel and the SwiGLU forward kernel: effective bandwidth (byte floor / time) against

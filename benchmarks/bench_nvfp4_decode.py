@@ -1,4 +1,4 @@
-"""NVFP4 local-value decode benchmark (H200), at the MoE shape of issue 7: T=16384 tokens, H=4096, F=1536,
+"""NVFP4 local-value decode benchmark (H200), at one MoE layer of T=16384 tokens, H=4096, F=1536,
 E=8 experts with bench_grouped_mlp's uneven splits.
 
 1. ``lowp::nvfp4_decode_rows`` (tokens (T, H), and the 16x16 weights (E, 2F, H) as one batch) and

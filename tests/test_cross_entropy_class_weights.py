@@ -1,4 +1,4 @@
-"""Class weights (``F.cross_entropy``'s ``weight=``, issue 21 item 2) in the cross-entropy ops: the forward
+"""Class weights (``F.cross_entropy``'s ``weight=``) in the cross-entropy ops: the forward
 (per-row loss), the backward (bf16/fp32 and the fused MXFP8 payload) and the reduction, against
 ``torch.nn.functional.cross_entropy`` in float64 (label smoothing, ``ignore_index``, every reduction,
 gradients through the ops' autograd formulas), on the references (plain tests), the Triton kernels

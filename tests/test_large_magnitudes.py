@@ -1,4 +1,4 @@
-"""Precision at any logit magnitude (issue 21, item 1): the cross entropy, softmax, log_softmax and
+"""Precision at any logit magnitude: the cross entropy, softmax, log_softmax and
 logsumexp keep their digits when a constant ``c`` (up to 1e30, and rows near the fp32 maximum) is added
 to every logit, in every path: the references (plain tests), the Triton kernels (``interp``: CPU tensors
 under ``TRITON_INTERPRET=1``; ``gpu``: the same checks on CUDA, where the fused MXFP8 backward is the
@@ -193,7 +193,7 @@ def check_softmax_family(x: torch.Tensor) -> None:
 
 
 def examples(device: str) -> None:
-    """The four failures of issue 21 item 1, and logsumexp of ``[inf, 1]``."""
+    """Four reported failures at large magnitudes, and logsumexp of ``[inf, 1]``."""
     f32 = dict(dtype=torch.float32, device=device)
     x = torch.tensor([[1e4 + 2, 1e4 - 1]], **f32)
     target = torch.tensor([0], device=device)
