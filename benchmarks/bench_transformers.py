@@ -403,7 +403,7 @@ def run_subprocess(command: list[str], timeout: float) -> tuple[int | None, str]
         stderr=subprocess.STDOUT,
         text=True,
         env=child_env(),
-        start_new_session=True,
+        preexec_fn=os.setpgrp,  # its own process group: a timeout kills its compile workers too
     )
     try:
         output, _ = proc.communicate(timeout=timeout)
