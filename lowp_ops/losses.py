@@ -8,8 +8,6 @@ Both hold their options and call the functions :func:`lowp_ops.cross_entropy` an
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
 from .functional import cross_entropy
@@ -29,23 +27,13 @@ def _check_options(ignore_index: int, reduction: str, label_smoothing: float) ->
     check_label_smoothing(label_smoothing)
 
 
-def _takes(function, name: str) -> bool:
-    return name in inspect.signature(function).parameters
-
-
-def _check_class_weight(weight: torch.Tensor | None, function, name: str) -> None:
-    """Class weights: a 1-D floating tensor, passed to ``function`` as ``name``; NotImplementedError while
-    ``function`` does not take it."""
-    if weight is None:
-        return
+def _check_class_weight(weight: torch.Tensor | None, name: str) -> None:
+    """Class weights ``name``: None, or a 1-D floating tensor."""
     require(
-        isinstance(weight, torch.Tensor) and weight.dim() == 1 and weight.is_floating_point(),
+        weight is None
+        or (isinstance(weight, torch.Tensor) and weight.dim() == 1 and weight.is_floating_point()),
         lambda: f"{name} must be a 1-D floating tensor of class weights, got {weight!r:.80}",
     )
-    if not _takes(function, name):
-        raise NotImplementedError(
-            f"{name}= (class weights): lowp_ops.{function.__name__} does not take {name}= in this version"
-        )
 
 
 def _features(z_loss, lse_square_scale, softcap, return_z_loss) -> dict:
@@ -63,7 +51,51 @@ def _features(z_loss, lse_square_scale, softcap, return_z_loss) -> dict:
     return features
 
 
-class CrossEntropyLoss(torch.nn.Module):
+class _LossModule(torch.nn.Module):
+    """What both loss modules hold: the checked options of their function, the class weights as a buffer
+    named ``weight_name``, and the keyword arguments of the call."""
+
+    def __init__(
+        self,
+        weight_name: str,
+        weight,
+        ignore_index,
+        reduction,
+        label_smoothing,
+        process_group,
+        features,
+        options,
+    ):
+        super().__init__()
+        _check_options(ignore_index, reduction, label_smoothing)
+        _check_class_weight(weight, weight_name)
+        self.weight_name = weight_name
+        self.register_buffer(weight_name, weight)
+        self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
+        self.process_group = process_group
+        self.options = {**_features(*features), **options}
+
+    def call_options(self) -> dict:
+        """Keyword arguments of the function call (class weights only when set)."""
+        weight = getattr(self, self.weight_name)
+        return {
+            "ignore_index": self.ignore_index,
+            "reduction": self.reduction,
+            "label_smoothing": self.label_smoothing,
+            "process_group": self.process_group,
+            **({} if weight is None else {self.weight_name: weight}),
+            **self.options,
+        }
+
+    def extra_repr(self) -> str:
+        return (
+            f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+            f"label_smoothing={self.label_smoothing}, process_group={self.process_group is not None}"
+            + "".join(f", {name}={value!r}" for name, value in self.options.items())
+        )
+
+
+class CrossEntropyLoss(_LossModule):
     """``torch.nn.CrossEntropyLoss`` on :func:`lowp_ops.cross_entropy` (masked-safe, fp32 loss, gradient
     in the logits' dtype; vocabulary-parallel with ``process_group``).
 
@@ -96,38 +128,16 @@ class CrossEntropyLoss(torch.nn.Module):
         return_z_loss: bool = False,
         **options,
     ):
-        super().__init__()
-        _check_options(ignore_index, reduction, label_smoothing)
-        options = {**_features(z_loss, lse_square_scale, softcap, return_z_loss), **options}
-        _check_class_weight(weight, cross_entropy, "weight")
-        self.register_buffer("weight", weight)
-        self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
-        self.process_group = process_group
-        self.options = options
+        features = (z_loss, lse_square_scale, softcap, return_z_loss)
+        super().__init__(
+            "weight", weight, ignore_index, reduction, label_smoothing, process_group, features, options
+        )
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        class_weight = {} if self.weight is None else {"weight": self.weight}
-        group = {} if self.process_group is None else {"process_group": self.process_group}
-        return cross_entropy(
-            input,
-            target,
-            ignore_index=self.ignore_index,
-            reduction=self.reduction,
-            label_smoothing=self.label_smoothing,
-            **class_weight,
-            **group,
-            **self.options,
-        )
-
-    def extra_repr(self) -> str:
-        return (
-            f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
-            f"label_smoothing={self.label_smoothing}, process_group={self.process_group is not None}"
-            + "".join(f", {name}={value!r}" for name, value in self.options.items())
-        )
+        return cross_entropy(input, target, **self.call_options())
 
 
-class LinearCrossEntropyLoss(torch.nn.Module):
+class LinearCrossEntropyLoss(_LossModule):
     """The LM head and its cross entropy without the (tokens, vocab) logits in memory:
     :func:`lowp_ops.linear_cross_entropy`, with the constructor options of Liger's
     ``LigerFusedLinearCrossEntropyLoss`` and ``torch.nn.CrossEntropyLoss``.
@@ -163,15 +173,11 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         return_z_loss: bool = False,
         **options,
     ):
-        super().__init__()
-        _check_options(ignore_index, reduction, label_smoothing)
-        options = {**_features(z_loss, lse_square_scale, softcap, return_z_loss), **options}
-        _check_class_weight(ce_weight, linear_cross_entropy, "ce_weight")
-        self.register_buffer("ce_weight", ce_weight)
-        self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
+        features = (z_loss, lse_square_scale, softcap, return_z_loss)
+        super().__init__(
+            "ce_weight", ce_weight, ignore_index, reduction, label_smoothing, process_group, features, options
+        )
         self.grad_format = grad_format
-        self.process_group = process_group
-        self.options = options
 
     def forward(
         self,
@@ -182,24 +188,9 @@ class LinearCrossEntropyLoss(torch.nn.Module):
     ) -> torch.Tensor:
         if bias is not None:
             raise NotImplementedError("LinearCrossEntropyLoss: an LM head bias is not supported")
-        class_weight = {} if self.ce_weight is None else {"ce_weight": self.ce_weight}
         return linear_cross_entropy(
-            _input,
-            lin_weight,
-            target,
-            grad_format=self.grad_format,
-            ignore_index=self.ignore_index,
-            reduction=self.reduction,
-            label_smoothing=self.label_smoothing,
-            process_group=self.process_group,
-            **class_weight,
-            **self.options,
+            _input, lin_weight, target, grad_format=self.grad_format, **self.call_options()
         )
 
     def extra_repr(self) -> str:
-        return (
-            f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
-            f"label_smoothing={self.label_smoothing}, grad_format={self.grad_format!r}, "
-            f"process_group={self.process_group is not None}"
-            + "".join(f", {name}={value!r}" for name, value in self.options.items())
-        )
+        return f"grad_format={self.grad_format!r}, " + super().extra_repr()
