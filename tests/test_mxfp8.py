@@ -386,13 +386,9 @@ def swizzle_row_scales_by_loop(compact: torch.Tensor) -> torch.Tensor:
 
 
 def swizzle_col_scales_by_loop(compact: torch.Tensor) -> torch.Tensor:
-    """Column-wise scales: i = column, j = 32-row block, n_tiles_x = padded scale rows / 4."""
-    row_blocks, cols = compact.shape
-    flat = torch.zeros(row_blocks * cols, dtype=torch.uint8)
-    for j in range(row_blocks):
-        for i in range(cols):
-            flat[te_swizzle_index(i, j, row_blocks // 4)] = compact[j, i]
-    return flat.view(row_blocks, cols)
+    """Column-wise scales: the row-wise swizzle of the transpose (i = column, j = 32-row block,
+    n_tiles_x = padded scale rows / 4), in the compact tensor's shape."""
+    return swizzle_row_scales_by_loop(compact.t().contiguous()).view(compact.shape)
 
 
 @pytest.mark.parametrize("shape", [(200, 300), (33, 45), (2, 3, 129)], ids=str)
