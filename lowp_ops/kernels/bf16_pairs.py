@@ -38,3 +38,9 @@ def to_dtype_rne(x, DTYPE: tl.constexpr):
         rounded = tl.where(x != x, bits | 0x00400000, rounded) >> 16
         return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     return x.to(DTYPE)
+
+
+@triton.jit
+def round_to_bf16(x):
+    """fp32 ``x`` rounded to bf16 (ties to even), returned as fp32."""
+    return to_dtype_rne(x, tl.bfloat16).to(tl.float32)

@@ -26,6 +26,7 @@ from ..meta.cross_entropy import (
 )
 from ..reference.cross_entropy import cross_entropy_reduce, smoothing_weight_total
 from . import cross_entropy_gluon
+from .bf16_pairs import to_dtype_rne
 from .cross_entropy_math import (
     add_z_loss,
     program_tile_grad,
@@ -179,7 +180,9 @@ def cross_entropy_bwd_kernel(
         HAS_Z_LOSS,
         HAS_SOFTCAP,
     )
-    store_tile(dlogits_ptr, rows_idx, cols, rows, n_cols, grad.to(dlogits_ptr.dtype.element_ty), EVEN)
+    store_tile(
+        dlogits_ptr, rows_idx, cols, rows, n_cols, to_dtype_rne(grad, dlogits_ptr.dtype.element_ty), EVEN
+    )
 
 
 @cached_launch

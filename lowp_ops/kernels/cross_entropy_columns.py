@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ..meta.cross_entropy import LOG_SUM, SHIFT, row_loss_and_stats_outputs
+from .bf16_pairs import to_dtype_rne
 from .cross_entropy import _bwd_scalars, stats_rows
 from .cross_entropy_math import cross_entropy_grad, load_row_stats, row_loss, softmax_minus_eps
 from .launch import cached_launch
@@ -257,7 +258,7 @@ def column_grad_in_place_kernel(
         )
     else:
         grad = p * row_scale[None, :]
-    tl.store(ptrs, grad.to(logits_ptr.dtype.element_ty), mask=mask)
+    tl.store(ptrs, to_dtype_rne(grad, logits_ptr.dtype.element_ty), mask=mask)
 
 
 def rows_per_slice(n_vocab: int, token_blocks: int) -> int:

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from ..meta.linear_cross_entropy import check_scale_by_args
 from ..reference.linear_cross_entropy import Steps, backward_chunks, forward_chunks, fwd_bwd_chunks, scale_by_
+from .bf16_pairs import to_dtype_rne
 from .cross_entropy import launch_cross_entropy_bwd, launch_cross_entropy_bwd_mxfp8, launch_cross_entropy_fwd
 from .cross_entropy_columns import column_cross_entropy_bwd_in_place, column_cross_entropy_fwd
 from .launch import cached_launch
@@ -192,7 +193,7 @@ def scale_by_kernel(x_ptr, scale_ptr, n, BLOCK: tl.constexpr):
     # scale == 1 (a loss differentiated directly) moves no bytes: every access is masked off.
     in_bounds = offsets < tl.where(scale != 1.0, n, 0)
     x = tl.load(x_ptr + offsets, mask=in_bounds, other=0.0).to(tl.float32)
-    tl.store(x_ptr + offsets, (x * scale).to(x_ptr.dtype.element_ty), mask=in_bounds)
+    tl.store(x_ptr + offsets, to_dtype_rne(x * scale, x_ptr.dtype.element_ty), mask=in_bounds)
 
 
 def launch_scale_by_(x: torch.Tensor, scale: torch.Tensor) -> None:

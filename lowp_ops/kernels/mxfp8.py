@@ -17,6 +17,7 @@ import triton.language as tl
 
 from ..formats import FP8_DTYPES, FP8_MAX, FP8_MAX_RCP, MXFP8_BLOCK_SIZE
 from ..meta.mxfp8 import flat_2d_dims, mxfp8_dequantize_output, mxfp8_quantize_outputs
+from .bf16_pairs import to_dtype_rne
 from .launch import cached_launch
 
 TILE_ROWS = MXFP8_BLOCK_SIZE
@@ -359,7 +360,7 @@ def mxfp8_dequantize_kernel(
     scale_offset = swizzled_scale_offset(i, j, n_tiles_x) if SWIZZLED else compact
     code = tl.load(scale_ptr + scale_offset, mask=in_bounds, other=0).to(tl.int32)
     out = values * dequantize_multiplier(code)
-    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=in_bounds)
+    tl.store(out_ptr + offsets, to_dtype_rne(out, out_ptr.dtype.element_ty), mask=in_bounds)
 
 
 TRITON_FP8 = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}

@@ -20,6 +20,7 @@ import triton.language as tl
 from ..formats import FP8_DTYPES
 from ..meta.mxfp8_gemm import gemm_dims, mxfp8_gemm_output
 from ..reference.mxfp8 import swizzle_scales
+from .bf16_pairs import to_dtype_rne
 from .launch import cached_launch
 from .mxfp8 import dequantize_multiplier
 
@@ -142,7 +143,7 @@ def mxfp8_gemm_kernel(
     c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :].to(tl.int64) * stride_cn
     if ACCUMULATE:
         acc += tl.load(c_ptrs, mask=in_bounds, other=0.0).to(tl.float32)
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=in_bounds)
+    tl.store(c_ptrs, to_dtype_rne(acc, c_ptr.dtype.element_ty), mask=in_bounds)
 
 
 def gemm_config(m: int, n: int, k: int) -> dict:

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ..formats import RHT_SIGN_MASK, SCALE_TILE_COLS, round_to_fp32
-from .bf16_pairs import round_pairs_to_bf16
+from .bf16_pairs import round_pairs_to_bf16, round_to_bf16
 from .launch import INTERPRETING_CONSTEXPR as INTERPRETING
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
@@ -30,17 +30,6 @@ def _max_keep_nan(a, b):
 @triton.jit
 def _min_keep_nan(a, b):
     return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def round_to_bf16(x):
-    """fp32 ``x`` rounded to bf16 (ties to even), returned as fp32."""
-    if INTERPRETING:
-        bits = x.to(tl.int32, bitcast=True)
-        out = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-    else:
-        out = x.to(tl.bfloat16).to(tl.float32)
-    return out
 
 
 @triton.jit

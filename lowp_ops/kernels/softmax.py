@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ..meta.softmax import logsumexp_output, softmax_bwd_output, softmax_fwd_output
+from .bf16_pairs import to_dtype_rne
 from .launch import cached_launch, rows_with_unit_stride
 
 MAX_BLOCK = 4096
@@ -126,7 +127,7 @@ def softmax_fwd_kernel(
         x = tl.load(row_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
         _, d, shifted = online_softmax_update(float("-inf"), 0.0, x)
         out = softmax_values(shifted, finish_log_sum(d), LOG, MASKED_ROWS_ZERO)
-        tl.store(out_row_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
+        tl.store(out_row_ptr + cols, to_dtype_rne(out, out_ptr.dtype.element_ty), mask=cols < n_cols)
     else:
         m, d, _ = row_stats_and_shifted_sum(row_ptr, n_cols, BLOCK, False)
         shift = masked_safe_shift(m)
@@ -135,7 +136,7 @@ def softmax_fwd_kernel(
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(row_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
             out = softmax_values(x - shift, log_sum, LOG, MASKED_ROWS_ZERO)
-            tl.store(out_row_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
+            tl.store(out_row_ptr + cols, to_dtype_rne(out, out_ptr.dtype.element_ty), mask=cols < n_cols)
 
 
 @cached_launch
@@ -169,7 +170,7 @@ def softmax_bwd_kernel(out_ptr, grad_ptr, dx_ptr, n_cols, BLOCK: tl.constexpr, L
             dx = tl.where(not_minus_inf == 0, 0.0, dx)
         else:
             dx = y * (dy - total)
-        tl.store(dx_ptr + offset + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + offset + cols, to_dtype_rne(dx, dx_ptr.dtype.element_ty), mask=mask)
 
 
 def row_block(n_cols: int) -> int:

@@ -23,6 +23,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ..meta.swiglu import dglu_outputs, swiglu_fwd_output
+from .bf16_pairs import to_dtype_rne
 from .launch import INTERPRETING_CONSTEXPR as INTERPRETING
 from .launch import cached_launch, rows_with_unit_stride
 from .split_sizes import effective_bounds
@@ -42,17 +43,6 @@ def exp_like_torch(x):
 def sigmoid(x):
     """``1 / (1 + exp(-x))`` with an IEEE division, as the reference writes it."""
     return tl.math.div_rn(1.0, 1.0 + exp_like_torch(-x))
-
-
-@triton.jit
-def round_for_store(x, OUT_DTYPE: tl.constexpr):
-    """fp32 -> OUT_DTYPE with round-to-nearest-even. The interpreter (triton 3.9) truncates fp32 -> bf16,
-    so there the rounding is done on the bits first and the cast only drops zeros."""
-    if INTERPRETING and OUT_DTYPE == tl.bfloat16:  # noqa: SIM300
-        bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        x = bits.to(tl.float32, bitcast=True)
-    return x.to(OUT_DTYPE)
 
 
 @triton.jit
@@ -104,7 +94,7 @@ def swiglu_fwd_kernel(
         linear = tl.load(c_row + linear_col[None, :], mask=mask, other=0.0).to(tl.float32)
         prob = tl.load(probs_ptr + rows, mask=rows < tokens, other=0.0).to(tl.float32)
     h = gate * sigmoid(gate) * linear * prob[:, None]
-    h = round_for_store(h, out_ptr.dtype.element_ty)
+    h = to_dtype_rne(h, out_ptr.dtype.element_ty)
     if EVEN:
         tl.store(out_ptrs, h)
     else:
@@ -165,8 +155,8 @@ def dglu_kernel(
         # Masked lanes hold zeros, so they never raise the amax.
         tile_amax = tl.reduce(_max_keep_nan(tl.abs(d_gate), tl.abs(d_linear)), 1, _max_keep_nan)
         row_amax = _max_keep_nan(row_amax, tile_amax)
-        d_gate = round_for_store(d_gate, dc_ptr.dtype.element_ty)
-        d_linear = round_for_store(d_linear, dc_ptr.dtype.element_ty)
+        d_gate = to_dtype_rne(d_gate, dc_ptr.dtype.element_ty)
+        d_linear = to_dtype_rne(d_linear, dc_ptr.dtype.element_ty)
         if EVEN:
             tl.store(dc_row + gate_col[None, :], d_gate)
             tl.store(dc_row + linear_col[None, :], d_linear)
