@@ -7,7 +7,6 @@ import math
 import torch
 
 from . import library
-from .formats import HIGH_PRECISION_DTYPES
 from .functional import check_return_flags, loss_extras, reduce_row_losses
 from .meta.checks import require
 from .meta.cross_entropy import check_label_smoothing, check_reduction, public_softcap, public_z_loss
@@ -53,9 +52,9 @@ def _public_ce_weight(ce_weight, weight: torch.Tensor, process_group) -> torch.T
         from .distributed import vocab_shard
 
         n_classes = vocab_shard(n_classes, process_group)[1]
-    check_ce_weight(ce_weight, n_classes, weight)
-    if ce_weight is not None and ce_weight.dtype not in HIGH_PRECISION_DTYPES:
+    if isinstance(ce_weight, torch.Tensor) and ce_weight.dtype == torch.float64:
         ce_weight = ce_weight.float()
+    check_ce_weight(ce_weight, n_classes, weight)
     return ce_weight
 
 

@@ -208,7 +208,7 @@ def test_module_holds_ce_weight_as_a_buffer_and_passes_it():
 
 BAD_CE_WEIGHTS = {
     "not a tensor": ([1.0] * 30, TypeError, "ce_weight must be a Tensor"),
-    "integer": (torch.ones(30, dtype=torch.int64), ValueError, "ce_weight must be a floating"),
+    "integer": (torch.ones(30, dtype=torch.int64), ValueError, "ce_weight must be float32, bfloat16 or"),
     "2-D": (torch.ones(1, 30), ValueError, r"ce_weight must have shape \(30,\)"),
     "wrong length": (torch.ones(31), ValueError, r"ce_weight must have shape \(30,\)"),
     "other device": (torch.ones(30, device="meta"), ValueError, "ce_weight must be on hidden's device"),

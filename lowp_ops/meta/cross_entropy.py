@@ -94,24 +94,30 @@ def check_reduction(reduction: str) -> None:
     )
 
 
-def check_class_weight(weight: torch.Tensor | None, n_classes: int, logits: torch.Tensor) -> None:
-    """``weight`` (class weights, ``F.cross_entropy``'s ``weight=``) is None or a float32/bf16/fp16
-    ``(n_classes,)`` tensor on the logits' device (computed with in fp32)."""
+def check_class_weight(
+    weight: torch.Tensor | None,
+    n_classes: int,
+    logits: torch.Tensor,
+    name: str = "weight",
+    device_of: str = "the logits'",
+) -> None:
+    """Class weights (``F.cross_entropy``'s ``weight=``), the argument ``name``: None or a float32/bf16/fp16
+    ``(n_classes,)`` tensor on ``logits``' device (computed with in fp32). Errors name the argument."""
     if weight is None:
         return
     if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"weight must be a Tensor or None, got {type(weight).__name__}")
+        raise TypeError(f"{name} must be a Tensor or None, got {type(weight).__name__}")
     require(
         weight.dtype in HIGH_PRECISION_DTYPES,
-        lambda: f"weight must be float32, bfloat16 or float16, got {weight.dtype}",
+        lambda: f"{name} must be float32, bfloat16 or float16, got {weight.dtype}",
     )
     require(
         weight.dim() == 1 and weight.shape[0] == n_classes,
-        lambda: f"weight must have shape ({n_classes},) (one per class), got {tuple(weight.shape)}",
+        lambda: f"{name} must have shape ({n_classes},) (one per class), got {tuple(weight.shape)}",
     )
     require(
         weight.device == logits.device,
-        lambda: f"weight must be on the logits' device {logits.device}, got {weight.device}",
+        lambda: f"{name} must be on {device_of} device {logits.device}, got {weight.device}",
     )
 
 

@@ -209,30 +209,11 @@ def linear_cross_entropy_fwd_bwd_outputs(
 
 
 def check_ce_weight(ce_weight, n_classes: int, like: torch.Tensor) -> None:
-    """Public check of ``linear_cross_entropy``'s class weights: None, or a 1-D floating ``(n_classes,)``
-    tensor on ``like``'s device that does not require grad (``n_classes``: the whole vocabulary with a
-    process group). TypeError / ValueError naming ``ce_weight``."""
-    if ce_weight is None:
-        return
-    if not isinstance(ce_weight, torch.Tensor):
-        raise TypeError(f"ce_weight must be a Tensor or None, got {type(ce_weight).__name__}")
+    """Public check of ``linear_cross_entropy``'s class weights: :func:`check_class_weight` for the
+    argument ``ce_weight`` (``n_classes``: the whole vocabulary with a process group), and no gradient."""
+    check_class_weight(ce_weight, n_classes, like, "ce_weight", "hidden's")
     require(
-        ce_weight.is_floating_point(),
-        lambda: f"ce_weight must be a floating-point tensor of class weights, got {ce_weight.dtype}",
-    )
-    require(
-        ce_weight.dim() == 1 and ce_weight.shape[0] == n_classes,
-        lambda: (
-            f"ce_weight must have shape ({n_classes},) (one weight per vocabulary id), "
-            f"got {tuple(ce_weight.shape)}"
-        ),
-    )
-    require(
-        ce_weight.device == like.device,
-        lambda: f"ce_weight must be on hidden's device {like.device}, got {ce_weight.device}",
-    )
-    require(
-        not ce_weight.requires_grad,
+        ce_weight is None or not ce_weight.requires_grad,
         lambda: "ce_weight must not require grad: linear_cross_entropy gives class weights no gradient",
     )
 
