@@ -378,6 +378,18 @@ def test_bad_arguments_raise_clear_errors(case):
         call(torch.randn(4, 10), torch.tensor([1, 2, 3, 4]))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("target_device", ["cpu", "meta"])
+def test_cuda_logits_with_a_target_elsewhere_raise_before_any_kernel(target_device):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    logits = torch.randn(4, 10, device="cuda")
+    target = torch.tensor([1, 2, 3, 4], device=target_device)
+    for call in (lowp_ops.cross_entropy, lowp_ops.cross_entropy_with_mxfp8_grad):
+        with pytest.raises(ValueError, match="target must be on"):
+            call(logits, target)
+
+
 def test_fp8_dtype_accepts_torch_float8_dtypes():
     x = torch.randn(40, 70)
     for name, dtype in (("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)):
