@@ -416,6 +416,35 @@ cross_entropy_reduce.register_autograd(
     _cross_entropy_reduce_backward, setup_context=_cross_entropy_reduce_setup
 )
 
+cross_entropy_grad_scale = _define(
+    "cross_entropy_grad_scale",
+    "(Tensor target, SymInt ignore_index, bool mean, Tensor? weight=None) -> Tensor",
+    ce_ref.cross_entropy_grad_scale,
+    "cross_entropy.launch_cross_entropy_grad_scale",
+    ce_meta.cross_entropy_grad_scale_output,
+)
+
+# The forward that also forms the gradient (for grad_rows known up front): one read of the logits on CUDA.
+cross_entropy_fwd_bwd_mxfp8 = _define(
+    "cross_entropy_fwd_bwd_mxfp8",
+    "(Tensor logits, Tensor target, Tensor grad_rows, float label_smoothing, SymInt ignore_index,"
+    " str fp8_dtype, bool rowwise, bool columnwise, str scale_layout, Tensor? weight=None,"
+    " float z_loss=0.0, float softcap=0.0) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    ce_ref.cross_entropy_fwd_bwd_mxfp8,
+    "cross_entropy.launch_cross_entropy_fwd_bwd_mxfp8",
+    ce_meta.cross_entropy_fwd_bwd_mxfp8_outputs,
+)
+
+cross_entropy_fwd_overwrite = _define(
+    "cross_entropy_fwd_overwrite",
+    "(Tensor(a!) logits, Tensor target, Tensor grad_rows, float label_smoothing, SymInt ignore_index,"
+    " Tensor? weight=None, float z_loss=0.0, float softcap=0.0) -> (Tensor, Tensor)",
+    ce_ref.cross_entropy_fwd_overwrite,
+    "cross_entropy.launch_cross_entropy_fwd_overwrite",
+    ce_meta.cross_entropy_fwd_overwrite_outputs,
+    mutates_args=("logits",),
+)
+
 # ------------------------------------------------------------------------------- grouped MoE SwiGLU MLP
 # grouped_mm runs torch._grouped_mm on CUDA. grouped_linear and grouped_fc1_swiglu are composite: their
 # one implementation calls the lowp:: ops on every device, and their backward formulas (plain functions

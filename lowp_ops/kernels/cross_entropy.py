@@ -21,24 +21,28 @@ from ..meta.cross_entropy import (
     SHIFT,
     cross_entropy_bwd_mxfp8_outputs,
     cross_entropy_bwd_output,
+    cross_entropy_fwd_bwd_mxfp8_outputs,
     cross_entropy_fwd_outputs,
+    cross_entropy_fwd_overwrite_outputs,
+    cross_entropy_grad_scale_output,
     cross_entropy_reduce_outputs,
 )
-from ..reference.cross_entropy import cross_entropy_reduce, smoothing_weight_total
+from ..reference.cross_entropy import cross_entropy_grad_scale, cross_entropy_reduce, smoothing_weight_total
 from . import cross_entropy_gluon
-from .bf16_pairs import to_dtype_rne
+from . import cross_entropy_single_pass as single_pass
 from .cross_entropy_math import (
     add_z_loss,
     program_tile_grad,
-    round_to_dtype,
+    quantize_grad_tile,
     row_loss,
     row_stats_and_weighted_shifted_sum,
     row_stats_softcapped,
     softcap_logits,
+    store_grad_tile,
     weighted_row_loss,
 )
 from .launch import cached_launch, rows_with_unit_stride
-from .mxfp8 import TRITON_FP8, quantize_tile, store_tile, tile_cols
+from .mxfp8 import TRITON_FP8, tile_cols
 from .softmax import finish_log_sum, masked_safe_shift, row_stats_and_shifted_sum
 
 FWD_BLOCK = 8192
@@ -180,9 +184,7 @@ def cross_entropy_bwd_kernel(
         HAS_Z_LOSS,
         HAS_SOFTCAP,
     )
-    store_tile(
-        dlogits_ptr, rows_idx, cols, rows, n_cols, to_dtype_rne(grad, dlogits_ptr.dtype.element_ty), EVEN
-    )
+    store_grad_tile(grad, dlogits_ptr, rows_idx, cols, rows, n_cols, EVEN)
 
 
 @cached_launch
@@ -254,34 +256,11 @@ def cross_entropy_bwd_mxfp8_kernel(
         HAS_Z_LOSS,
         HAS_SOFTCAP,
     )
-    # Quantize exactly what the other kernel stores: the gradient rounded to the logits' dtype.
-    grad = round_to_dtype(grad, logits_ptr.dtype.element_ty)
-    if not EVEN:
-        grad = tl.where((rows_idx[:, None] < rows) & (cols[None, :] < n_cols), grad, 0.0)
-    quantize_tile(
-        grad,
-        rows_idx,
-        cols,
-        rows,
-        n_cols,
-        tile_col0,
-        row_block,
-        row_data_ptr,
-        row_scale_ptr,
-        row_scale_cols,
-        col_data_ptr,
-        col_scale_ptr,
-        col_scale_rows,
-        col_scale_cols,
-        BLOCK_COLS,
-        FP8_MAX,
-        MAX_RCP,
-        OUT_DTYPE,
-        ROWWISE,
-        COLWISE,
-        SWIZZLED,
-        EVEN,
-    )
+    quantize_grad_tile(
+        grad, logits_ptr.dtype.element_ty, rows_idx, cols, rows, n_cols, tile_col0, row_block,
+        row_data_ptr, row_scale_ptr, row_scale_cols, col_data_ptr, col_scale_ptr, col_scale_rows,
+        col_scale_cols, BLOCK_COLS, FP8_MAX, MAX_RCP, OUT_DTYPE, ROWWISE, COLWISE, SWIZZLED, EVEN,
+    )  # fmt: skip
 
 
 def stats_rows(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -329,13 +308,20 @@ def launch_cross_entropy_fwd(
     block: int | None = None,
     num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``lowp::cross_entropy_fwd``; ``block`` / ``num_warps`` override the launch configuration."""
+    """``lowp::cross_entropy_fwd``. Without class weights the chunked kernel of ``cross_entropy_single_pass``
+    runs (its statistics are what the single pass forms); with them, or when ``block`` / ``num_warps``
+    override the launch configuration, the one-row-per-program online kernel here."""
     loss, stats = cross_entropy_fwd_outputs(
         logits, target, label_smoothing, ignore_index, weight, z_loss, softcap
     )
     rows, n_cols = logits.shape
     if rows == 0:
         return loss, stats
+    if weight is None and block is None and num_warps is None and n_cols > 0:
+        # The chunked forward: the row statistics the single pass forms, bit for bit.
+        return single_pass.launch_cross_entropy_fwd_chunks(
+            logits, target, label_smoothing, ignore_index, z_loss, softcap
+        )
     logits = rows_with_unit_stride(logits)
     default_block, default_warps = fwd_config(n_cols)
     block, num_warps = block or default_block, num_warps or default_warps
@@ -563,8 +549,10 @@ def cross_entropy_reduce_kernel(
     MEAN: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
+    WITH_LOSS: tl.constexpr = True,
 ):
-    """One program: the fp32 sum of the row losses (fixed order: deterministic) and, for the mean, the
+    """One program: the fp32 sum of the row losses (fixed order: deterministic; not with ``WITH_LOSS=False``,
+    which computes ``grad_scale`` alone from the targets) and, for the mean, the
     non-ignored count (with class weights: the sum of those rows' target weights, NaN for a target
     outside ``[0, n_classes)``), then ``loss`` (NaN when the count is 0) and ``grad_scale`` with IEEE
     divisions."""
@@ -574,7 +562,8 @@ def cross_entropy_reduce_kernel(
     for start in range(0, n_rows, BLOCK):
         idx = start + tl.arange(0, BLOCK)
         in_bounds = idx < n_rows
-        total += tl.load(loss_rows_ptr + idx, mask=in_bounds, other=0.0)
+        if WITH_LOSS:
+            total += tl.load(loss_rows_ptr + idx, mask=in_bounds, other=0.0)
         if MEAN:
             target = tl.load(target_ptr + idx, mask=in_bounds, other=ignore_index).to(tl.int64)
             valid = target != ignore_index
@@ -590,7 +579,8 @@ def cross_entropy_reduce_kernel(
         rows = tl.sum(weight_sum, 0) if HAS_WEIGHT else tl.sum(count, 0).to(tl.float32)
         loss = tl.where(rows == 0, float("nan"), tl.math.div_rn(loss, rows))
         scale = tl.math.div_rn(1.0, rows)
-    tl.store(loss_ptr, loss)
+    if WITH_LOSS:
+        tl.store(loss_ptr, loss)
     tl.store(grad_scale_ptr, scale)
 
 
@@ -621,3 +611,122 @@ def launch_cross_entropy_reduce(
         num_warps=8,
     )
     return loss, grad_scale
+
+
+def launch_cross_entropy_grad_scale(
+    target: torch.Tensor, ignore_index: int, mean: bool, weight: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``lowp::cross_entropy_grad_scale``: ``dloss / dloss_row`` of the reduction from the targets alone
+    (what a forward that also forms the gradient needs before it runs); one launch for the mean."""
+    grad_scale = cross_entropy_grad_scale_output(target, ignore_index, mean, weight)
+    if not mean or target.shape[0] > REDUCE_MAX_ROWS:
+        return grad_scale.copy_(cross_entropy_grad_scale(target, ignore_index, mean, weight))
+    class_weights = grad_scale if weight is None else weight.float().contiguous()
+    cross_entropy_reduce_kernel[(1,)](
+        grad_scale,
+        target.contiguous(),
+        target.shape[0],
+        ignore_index,
+        grad_scale,
+        grad_scale,
+        class_weights,
+        0 if weight is None else weight.shape[0],
+        MEAN=True,
+        BLOCK=REDUCE_BLOCK,
+        HAS_WEIGHT=weight is not None,
+        WITH_LOSS=False,
+        num_warps=8,
+    )
+    return grad_scale
+
+
+def launch_cross_entropy_fwd_bwd_mxfp8(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    grad_rows: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    fp8_dtype: str,
+    rowwise: bool,
+    columnwise: bool,
+    scale_layout: str,
+    weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
+    *,
+    chunk_cols: int | None = None,
+    num_warps: int = 2,
+):
+    """``lowp::cross_entropy_fwd_bwd_mxfp8``: (loss (N,), row statistics (2, N), MXFP8 payload of the
+    gradient for ``grad_rows``). On CUDA without class weights one cooperative launch reads the logits
+    once (``cross_entropy_single_pass``); otherwise the forward then the fused MXFP8 backward, the same
+    bytes."""
+    outputs = cross_entropy_fwd_bwd_mxfp8_outputs(
+        logits, target, grad_rows, label_smoothing, ignore_index, fp8_dtype, rowwise, columnwise,
+        scale_layout, weight, z_loss, softcap,
+    )  # fmt: skip
+    rows, n_cols = logits.shape
+    if weight is not None or rows == 0 or n_cols == 0 or not single_pass.single_pass_runs(logits):
+        loss, stats = launch_cross_entropy_fwd(
+            logits, target, label_smoothing, ignore_index, weight, z_loss, softcap
+        )
+        payload = launch_cross_entropy_bwd_mxfp8(
+            logits, target, stats, grad_rows, label_smoothing, ignore_index, fp8_dtype, rowwise, columnwise,
+            scale_layout, 0, 0, weight, z_loss, softcap,
+        )  # fmt: skip
+        return loss, stats, *payload
+    loss, stats, row_data, row_scale, col_data, col_scale = outputs
+    data_dtype = FP8_DTYPES[fp8_dtype]
+    fp8 = {
+        "FP8_MAX": FP8_MAX[fp8_dtype],
+        "MAX_RCP": FP8_MAX_RCP[fp8_dtype],
+        "OUT_DTYPE": TRITON_FP8[fp8_dtype],
+        "ROWWISE": rowwise,
+        "COLWISE": columnwise,
+        "SWIZZLED": scale_layout == "swizzled",
+    }
+    single_pass.launch(
+        rows_with_unit_stride(logits), target.contiguous(), loss, stats, label_smoothing, ignore_index,
+        z_loss, softcap, single_pass.MXFP8, grad_rows,
+        mxfp8=(row_data.view(data_dtype), row_scale, col_data.view(data_dtype), col_scale, fp8),
+        chunk_cols=chunk_cols, num_warps=num_warps,
+    )  # fmt: skip
+    return outputs
+
+
+def launch_cross_entropy_fwd_overwrite(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    grad_rows: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
+    *,
+    chunk_cols: int | None = None,
+    num_warps: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lowp::cross_entropy_fwd_overwrite``: (loss (N,), row statistics (2, N)), and the gradient for
+    ``grad_rows`` written over the (contiguous) logits. On CUDA without class weights one cooperative
+    launch; otherwise the forward then the backward in place, the same bytes."""
+    loss, stats = cross_entropy_fwd_overwrite_outputs(
+        logits, target, grad_rows, label_smoothing, ignore_index, weight, z_loss, softcap
+    )
+    rows, n_cols = logits.shape
+    if rows == 0 or n_cols == 0:
+        return loss, stats
+    if weight is not None or not single_pass.single_pass_runs(logits):
+        loss, stats = launch_cross_entropy_fwd(
+            logits, target, label_smoothing, ignore_index, weight, z_loss, softcap
+        )
+        launch_cross_entropy_bwd(
+            logits, target, stats, grad_rows, label_smoothing, ignore_index, 0, 0, weight, z_loss, softcap,
+            out=logits,
+        )  # fmt: skip
+        return loss, stats
+    single_pass.launch(
+        logits, target.contiguous(), loss, stats, label_smoothing, ignore_index, z_loss, softcap,
+        single_pass.GRAD, grad_rows, logits, chunk_cols=chunk_cols, num_warps=num_warps,
+    )  # fmt: skip
+    return loss, stats

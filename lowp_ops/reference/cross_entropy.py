@@ -50,7 +50,10 @@ from ..meta.cross_entropy import (
     LOG_SUM,
     SHIFT,
     cross_entropy_bwd_output,
+    cross_entropy_fwd_bwd_mxfp8_outputs,
     cross_entropy_fwd_outputs,
+    cross_entropy_fwd_overwrite_outputs,
+    cross_entropy_grad_scale_output,
     cross_entropy_reduce_outputs,
 )
 from ..meta.mxfp8 import check_quantize_args
@@ -312,3 +315,66 @@ def cross_entropy_reduce(
         loss.copy_(total)
         grad_scale.fill_(1.0)
     return loss, grad_scale
+
+
+def cross_entropy_grad_scale(
+    target: torch.Tensor, ignore_index: int, mean: bool, weight: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Reference of ``lowp::cross_entropy_grad_scale``: :func:`cross_entropy_reduce`'s ``grad_scale``
+    from the targets alone (0-d fp32: ``1 / count`` for the mean, 1 for the sum)."""
+    grad_scale = cross_entropy_grad_scale_output(target, ignore_index, mean, weight)
+    if mean:
+        return grad_scale.copy_(1.0 / reduce_denominator(target, ignore_index, weight))
+    return grad_scale.fill_(1.0)
+
+
+def cross_entropy_fwd_bwd_mxfp8(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    grad_rows: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    fp8_dtype: str,
+    rowwise: bool,
+    columnwise: bool,
+    scale_layout: str,
+    weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, ...]:
+    """Reference of ``lowp::cross_entropy_fwd_bwd_mxfp8``: :func:`cross_entropy_fwd`, then
+    :func:`cross_entropy_bwd_mxfp8` of its statistics for ``grad_rows``."""
+    cross_entropy_fwd_bwd_mxfp8_outputs(
+        logits, target, grad_rows, label_smoothing, ignore_index, fp8_dtype, rowwise, columnwise,
+        scale_layout, weight, z_loss, softcap,
+    )  # fmt: skip
+    loss, stats = cross_entropy_fwd(logits, target, label_smoothing, ignore_index, weight, z_loss, softcap)
+    payload = cross_entropy_bwd_mxfp8(
+        logits, target, stats, grad_rows, label_smoothing, ignore_index, fp8_dtype, rowwise, columnwise,
+        scale_layout, 0, 0, weight, z_loss, softcap,
+    )  # fmt: skip
+    return loss, stats, *payload
+
+
+def cross_entropy_fwd_overwrite(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    grad_rows: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of ``lowp::cross_entropy_fwd_overwrite``: :func:`cross_entropy_fwd`, and the logits
+    replaced by :func:`cross_entropy_bwd` of its statistics for ``grad_rows``."""
+    cross_entropy_fwd_overwrite_outputs(
+        logits, target, grad_rows, label_smoothing, ignore_index, weight, z_loss, softcap
+    )
+    loss, stats = cross_entropy_fwd(logits, target, label_smoothing, ignore_index, weight, z_loss, softcap)
+    logits.copy_(
+        cross_entropy_bwd(
+            logits, target, stats, grad_rows, label_smoothing, ignore_index, 0, 0, weight, z_loss, softcap
+        )
+    )
+    return loss, stats
