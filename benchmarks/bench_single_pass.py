@@ -22,6 +22,20 @@ from lowp_ops.kernels import cross_entropy as ce
 SHAPES = [(4096, 129280), (8192, 32768), (16384, 131072), (8192, 50257), (2048, 262144), (1024, 32000)]
 ROTATE = 3
 MXFP8 = ("e4m3", True, True, "compact")
+# Launch variants of the single pass (``--sweep``): chunk width, warps, and the kernel's switches (L2 keep
+# hint, polling backoff in ns, start-order tickets; SKIP_WAIT skips the wait: wrong output, timing bound).
+SWEEP = [
+    ("default", {}),
+    ("chunks 2048", {"chunk_cols": 2048}),
+    ("chunks 4096", {"chunk_cols": 4096}),
+    ("chunks 8192", {"chunk_cols": 8192}),
+    ("chunks 2048, 8 warps", {"chunk_cols": 2048, "num_warps": 8}),
+    ("chunks 4096, no L2 hint", {"chunk_cols": 4096, "KEEP": False}),
+    ("chunks 4096, backoff 200", {"chunk_cols": 4096, "BACKOFF": 200}),
+    ("chunks 4096, no wait (bound)", {"chunk_cols": 4096, "SKIP_WAIT": True}),
+    ("default, no wait (bound)", {"SKIP_WAIT": True}),
+    ("chunks 4096, no tickets", {"chunk_cols": 4096, "TICKET": False}),
+]
 
 
 def load_te():
@@ -81,16 +95,14 @@ def run_shape(n_rows: int, vocab: int, copy_tbs: float, sweep: bool, liger, te) 
 
     record("lowp two-pass", "fwd+bwd mxfp8", rotating(copies, two_pass_mxfp8), 4.0625)
     record("lowp two-pass", "fwd+bwd bf16", rotating(copies, two_pass_bf16), 4)
-    configs = [(None, 2), (None, 4)] + ([(2048, 2), (2048, 4), (4096, 4), (1024, 4)] if sweep else [])
-    for chunk_cols, warps in configs:
-        label = f"chunks {chunk_cols or 'auto'}, {warps} warps"
-        record("lowp single pass", f"mxfp8, {label}", rotating(copies, lambda x, c=chunk_cols, w=warps: (
-            ce.launch_cross_entropy_fwd_bwd_mxfp8(x, target, grad_rows, 0.0, -100, *MXFP8, chunk_cols=c,
-                                                  num_warps=w))), 4.0625)  # fmt: skip
-        in_place = f"bf16 in place, {label}"
-        record("lowp single pass", in_place, rotating(copies, lambda x, c=chunk_cols, w=warps: (
-            ce.launch_cross_entropy_fwd_overwrite(x, target, grad_rows, 0.0, -100, chunk_cols=c,
-                                                  num_warps=w))), 4)  # fmt: skip
+    for label, config in SWEEP if sweep else SWEEP[:1]:
+
+        def mxfp8(x, c=config):
+            return ce.launch_cross_entropy_fwd_bwd_mxfp8(x, target, grad_rows, 0.0, -100, *MXFP8, **c)
+
+        record("lowp single pass", f"mxfp8, {label}", rotating(copies, mxfp8), 4.0625)
+        record("lowp single pass", f"bf16 in place, {label}", rotating(copies, lambda x, c=config: (
+            ce.launch_cross_entropy_fwd_overwrite(x, target, grad_rows, 0.0, -100, **c))), 4)  # fmt: skip
     leaves = [x.detach().clone().requires_grad_() for x in copies[:2]]
     compiled = torch.compile(lambda x, t: F.cross_entropy(x.float(), t), dynamic=False)
     record(

@@ -655,7 +655,8 @@ def launch_cross_entropy_fwd_bwd_mxfp8(
     softcap: float = 0.0,
     *,
     chunk_cols: int | None = None,
-    num_warps: int = 2,
+    num_warps: int = 4,
+    **experiment,
 ):
     """``lowp::cross_entropy_fwd_bwd_mxfp8``: (loss (N,), row statistics (2, N), MXFP8 payload of the
     gradient for ``grad_rows``). On CUDA without class weights one cooperative launch reads the logits
@@ -689,7 +690,7 @@ def launch_cross_entropy_fwd_bwd_mxfp8(
         rows_with_unit_stride(logits), target.contiguous(), loss, stats, label_smoothing, ignore_index,
         z_loss, softcap, single_pass.MXFP8, grad_rows,
         mxfp8=(row_data.view(data_dtype), row_scale, col_data.view(data_dtype), col_scale, fp8),
-        chunk_cols=chunk_cols, num_warps=num_warps,
+        chunk_cols=chunk_cols, num_warps=num_warps, **experiment,
     )  # fmt: skip
     return outputs
 
@@ -706,6 +707,7 @@ def launch_cross_entropy_fwd_overwrite(
     *,
     chunk_cols: int | None = None,
     num_warps: int = 4,
+    **experiment,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``lowp::cross_entropy_fwd_overwrite``: (loss (N,), row statistics (2, N)), and the gradient for
     ``grad_rows`` written over the (contiguous) logits. On CUDA without class weights one cooperative
@@ -727,6 +729,6 @@ def launch_cross_entropy_fwd_overwrite(
         return loss, stats
     single_pass.launch(
         logits, target.contiguous(), loss, stats, label_smoothing, ignore_index, z_loss, softcap,
-        single_pass.GRAD, grad_rows, logits, chunk_cols=chunk_cols, num_warps=num_warps,
+        single_pass.GRAD, grad_rows, logits, chunk_cols=chunk_cols, num_warps=num_warps, **experiment,
     )  # fmt: skip
     return loss, stats

@@ -44,7 +44,7 @@ from .cross_entropy_math import (
 from .launch import INTERPRETING, cached_launch, rows_with_unit_stride
 from .softmax import finish_log_sum, masked_safe_shift, rebase_shifted_sum
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 # Tile width of both passes and the narrowest chunk (a chunk is a whole number of tiles).
 SUB_COLS = 128
 MIN_CHUNK_COLS = 1024
@@ -82,12 +82,15 @@ def load_rows_tile(
     """fp32 logits tile [32, SUB]; lanes outside the logits read ``-inf``. ``KEEP``: ask L2 to keep the
     lines for a second read."""
     ptrs = logits_ptr + rows_idx[:, None].to(tl.int64) * stride_row + cols[None, :]
-    policy: tl.constexpr = "evict_last" if KEEP else ""
-    if EVEN:
-        x = tl.load(ptrs, eviction_policy=policy)
+    mask = (rows_idx[:, None] < rows) & (cols[None, :] < n_cols)
+    if EVEN and KEEP:
+        x = tl.load(ptrs, eviction_policy="evict_last")
+    elif EVEN:
+        x = tl.load(ptrs)
+    elif KEEP:
+        x = tl.load(ptrs, mask=mask, other=float("-inf"), eviction_policy="evict_last")
     else:
-        mask = (rows_idx[:, None] < rows) & (cols[None, :] < n_cols)
-        x = tl.load(ptrs, mask=mask, other=float("-inf"), eviction_policy=policy)
+        x = tl.load(ptrs, mask=mask, other=float("-inf"))
     return x.to(tl.float32)
 
 
@@ -198,10 +201,16 @@ def store_row_losses(
 
 
 @triton.jit
-def wait_for_flag(flag_ptr):
-    """Spin until ``*flag_ptr`` is nonzero (acquire: what was released before it is visible)."""
+def wait_for_flag(flag_ptr, BACKOFF: tl.constexpr):
+    """Spin until ``*flag_ptr`` is nonzero (acquire: what was released before it is visible);
+    ``BACKOFF``: sleep that many nanoseconds between polls."""
     flag = tl.atomic_add(flag_ptr, 0, sem="acquire")
     while flag == 0:
+        if BACKOFF > 0:
+            flag = tl.inline_asm_elementwise(
+                "nanosleep.u32 $2; mov.u32 $0, $1;", "=r,r,r", [flag, flag * 0 + BACKOFF], dtype=tl.int32,
+                is_pure=False, pack=1,
+            )  # fmt: skip
         flag = tl.atomic_add(flag_ptr, 0, sem="acquire")
 
 
@@ -245,6 +254,10 @@ def cross_entropy_chunks_kernel(
     HAS_SOFTCAP: tl.constexpr,
     OUTPUT: tl.constexpr,
     COOPERATIVE: tl.constexpr,
+    KEEP: tl.constexpr,
+    BACKOFF: tl.constexpr = 0,
+    TICKET: tl.constexpr = True,
+    SKIP_WAIT: tl.constexpr = False,
     FP8_MAX: tl.constexpr = 448.0,
     MAX_RCP: tl.constexpr = 1.0,
     OUT_DTYPE: tl.constexpr = None,
@@ -256,7 +269,7 @@ def cross_entropy_chunks_kernel(
     ``[arrivals per row block, ready flag per row block, ticket]``; ``partial_ptr``: fp32, three planes
     of ``row_blocks * n_chunks * 32``."""
     n_row_blocks = tl.cdiv(rows, 32)
-    if COOPERATIVE:  # noqa: SIM108 (a constexpr branch)
+    if COOPERATIVE and TICKET:  # noqa: SIM108 (a constexpr branch)
         # Tickets in start order: a row block's programs start once the blocks before it have started.
         ticket = tl.atomic_add(counter_ptr + 2 * n_row_blocks, 1)
     else:
@@ -268,7 +281,7 @@ def cross_entropy_chunks_kernel(
     col_end = tl.minimum(col_start + chunk_cols, n_cols)
     m, d, total = chunk_partials(
         logits_ptr, stride_row, rows_idx, rows, n_cols, col_start, col_end, softcap, softcap_rcp, SUB, EVEN,
-        HAS_SMOOTHING, HAS_SOFTCAP, COOPERATIVE,
+        HAS_SMOOTHING, HAS_SOFTCAP, KEEP,
     )  # fmt: skip
     plane = n_row_blocks * n_chunks * 32
     partial = partial_ptr + (row_block * n_chunks + chunk).to(tl.int64) * 32 + tl.arange(0, 32)
@@ -291,7 +304,8 @@ def cross_entropy_chunks_kernel(
             tl.debug_barrier()
             tl.atomic_xchg(counter_ptr + n_row_blocks + row_block, 1, sem="release")
     if COOPERATIVE:
-        wait_for_flag(counter_ptr + n_row_blocks + row_block)
+        if not SKIP_WAIT:
+            wait_for_flag(counter_ptr + n_row_blocks + row_block, BACKOFF)
         tl.debug_barrier()
         z_loss2 = 2.0 * z_loss
         for start in range(col_start, col_end, SUB):
@@ -328,6 +342,7 @@ def launch(
     *,
     chunk_cols: int | None = None,
     num_warps: int = 4,
+    **experiment,
 ) -> None:
     """Launch ``cross_entropy_chunks_kernel`` into the given outputs (cooperative unless ``output`` is
     ``STATS``): ``grad_rows`` (N,) fp32 dloss per row, ``dlogits`` the gradient's buffer (``GRAD``; may be
@@ -371,7 +386,8 @@ def launch(
         col_scale,
         col_scale.shape[0] if col_scale.dim() == 2 else 0,
         col_scale.shape[1] if col_scale.dim() == 2 else 0,
-        SUB=SUB_COLS,
+        SUB=experiment.pop("SUB", SUB_COLS),
+        KEEP=output != STATS and experiment.pop("KEEP", True),
         CHUNKS=triton.next_power_of_2(n_chunks),
         EVEN=rows % 32 == 0 and n_cols % SUB_COLS == 0,
         HAS_SMOOTHING=label_smoothing > 0,
@@ -381,6 +397,7 @@ def launch(
         COOPERATIVE=output != STATS,
         num_warps=num_warps,
         **fp8,
+        **experiment,
     )
 
 
