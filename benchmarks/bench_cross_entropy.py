@@ -13,6 +13,7 @@ figures rose by up to 5 points,).
 next to a copy run the same way: the steady state under the GPU's power cap, with the median SM clock.
 ``--features`` adds forward+backward rows with the LM-loss features on (z-loss, soft-capping, both with
 label smoothing) for ours (bf16 and MXFP8 gradients), torch.compile of the same loss in PyTorch and Liger.
+The ``overwrite_logits=True`` row writes the gradient over (scratch copies of) the logits.
 Run: ``PYTHONPATH=. python3 benchmarks/bench_cross_entropy.py`` (Liger from a wheel on PYTHONPATH).
 """
 
@@ -176,6 +177,16 @@ def run_shape(n_rows: int, vocab: int, copy_tbs: float, liger, features: bool = 
         record("lowp", f"fwd+bwd mxfp8, {name}", mxfp8, 6.0625)
         plain = torch.compile(lambda x, t, kw=kwargs: plain_loss(x, t, **kw), dynamic=False)
         record("torch.compile", f"fwd+bwd bf16, {name}", fwd_bwd(plain), 6)
+
+    # overwrite_logits=True writes the gradient over the logits (scratch copies; a view as the non-leaf)
+    overwritten = [x.detach().clone().requires_grad_() for x in copies]
+
+    def overwrite_fwd_bwd(x):
+        view = x.view_as(x)
+        return torch.autograd.grad(lowp_ops.cross_entropy(view, target, overwrite_logits=True), view)
+
+    record("lowp", "fwd+bwd bf16, overwrite_logits", rotating(overwritten, overwrite_fwd_bwd), 6)
+    del overwritten
 
     if liger is not None:
         # Liger computes the gradient in the forward, in place into its input: time forward+backward,

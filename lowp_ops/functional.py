@@ -171,6 +171,7 @@ def cross_entropy(
     softcap: float | None = None,
     return_z_loss: bool = False,
     return_lse: bool = False,
+    overwrite_logits: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """``torch.nn.functional.cross_entropy``: same signature, argument order and layouts, for class-index
     targets; float32 loss.
@@ -207,6 +208,17 @@ def cross_entropy(
     - ``return_lse``: also return the fp32 per-row log-sum-exp of the (capped) logits in the target's
       shape (detached; for an ignored row its value is computed all the same).
 
+    ``overwrite_logits=True`` saves the ``N x V`` gradient buffer (as TE's and Liger's losses do): when a
+    gradient is needed, the forward writes the logits' gradient for ``grad_loss = 1`` over the logits
+    (contiguous, 2-D or ``classes_last``, the output of an op such as the LM head's matmul, not a leaf
+    that requires grad) right after computing the loss, and the backward
+    returns that buffer, multiplied in place by ``grad_loss`` only in rows where it is not 1 (decided on
+    the device: no host sync, CUDA-graph safe). The logits hold the gradient afterwards: their version
+    counter moves, so autograd refuses a backward through any op that saved them. Its bytes equal the
+    default path's gradient when ``grad_loss`` is 1 (and when it is a power of two, barring overflow and
+    subnormals; otherwise the product is rounded once more). Not with ``process_group``. Without a
+    gradient to compute the logits stay untouched.
+
     Returns the loss, or with ``return_z_loss`` / ``return_lse`` the tuple ``(loss, z_loss, lse)`` holding
     only the requested extras, in that order.
     """
@@ -216,9 +228,11 @@ def cross_entropy(
     z_loss, softcap = public_z_loss(z_loss), public_softcap(softcap)
     check_return_flags(return_z_loss, return_lse)
     logits_rows, target_rows = _class_rows(input, target, classes_last)
+    overwrite = _overwrites(overwrite_logits, input, logits_rows, process_group)
     if process_group is None:
         check_class_weight(weight, logits_rows.shape[1], logits_rows)
-        loss, stats = library.cross_entropy_loss(
+        loss_function = library.cross_entropy_overwrite_loss if overwrite else library.cross_entropy_loss
+        loss, stats = loss_function(
             logits_rows, target_rows, float(label_smoothing), ignore_index, reduction, weight, z_loss, softcap
         )
         loss = loss.view(_loss_shape(target, reduction))
@@ -236,6 +250,27 @@ def cross_entropy(
         return loss
     extras = loss_extras(stats, target, reduction, ignore_index, weight, z_loss, return_z_loss, return_lse)
     return (loss, *extras)
+
+
+def _overwrites(overwrite_logits, input: torch.Tensor, logits_rows: torch.Tensor, process_group) -> bool:
+    """Whether the forward writes the gradient over the logits: asked for, and a gradient is needed."""
+    if not isinstance(overwrite_logits, bool):
+        raise TypeError(f"overwrite_logits must be a bool, got {type(overwrite_logits).__name__}")
+    if not overwrite_logits:
+        return False
+    require(process_group is None, lambda: "overwrite_logits=True does not combine with process_group")
+    require(
+        input.is_contiguous() and logits_rows.data_ptr() == input.data_ptr(),
+        lambda: (
+            "overwrite_logits=True needs contiguous logits with classes in the last dim ((N, C), or "
+            f"classes_last=True), got shape {tuple(input.shape)} strides {input.stride()}"
+        ),
+    )
+    require(
+        not (input.is_leaf and input.requires_grad),
+        lambda: "overwrite_logits=True needs logits computed in the graph (not a leaf that requires grad)",
+    )
+    return input.requires_grad and torch.is_grad_enabled()
 
 
 def _loss_shape(target: torch.Tensor, reduction: str) -> tuple[int, ...]:

@@ -424,17 +424,7 @@ cross_entropy_grad_scale = _define(
     ce_meta.cross_entropy_grad_scale_output,
 )
 
-# The forward that also forms the gradient (for grad_rows known up front): one read of the logits on CUDA.
-cross_entropy_fwd_bwd_mxfp8 = _define(
-    "cross_entropy_fwd_bwd_mxfp8",
-    "(Tensor logits, Tensor target, Tensor grad_rows, float label_smoothing, SymInt ignore_index,"
-    " str fp8_dtype, bool rowwise, bool columnwise, str scale_layout, Tensor? weight=None,"
-    " float z_loss=0.0, float softcap=0.0) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-    ce_ref.cross_entropy_fwd_bwd_mxfp8,
-    "cross_entropy.launch_cross_entropy_fwd_bwd_mxfp8",
-    ce_meta.cross_entropy_fwd_bwd_mxfp8_outputs,
-)
-
+# The forward that also writes the gradient for grad_rows known up front, over the logits.
 cross_entropy_fwd_overwrite = _define(
     "cross_entropy_fwd_overwrite",
     "(Tensor(a!) logits, Tensor target, Tensor grad_rows, float label_smoothing, SymInt ignore_index,"
@@ -443,6 +433,15 @@ cross_entropy_fwd_overwrite = _define(
     "cross_entropy.launch_cross_entropy_fwd_overwrite",
     ce_meta.cross_entropy_fwd_overwrite_outputs,
     mutates_args=("logits",),
+)
+
+cross_entropy_scale_grad_ = _define(
+    "cross_entropy_scale_grad_",
+    "(Tensor(a!) dlogits, Tensor grad_rows) -> ()",
+    ce_ref.cross_entropy_scale_grad_,
+    "cross_entropy.launch_cross_entropy_scale_grad_",
+    ce_meta.cross_entropy_scale_grad_output,
+    mutates_args=("dlogits",),
 )
 
 # ------------------------------------------------------------------------------- grouped MoE SwiGLU MLP
@@ -756,3 +755,60 @@ def cross_entropy_loss(
         return loss, stats
     loss_rows, stats = cross_entropy_fwd(*args)
     return cross_entropy_reduce(loss_rows, target, ignore_index, mean, weight)[0], stats
+
+
+class _CrossEntropyOverwrite(torch.autograd.Function):
+    """The cross entropy whose forward writes the logits' gradient (for ``grad_loss = 1``) over the logits:
+    ``cross_entropy_grad_scale``, ``cross_entropy_fwd_overwrite`` and (mean, sum) ``cross_entropy_reduce``;
+    the backward returns that buffer, rescaled in place by ``grad_loss`` where it is not 1."""
+
+    @staticmethod
+    def forward(ctx, logits, target, label_smoothing, ignore_index, weight, z_loss, softcap, reduction):
+        if weight is not None and weight.requires_grad:
+            raise ValueError("weight (class weights) must not require grad: lowp_ops gives it no gradient")
+        rows = logits.shape[0]
+        if reduction == "none":
+            grad_rows = torch.ones((), dtype=torch.float32, device=logits.device).expand(rows)
+        else:
+            grad_rows = cross_entropy_grad_scale(target, ignore_index, reduction == "mean", weight).expand(
+                rows
+            )
+        loss_rows, stats = cross_entropy_fwd_overwrite(
+            logits, target, grad_rows, label_smoothing, ignore_index, weight, z_loss, softcap
+        )
+        loss = loss_rows
+        if reduction != "none":
+            loss = cross_entropy_reduce(loss_rows, target, ignore_index, reduction == "mean", weight)[0]
+        ctx.save_for_backward(logits)  # after the forward wrote the gradient into it
+        ctx.mark_non_differentiable(stats)
+        ctx.set_materialize_grads(False)
+        return loss, stats
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_stats):
+        refuse_double_backward("cross_entropy")
+        (dlogits,) = ctx.saved_tensors
+        if grad_loss is None:
+            return (None,) * 8
+        cross_entropy_scale_grad_(dlogits, grad_loss.float().expand(dlogits.shape[0]))
+        return dlogits, *(None,) * 7
+
+
+def cross_entropy_overwrite_loss(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    reduction: str,
+    weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`cross_entropy_loss` whose forward writes the gradient over the contiguous ``(N, V)`` logits
+    (their version counter moves: autograd refuses any saved use of them afterwards); the backward
+    returns it scaled by ``grad_loss`` (in place, rows whose factor is 1 untouched). The gradient's bytes
+    equal :func:`cross_entropy_loss`'s backward's when ``grad_loss`` is 1, and when it is a power of two
+    with no product overflowing or going subnormal."""
+    return _CrossEntropyOverwrite.apply(
+        logits, target, label_smoothing, ignore_index, weight, z_loss, softcap, reduction
+    )

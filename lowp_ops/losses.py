@@ -108,7 +108,8 @@ class CrossEntropyLoss(_LossModule):
             :func:`lowp_ops.cross_entropy` (z-loss coefficient, final-logit soft-cap, also return the
             z-loss apart: ``forward`` then returns ``(loss, z_loss)``).
         options: passed to :func:`lowp_ops.cross_entropy` as given (e.g. ``classes_last=True`` for
-            ``(..., V)`` logits with ``(...)`` targets, the LLM layout; later loss features the same way).
+            ``(..., V)`` logits with ``(...)`` targets, the LLM layout; ``overwrite_logits=True`` to write
+            the gradient over the logits, as Liger's loss does; later loss features the same way).
 
     ``forward(input, target)``: the layouts of :func:`lowp_ops.cross_entropy` (``(N, C)`` with ``(N,)`` as
     torch), class-index targets. Returns the fp32 loss (0-d, or the target's shape for ``"none"``).

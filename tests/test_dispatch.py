@@ -100,6 +100,8 @@ TRITON_LAUNCHES = {
     "cross_entropy fwd+bwd": 3,  # row forward, reduction, backward
     "cross_entropy fwd+bwd, z_loss and softcap": 3,  # the same kernels, the features inside them
     "nn.CrossEntropyLoss fwd+bwd": 3,
+    # grad scale, row forward, backward over the logits, reduction; in the backward the in-place scaling
+    "cross_entropy fwd+bwd, overwrite_logits": 5,
     "cross_entropy_with_mxfp8_grad": 3,  # row forward, reduction, fused MXFP8 backward
     "softmax fwd+bwd": 2,
     "log_softmax fwd+bwd": 2,
@@ -171,6 +173,9 @@ def _launch_cases(device):
             lambda a: lowp_ops.cross_entropy(a, target, z_loss=1e-3, softcap=5.0), logits
         ),
         "nn.CrossEntropyLoss fwd+bwd": fwd_bwd(lambda a: lowp_ops.nn.CrossEntropyLoss()(a, target), logits),
+        "cross_entropy fwd+bwd, overwrite_logits": fwd_bwd(
+            lambda a: lowp_ops.cross_entropy(a * 1, target, overwrite_logits=True), logits
+        ),
         "cross_entropy_with_mxfp8_grad": lambda: lowp_ops.cross_entropy_with_mxfp8_grad(logits, target),
         "softmax fwd+bwd": sm,
         "log_softmax fwd+bwd": fwd_bwd(lowp_ops.log_softmax, x),

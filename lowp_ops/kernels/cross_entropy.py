@@ -21,15 +21,15 @@ from ..meta.cross_entropy import (
     SHIFT,
     cross_entropy_bwd_mxfp8_outputs,
     cross_entropy_bwd_output,
-    cross_entropy_fwd_bwd_mxfp8_outputs,
     cross_entropy_fwd_outputs,
     cross_entropy_fwd_overwrite_outputs,
     cross_entropy_grad_scale_output,
     cross_entropy_reduce_outputs,
+    cross_entropy_scale_grad_output,
 )
 from ..reference.cross_entropy import cross_entropy_grad_scale, cross_entropy_reduce, smoothing_weight_total
 from . import cross_entropy_gluon
-from . import cross_entropy_single_pass as single_pass
+from .bf16_pairs import to_dtype_rne
 from .cross_entropy_math import (
     add_z_loss,
     program_tile_grad,
@@ -308,20 +308,13 @@ def launch_cross_entropy_fwd(
     block: int | None = None,
     num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``lowp::cross_entropy_fwd``. Without class weights the chunked kernel of ``cross_entropy_single_pass``
-    runs (its statistics are what the single pass forms); with them, or when ``block`` / ``num_warps``
-    override the launch configuration, the one-row-per-program online kernel here."""
+    """``lowp::cross_entropy_fwd``; ``block`` / ``num_warps`` override the launch configuration."""
     loss, stats = cross_entropy_fwd_outputs(
         logits, target, label_smoothing, ignore_index, weight, z_loss, softcap
     )
     rows, n_cols = logits.shape
     if rows == 0:
         return loss, stats
-    if weight is None and block is None and num_warps is None and n_cols > 0:
-        # The chunked forward: the row statistics the single pass forms, bit for bit.
-        return single_pass.launch_cross_entropy_fwd_chunks(
-            logits, target, label_smoothing, ignore_index, z_loss, softcap
-        )
     logits = rows_with_unit_stride(logits)
     default_block, default_warps = fwd_config(n_cols)
     block, num_warps = block or default_block, num_warps or default_warps
@@ -640,61 +633,6 @@ def launch_cross_entropy_grad_scale(
     return grad_scale
 
 
-def launch_cross_entropy_fwd_bwd_mxfp8(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    grad_rows: torch.Tensor,
-    label_smoothing: float,
-    ignore_index: int,
-    fp8_dtype: str,
-    rowwise: bool,
-    columnwise: bool,
-    scale_layout: str,
-    weight: torch.Tensor | None = None,
-    z_loss: float = 0.0,
-    softcap: float = 0.0,
-    *,
-    chunk_cols: int | None = None,
-    num_warps: int = 4,
-    **experiment,
-):
-    """``lowp::cross_entropy_fwd_bwd_mxfp8``: (loss (N,), row statistics (2, N), MXFP8 payload of the
-    gradient for ``grad_rows``). On CUDA without class weights one cooperative launch reads the logits
-    once (``cross_entropy_single_pass``); otherwise the forward then the fused MXFP8 backward, the same
-    bytes."""
-    outputs = cross_entropy_fwd_bwd_mxfp8_outputs(
-        logits, target, grad_rows, label_smoothing, ignore_index, fp8_dtype, rowwise, columnwise,
-        scale_layout, weight, z_loss, softcap,
-    )  # fmt: skip
-    rows, n_cols = logits.shape
-    if weight is not None or rows == 0 or n_cols == 0 or not single_pass.single_pass_runs(logits):
-        loss, stats = launch_cross_entropy_fwd(
-            logits, target, label_smoothing, ignore_index, weight, z_loss, softcap
-        )
-        payload = launch_cross_entropy_bwd_mxfp8(
-            logits, target, stats, grad_rows, label_smoothing, ignore_index, fp8_dtype, rowwise, columnwise,
-            scale_layout, 0, 0, weight, z_loss, softcap,
-        )  # fmt: skip
-        return loss, stats, *payload
-    loss, stats, row_data, row_scale, col_data, col_scale = outputs
-    data_dtype = FP8_DTYPES[fp8_dtype]
-    fp8 = {
-        "FP8_MAX": FP8_MAX[fp8_dtype],
-        "MAX_RCP": FP8_MAX_RCP[fp8_dtype],
-        "OUT_DTYPE": TRITON_FP8[fp8_dtype],
-        "ROWWISE": rowwise,
-        "COLWISE": columnwise,
-        "SWIZZLED": scale_layout == "swizzled",
-    }
-    single_pass.launch(
-        rows_with_unit_stride(logits), target.contiguous(), loss, stats, label_smoothing, ignore_index,
-        z_loss, softcap, single_pass.MXFP8, grad_rows,
-        mxfp8=(row_data.view(data_dtype), row_scale, col_data.view(data_dtype), col_scale, fp8),
-        chunk_cols=chunk_cols, num_warps=num_warps, **experiment,
-    )  # fmt: skip
-    return outputs
-
-
 def launch_cross_entropy_fwd_overwrite(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -704,31 +642,57 @@ def launch_cross_entropy_fwd_overwrite(
     weight: torch.Tensor | None = None,
     z_loss: float = 0.0,
     softcap: float = 0.0,
-    *,
-    chunk_cols: int | None = None,
-    num_warps: int = 4,
-    **experiment,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``lowp::cross_entropy_fwd_overwrite``: (loss (N,), row statistics (2, N)), and the gradient for
-    ``grad_rows`` written over the (contiguous) logits. On CUDA without class weights one cooperative
-    launch; otherwise the forward then the backward in place, the same bytes."""
-    loss, stats = cross_entropy_fwd_overwrite_outputs(
+    """``lowp::cross_entropy_fwd_overwrite``: the forward, then the backward for ``grad_rows`` written over
+    the (contiguous) logits, which each program reads before it writes them: (loss (N,), row statistics
+    (2, N)), the gradient's bytes those of ``cross_entropy_bwd`` into a new tensor."""
+    cross_entropy_fwd_overwrite_outputs(
         logits, target, grad_rows, label_smoothing, ignore_index, weight, z_loss, softcap
     )
-    rows, n_cols = logits.shape
-    if rows == 0 or n_cols == 0:
-        return loss, stats
-    if weight is not None or not single_pass.single_pass_runs(logits):
-        loss, stats = launch_cross_entropy_fwd(
-            logits, target, label_smoothing, ignore_index, weight, z_loss, softcap
-        )
-        launch_cross_entropy_bwd(
-            logits, target, stats, grad_rows, label_smoothing, ignore_index, 0, 0, weight, z_loss, softcap,
-            out=logits,
-        )  # fmt: skip
-        return loss, stats
-    single_pass.launch(
-        logits, target.contiguous(), loss, stats, label_smoothing, ignore_index, z_loss, softcap,
-        single_pass.GRAD, grad_rows, logits, chunk_cols=chunk_cols, num_warps=num_warps, **experiment,
-    )  # fmt: skip
+    loss, stats = launch_cross_entropy_fwd(
+        logits, target, label_smoothing, ignore_index, weight, z_loss, softcap
+    )
+    launch_cross_entropy_bwd(
+        logits,
+        target,
+        stats,
+        grad_rows,
+        label_smoothing,
+        ignore_index,
+        0,
+        0,
+        weight,
+        z_loss,
+        softcap,
+        out=logits,
+    )
     return loss, stats
+
+
+SCALE_BLOCK = 4096
+
+
+@cached_launch
+@triton.jit
+def cross_entropy_scale_grad_kernel(dlogits_ptr, grad_ptr, grad_stride, n_cols, BLOCK: tl.constexpr):
+    """Multiply one row block of the gradient in place by its row's fp32 ``grad_rows`` and round to the
+    gradient's dtype (RNE); a program whose factor is 1 returns at once (the product equals the input)."""
+    row = tl.program_id(0).to(tl.int64)
+    factor = tl.load(grad_ptr + row * grad_stride)
+    if factor != 1.0:
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ptrs = dlogits_ptr + row * n_cols + cols
+        x = tl.load(ptrs, mask=cols < n_cols, other=0.0).to(tl.float32)
+        tl.store(ptrs, to_dtype_rne(x * factor, dlogits_ptr.dtype.element_ty), mask=cols < n_cols)
+
+
+def launch_cross_entropy_scale_grad_(dlogits: torch.Tensor, grad_rows: torch.Tensor) -> None:
+    """``lowp::cross_entropy_scale_grad_``: ``dlogits[i] *= grad_rows[i]`` in place, decided per row on the
+    device (rows whose factor is 1 are not touched: no host sync, CUDA-graph safe)."""
+    cross_entropy_scale_grad_output(dlogits, grad_rows)
+    rows, n_cols = dlogits.shape
+    if rows == 0 or n_cols == 0:
+        return
+    cross_entropy_scale_grad_kernel[(rows, triton.cdiv(n_cols, SCALE_BLOCK))](
+        dlogits, grad_rows, grad_rows.stride(0), n_cols, BLOCK=SCALE_BLOCK, num_warps=4
+    )

@@ -291,29 +291,6 @@ def _check_grad_rows(grad_rows: torch.Tensor, rows: int) -> None:
     )
 
 
-def cross_entropy_fwd_bwd_mxfp8_outputs(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    grad_rows: torch.Tensor,
-    label_smoothing: float,
-    ignore_index: int,
-    fp8_dtype: str,
-    rowwise: bool,
-    columnwise: bool,
-    scale_layout: str,
-    weight: torch.Tensor | None = None,
-    z_loss: float = 0.0,
-    softcap: float = 0.0,
-) -> tuple[torch.Tensor, ...]:
-    """``(loss (N,), row_stats (2, N), row_data, row_scale, col_data, col_scale)``: the forward's outputs
-    and the MXFP8 payload of the gradient (as ``mxfp8_quantize_outputs`` of the logits)."""
-    loss, stats = cross_entropy_fwd_outputs(
-        logits, target, label_smoothing, ignore_index, weight, z_loss, softcap
-    )
-    _check_grad_rows(grad_rows, logits.shape[0])
-    return loss, stats, *mxfp8_quantize_outputs(logits, fp8_dtype, rowwise, columnwise, scale_layout)
-
-
 def cross_entropy_fwd_overwrite_outputs(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -331,3 +308,17 @@ def cross_entropy_fwd_overwrite_outputs(
     _check_grad_rows(grad_rows, logits.shape[0])
     require(logits.is_contiguous(), lambda: "logits must be contiguous to receive the gradient in place")
     return outputs
+
+
+def cross_entropy_scale_grad_output(dlogits: torch.Tensor, grad_rows: torch.Tensor) -> None:
+    """Checks of ``lowp::cross_entropy_scale_grad_`` (in place, no output): ``dlogits`` (N, V)
+    contiguous, ``grad_rows`` (N,) float32 on its device (any stride)."""
+    require(
+        dlogits.dim() == 2 and dlogits.is_contiguous(),
+        lambda: f"dlogits must be a contiguous (N, V) tensor, got {tuple(dlogits.shape)}",
+    )
+    _check_grad_rows(grad_rows, dlogits.shape[0])
+    require(
+        grad_rows.device == dlogits.device,
+        lambda: f"grad_rows must be on dlogits' device {dlogits.device}, got {grad_rows.device}",
+    )

@@ -50,11 +50,11 @@ from ..meta.cross_entropy import (
     LOG_SUM,
     SHIFT,
     cross_entropy_bwd_output,
-    cross_entropy_fwd_bwd_mxfp8_outputs,
     cross_entropy_fwd_outputs,
     cross_entropy_fwd_overwrite_outputs,
     cross_entropy_grad_scale_output,
     cross_entropy_reduce_outputs,
+    cross_entropy_scale_grad_output,
 )
 from ..meta.mxfp8 import check_quantize_args
 from .mxfp8 import mxfp8_quantize
@@ -328,34 +328,6 @@ def cross_entropy_grad_scale(
     return grad_scale.fill_(1.0)
 
 
-def cross_entropy_fwd_bwd_mxfp8(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    grad_rows: torch.Tensor,
-    label_smoothing: float,
-    ignore_index: int,
-    fp8_dtype: str,
-    rowwise: bool,
-    columnwise: bool,
-    scale_layout: str,
-    weight: torch.Tensor | None = None,
-    z_loss: float = 0.0,
-    softcap: float = 0.0,
-) -> tuple[torch.Tensor, ...]:
-    """Reference of ``lowp::cross_entropy_fwd_bwd_mxfp8``: :func:`cross_entropy_fwd`, then
-    :func:`cross_entropy_bwd_mxfp8` of its statistics for ``grad_rows``."""
-    cross_entropy_fwd_bwd_mxfp8_outputs(
-        logits, target, grad_rows, label_smoothing, ignore_index, fp8_dtype, rowwise, columnwise,
-        scale_layout, weight, z_loss, softcap,
-    )  # fmt: skip
-    loss, stats = cross_entropy_fwd(logits, target, label_smoothing, ignore_index, weight, z_loss, softcap)
-    payload = cross_entropy_bwd_mxfp8(
-        logits, target, stats, grad_rows, label_smoothing, ignore_index, fp8_dtype, rowwise, columnwise,
-        scale_layout, 0, 0, weight, z_loss, softcap,
-    )  # fmt: skip
-    return loss, stats, *payload
-
-
 def cross_entropy_fwd_overwrite(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -378,3 +350,10 @@ def cross_entropy_fwd_overwrite(
         )
     )
     return loss, stats
+
+
+def cross_entropy_scale_grad_(dlogits: torch.Tensor, grad_rows: torch.Tensor) -> None:
+    """Reference of ``lowp::cross_entropy_scale_grad_``: ``dlogits[i] = round(fp32(dlogits[i]) *
+    grad_rows[i])`` in place (a factor of 1 leaves a row's bytes as they are)."""
+    cross_entropy_scale_grad_output(dlogits, grad_rows)
+    dlogits.copy_(dlogits.float() * grad_rows[:, None])

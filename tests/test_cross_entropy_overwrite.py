@@ -1,0 +1,231 @@
+"""``cross_entropy(..., overwrite_logits=True)``: the forward writes the gradient over the logits, the
+backward returns it scaled in place (``lowp::cross_entropy_fwd_overwrite``,
+``lowp::cross_entropy_scale_grad_``, ``lowp::cross_entropy_grad_scale``).
+
+The oracle is the default path (logits untouched, the gradient from the backward kernel): the same
+bytes when ``grad_loss`` is 1 or a power of two, one more rounding otherwise. CPU (references), the
+interpreter (kernels on CPU tensors), the GPU, and a CUDA-graph replay with ``grad_loss`` 1 and not 1.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lowp_ops
+from lowp_ops import library
+
+NEG_INF = float("-inf")
+IGNORE = -100
+
+
+def inputs(rows: int, cols: int, device: str = "cpu", dtype=torch.bfloat16, seed: int = 0):
+    """Logits with a masked leading block, an ignored all -inf row and sparse -inf; every 5th row ignored."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, cols, generator=gen) * 3
+    logits[torch.rand(rows, cols, generator=gen) < 0.05] = NEG_INF
+    logits[0, : cols // 3] = NEG_INF
+    target = torch.randint(0, cols, (rows,), generator=gen)
+    target[::5] = IGNORE
+    logits[1] = NEG_INF
+    target[1] = IGNORE
+    return logits.to(dtype).to(device), target.to(device)
+
+
+def both_paths(logits, target, grad_loss=None, **kwargs):
+    """(loss, gradient) of the default path and of overwrite_logits=True, the logits a non-leaf."""
+    results = []
+    for overwrite in (False, True):
+        leaf = logits.clone().requires_grad_()
+        loss = lowp_ops.cross_entropy(leaf * 1, target, overwrite_logits=overwrite, **kwargs)
+        main = loss[0] if isinstance(loss, tuple) else loss
+        seed = torch.ones_like(main) if grad_loss is None else torch.full_like(main, grad_loss)
+        (grad,) = torch.autograd.grad(main, leaf, seed)
+        results.append((main.detach(), grad))
+    return results
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view({2: torch.int16, 4: torch.int32}[x.element_size()])
+
+
+OPTIONS = [
+    {"reduction": "mean"},
+    {"reduction": "sum", "label_smoothing": 0.1},
+    {"reduction": "none", "z_loss": 1e-3},
+    {"reduction": "mean", "softcap": 5.0, "label_smoothing": 0.2},
+    {"reduction": "mean", "weight": "classes"},
+]
+
+
+def _options(options: dict, cols: int, device: str) -> dict:
+    options = dict(options)
+    if options.get("weight") == "classes":
+        options["weight"] = torch.rand(cols, generator=torch.Generator().manual_seed(5)).to(device) + 0.5
+    return options
+
+
+def _check_paths(device: str, rows: int, cols: int, options: dict, dtype=torch.bfloat16) -> None:
+    logits, target = inputs(rows, cols, device, dtype)
+    options = _options(options, cols, device)
+    for grad_loss in (None, 4.0, 0.5):  # 1 and powers of two: the same bytes
+        (loss, grad), (loss_ow, grad_ow) = both_paths(logits, target, grad_loss, **options)
+        assert torch.equal(bits(loss), bits(loss_ow))
+        assert torch.equal(bits(grad), bits(grad_ow)), (options, grad_loss)
+    (_, grad), (_, grad_ow) = both_paths(logits, target, 0.3, **options)
+    # Another factor rounds twice (and forms the row factor in another order): within two ulps.
+    finite = grad.isfinite()
+    assert torch.equal(finite, grad_ow.isfinite())
+    ulp = 2 * torch.finfo(dtype).eps * grad[finite].float().abs()
+    assert ((grad_ow[finite].float() - grad[finite].float()).abs() <= ulp + 1e-30).all()
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_overwrite_gives_the_default_paths_loss_and_gradient(options, dtype):
+    _check_paths("cpu", 37, 70, options, dtype)
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("options", OPTIONS)
+def test_interp_overwrite_gives_the_default_paths_loss_and_gradient(options):
+    _check_paths("cpu", 37, 300, options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1024, 32000), (333, 50257), (4096, 129280)])
+@pytest.mark.parametrize("options", OPTIONS)
+def test_gpu_overwrite_gives_the_default_paths_loss_and_gradient(shape, options):
+    _check_paths("cuda", *shape, options)
+
+
+@pytest.mark.gpu
+def test_gpu_overwrite_saves_the_gradient_buffer():
+    """Peak memory of forward + backward drops by the N x V gradient (bf16) against the default path."""
+    logits, target = inputs(4096, 32000, "cuda")
+    peaks = []
+    for overwrite in (False, True):
+        leaf = logits.clone().requires_grad_()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        loss = lowp_ops.cross_entropy(leaf * 1, target, overwrite_logits=overwrite)
+        (grad,) = torch.autograd.grad(loss, leaf)
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+        del loss, grad, leaf
+    gradient_bytes = logits.numel() * logits.element_size()
+    assert peaks[0] - peaks[1] >= 0.9 * gradient_bytes, peaks
+
+
+def test_the_logits_hold_the_gradient_and_autograd_refuses_their_saved_use():
+    logits, target = inputs(9, 40, dtype=torch.float32)
+    leaf = logits.clone().requires_grad_()
+    capped = torch.tanh(leaf)  # saves its output for its backward
+    lowp_ops.cross_entropy(capped, target, overwrite_logits=True).sum()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        lowp_ops.cross_entropy(capped, target, overwrite_logits=True).backward()
+
+    hidden = logits.clone().requires_grad_()
+    head = hidden * 2
+    lowp_ops.cross_entropy(head, target, overwrite_logits=True)
+    doubled = (logits * 2).requires_grad_()
+    (want,) = torch.autograd.grad(lowp_ops.cross_entropy(doubled, target), doubled)
+    assert torch.equal(bits(head.detach()), bits(want))
+
+
+def test_without_a_gradient_the_logits_stay_untouched():
+    logits, target = inputs(9, 40)
+    before = logits.clone()
+    with torch.no_grad():
+        loss = lowp_ops.cross_entropy(logits, target, overwrite_logits=True)
+    assert torch.equal(bits(logits), bits(before))
+    assert torch.equal(loss, lowp_ops.cross_entropy(logits, target))
+
+
+@pytest.mark.parametrize(
+    "case, error, match",
+    [
+        ("leaf", ValueError, "not a leaf"),
+        ("non-contiguous", ValueError, "contiguous"),
+        ("classes in dim 1", ValueError, "contiguous logits with classes in the last dim"),
+        ("process group", ValueError, "process_group"),
+        ("not a bool", TypeError, "overwrite_logits must be a bool"),
+    ],
+)
+def test_bad_overwrite_arguments_raise(case, error, match):
+    logits, target = inputs(8, 40, dtype=torch.float32)
+    leaf = logits.requires_grad_()
+    kwargs = {"overwrite_logits": True}
+    x = leaf * 1
+    if case == "leaf":
+        x = leaf
+    elif case == "non-contiguous":
+        x = torch.cat([leaf, leaf], 1)[:, :40]  # rows 80 apart
+    elif case == "classes in dim 1":
+        x, target = (leaf * 1).view(2, 4, 40).transpose(1, 2), target.view(2, 4)
+    elif case == "process group":
+        kwargs["process_group"] = object()
+    else:
+        kwargs["overwrite_logits"] = 1
+    with pytest.raises(error, match=match):
+        lowp_ops.cross_entropy(x, target, **kwargs)
+
+
+def test_scale_grad_rows_reference_leaves_rows_of_factor_one_alone():
+    logits, _ = inputs(6, 40)
+    factors = torch.tensor([1.0, 2.0, 0.3, 1.0, float("nan"), -1.0])
+    scaled = logits.clone()
+    library.cross_entropy_scale_grad_(scaled, factors)
+    assert torch.equal(bits(scaled[[0, 3]]), bits(logits[[0, 3]]))
+    want = (logits.float() * factors[:, None]).to(logits.dtype)
+    assert torch.equal(bits(scaled), bits(want))
+
+
+def test_overwrite_compiles_without_graph_breaks():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50)
+    hidden, target = torch.randn(12, 16), torch.randint(0, 50, (12,))
+
+    def step(h, t, overwrite):
+        return lowp_ops.cross_entropy(head(h), t, overwrite_logits=overwrite)
+
+    want = step(hidden, target, False)
+    want.backward()
+    want_grad, head.weight.grad = head.weight.grad.clone(), None
+    assert torch._dynamo.explain(step)(hidden, target, True).graph_break_count == 0
+    got = torch.compile(step, fullgraph=True)(hidden, target, True)
+    got.backward()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(head.weight.grad, want_grad)
+
+
+@pytest.mark.cudagraph
+def test_cudagraph_overwrite_replays_with_grad_loss_one_and_not_one():
+    """Capture forward + backward of ``scale * loss`` with the scale a static tensor; replays with scale 1
+    and 0.75 equal eager calls (the scaling runs or not by the device's decision)."""
+    from cudagraph_checks import capture, same_bits
+
+    logits, target = inputs(512, 32000, "cuda")
+    static_logits = logits.clone()
+    scale = torch.ones((), device="cuda")
+    hidden = torch.zeros((), device="cuda", requires_grad=True)
+
+    def step():
+        x = static_logits + hidden  # a non-leaf whose gradient is the logits'
+        loss = lowp_ops.cross_entropy(x, target, overwrite_logits=True)
+        (grad,) = torch.autograd.grad(loss * scale, x)
+        return loss.detach(), grad
+
+    graph, (static_loss, static_grad) = capture(step)
+    for factor in (1.0, 0.75):
+        scale.fill_(factor)
+        graph.replay()
+        leaf = logits.clone().requires_grad_()
+        want_loss = lowp_ops.cross_entropy(leaf, target)
+        (want_grad,) = torch.autograd.grad(want_loss * factor, leaf)
+        assert same_bits(static_loss, want_loss.detach())
+        if factor == 1.0:
+            assert same_bits(static_grad, want_grad)
+        else:
+            torch.testing.assert_close(static_grad.float(), want_grad.float(), rtol=2**-7, atol=0)
