@@ -178,12 +178,12 @@ def run_shape(n_rows: int, vocab: int, copy_tbs: float, liger, features: bool = 
         plain = torch.compile(lambda x, t, kw=kwargs: plain_loss(x, t, **kw), dynamic=False)
         record("torch.compile", f"fwd+bwd bf16, {name}", fwd_bwd(plain), 6)
 
-    # overwrite_logits=True writes the gradient over the logits (scratch copies; a view as the non-leaf)
+    # overwrite_logits=True writes the gradient over the logits (scratch copies; a view as the non-leaf,
+    # whose gradient autograd hands to its base after the in-place write)
     overwritten = [x.detach().clone().requires_grad_() for x in copies]
 
     def overwrite_fwd_bwd(x):
-        view = x.view_as(x)
-        return torch.autograd.grad(lowp_ops.cross_entropy(view, target, overwrite_logits=True), view)
+        return torch.autograd.grad(lowp_ops.cross_entropy(x.view_as(x), target, overwrite_logits=True), x)
 
     record("lowp", "fwd+bwd bf16, overwrite_logits", rotating(overwritten, overwrite_fwd_bwd), 6)
     del overwritten

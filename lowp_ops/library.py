@@ -416,22 +416,14 @@ cross_entropy_reduce.register_autograd(
     _cross_entropy_reduce_backward, setup_context=_cross_entropy_reduce_setup
 )
 
-cross_entropy_grad_scale = _define(
-    "cross_entropy_grad_scale",
-    "(Tensor target, SymInt ignore_index, bool mean, Tensor? weight=None) -> Tensor",
-    ce_ref.cross_entropy_grad_scale,
-    "cross_entropy.launch_cross_entropy_grad_scale",
-    ce_meta.cross_entropy_grad_scale_output,
-)
-
-# The forward that also writes the gradient for grad_rows known up front, over the logits.
-cross_entropy_fwd_overwrite = _define(
-    "cross_entropy_fwd_overwrite",
-    "(Tensor(a!) logits, Tensor target, Tensor grad_rows, float label_smoothing, SymInt ignore_index,"
-    " Tensor? weight=None, float z_loss=0.0, float softcap=0.0) -> (Tensor, Tensor)",
-    ce_ref.cross_entropy_fwd_overwrite,
-    "cross_entropy.launch_cross_entropy_fwd_overwrite",
-    ce_meta.cross_entropy_fwd_overwrite_outputs,
+# The backward written over the logits (overwrite_logits=True runs it in the forward).
+cross_entropy_bwd_ = _define(
+    "cross_entropy_bwd_",
+    "(Tensor(a!) logits, Tensor target, Tensor row_stats, Tensor grad_rows, float label_smoothing,"
+    " SymInt ignore_index, Tensor? weight=None, float z_loss=0.0, float softcap=0.0) -> ()",
+    ce_ref.cross_entropy_bwd_,
+    "cross_entropy.launch_cross_entropy_bwd_",
+    ce_meta.cross_entropy_bwd_overwrite_output,
     mutates_args=("logits",),
 )
 
@@ -759,26 +751,26 @@ def cross_entropy_loss(
 
 class _CrossEntropyOverwrite(torch.autograd.Function):
     """The cross entropy whose forward writes the logits' gradient (for ``grad_loss = 1``) over the logits:
-    ``cross_entropy_grad_scale``, ``cross_entropy_fwd_overwrite`` and (mean, sum) ``cross_entropy_reduce``;
-    the backward returns that buffer, rescaled in place by ``grad_loss`` where it is not 1."""
+    ``cross_entropy_fwd``, (mean, sum) ``cross_entropy_reduce``, then ``cross_entropy_bwd_`` with the
+    reduction's ``grad_scale``: the kernels and scalars of the default path, so the same bytes; the
+    backward returns that buffer, rescaled in place by ``grad_loss`` where it is not 1."""
 
     @staticmethod
     def forward(ctx, logits, target, label_smoothing, ignore_index, weight, z_loss, softcap, reduction):
         if weight is not None and weight.requires_grad:
             raise ValueError("weight (class weights) must not require grad: lowp_ops gives it no gradient")
         rows = logits.shape[0]
+        loss, stats = cross_entropy_fwd(
+            logits, target, label_smoothing, ignore_index, weight, z_loss, softcap
+        )
         if reduction == "none":
             grad_rows = torch.ones((), dtype=torch.float32, device=logits.device).expand(rows)
         else:
-            grad_rows = cross_entropy_grad_scale(target, ignore_index, reduction == "mean", weight).expand(
-                rows
-            )
-        loss_rows, stats = cross_entropy_fwd_overwrite(
-            logits, target, grad_rows, label_smoothing, ignore_index, weight, z_loss, softcap
+            loss, grad_scale = cross_entropy_reduce(loss, target, ignore_index, reduction == "mean", weight)
+            grad_rows = grad_scale.expand(rows)
+        cross_entropy_bwd_(
+            logits, target, stats, grad_rows, label_smoothing, ignore_index, weight, z_loss, softcap
         )
-        loss = loss_rows
-        if reduction != "none":
-            loss = cross_entropy_reduce(loss_rows, target, ignore_index, reduction == "mean", weight)[0]
         ctx.save_for_backward(logits)  # after the forward wrote the gradient into it
         ctx.mark_non_differentiable(stats)
         ctx.set_materialize_grads(False)

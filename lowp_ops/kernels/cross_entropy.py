@@ -21,13 +21,12 @@ from ..meta.cross_entropy import (
     SHIFT,
     cross_entropy_bwd_mxfp8_outputs,
     cross_entropy_bwd_output,
+    cross_entropy_bwd_overwrite_output,
     cross_entropy_fwd_outputs,
-    cross_entropy_fwd_overwrite_outputs,
-    cross_entropy_grad_scale_output,
     cross_entropy_reduce_outputs,
     cross_entropy_scale_grad_output,
 )
-from ..reference.cross_entropy import cross_entropy_grad_scale, cross_entropy_reduce, smoothing_weight_total
+from ..reference.cross_entropy import cross_entropy_reduce, smoothing_weight_total
 from . import cross_entropy_gluon
 from .bf16_pairs import to_dtype_rne
 from .cross_entropy_math import (
@@ -542,10 +541,8 @@ def cross_entropy_reduce_kernel(
     MEAN: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
-    WITH_LOSS: tl.constexpr = True,
 ):
-    """One program: the fp32 sum of the row losses (fixed order: deterministic; not with ``WITH_LOSS=False``,
-    which computes ``grad_scale`` alone from the targets) and, for the mean, the
+    """One program: the fp32 sum of the row losses (fixed order: deterministic) and, for the mean, the
     non-ignored count (with class weights: the sum of those rows' target weights, NaN for a target
     outside ``[0, n_classes)``), then ``loss`` (NaN when the count is 0) and ``grad_scale`` with IEEE
     divisions."""
@@ -555,8 +552,7 @@ def cross_entropy_reduce_kernel(
     for start in range(0, n_rows, BLOCK):
         idx = start + tl.arange(0, BLOCK)
         in_bounds = idx < n_rows
-        if WITH_LOSS:
-            total += tl.load(loss_rows_ptr + idx, mask=in_bounds, other=0.0)
+        total += tl.load(loss_rows_ptr + idx, mask=in_bounds, other=0.0)
         if MEAN:
             target = tl.load(target_ptr + idx, mask=in_bounds, other=ignore_index).to(tl.int64)
             valid = target != ignore_index
@@ -572,8 +568,7 @@ def cross_entropy_reduce_kernel(
         rows = tl.sum(weight_sum, 0) if HAS_WEIGHT else tl.sum(count, 0).to(tl.float32)
         loss = tl.where(rows == 0, float("nan"), tl.math.div_rn(loss, rows))
         scale = tl.math.div_rn(1.0, rows)
-    if WITH_LOSS:
-        tl.store(loss_ptr, loss)
+    tl.store(loss_ptr, loss)
     tl.store(grad_scale_ptr, scale)
 
 
@@ -606,51 +601,21 @@ def launch_cross_entropy_reduce(
     return loss, grad_scale
 
 
-def launch_cross_entropy_grad_scale(
-    target: torch.Tensor, ignore_index: int, mean: bool, weight: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``lowp::cross_entropy_grad_scale``: ``dloss / dloss_row`` of the reduction from the targets alone
-    (what a forward that also forms the gradient needs before it runs); one launch for the mean."""
-    grad_scale = cross_entropy_grad_scale_output(target, ignore_index, mean, weight)
-    if not mean or target.shape[0] > REDUCE_MAX_ROWS:
-        return grad_scale.copy_(cross_entropy_grad_scale(target, ignore_index, mean, weight))
-    class_weights = grad_scale if weight is None else weight.float().contiguous()
-    cross_entropy_reduce_kernel[(1,)](
-        grad_scale,
-        target.contiguous(),
-        target.shape[0],
-        ignore_index,
-        grad_scale,
-        grad_scale,
-        class_weights,
-        0 if weight is None else weight.shape[0],
-        MEAN=True,
-        BLOCK=REDUCE_BLOCK,
-        HAS_WEIGHT=weight is not None,
-        WITH_LOSS=False,
-        num_warps=8,
-    )
-    return grad_scale
-
-
-def launch_cross_entropy_fwd_overwrite(
+def launch_cross_entropy_bwd_(
     logits: torch.Tensor,
     target: torch.Tensor,
+    stats: torch.Tensor,
     grad_rows: torch.Tensor,
     label_smoothing: float,
     ignore_index: int,
     weight: torch.Tensor | None = None,
     z_loss: float = 0.0,
     softcap: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``lowp::cross_entropy_fwd_overwrite``: the forward, then the backward for ``grad_rows`` written over
-    the (contiguous) logits, which each program reads before it writes them: (loss (N,), row statistics
-    (2, N)), the gradient's bytes those of ``cross_entropy_bwd`` into a new tensor."""
-    cross_entropy_fwd_overwrite_outputs(
-        logits, target, grad_rows, label_smoothing, ignore_index, weight, z_loss, softcap
-    )
-    loss, stats = launch_cross_entropy_fwd(
-        logits, target, label_smoothing, ignore_index, weight, z_loss, softcap
+) -> None:
+    """``lowp::cross_entropy_bwd_``: :func:`launch_cross_entropy_bwd` with the gradient written over the
+    (contiguous) logits, which each program reads before it writes them: the same kernel, the same bytes."""
+    cross_entropy_bwd_overwrite_output(
+        logits, target, stats, grad_rows, label_smoothing, ignore_index, weight, z_loss, softcap
     )
     launch_cross_entropy_bwd(
         logits,
@@ -666,7 +631,6 @@ def launch_cross_entropy_fwd_overwrite(
         softcap,
         out=logits,
     )
-    return loss, stats
 
 
 SCALE_BLOCK = 4096

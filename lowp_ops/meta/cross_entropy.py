@@ -270,18 +270,6 @@ def cross_entropy_reduce_outputs(
     return loss_rows.new_empty(()), loss_rows.new_empty(())
 
 
-def cross_entropy_grad_scale_output(
-    target: torch.Tensor, ignore_index: int, mean: bool, weight: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``grad_scale``: a 0-d float32 tensor on the target's device; ``target`` 1-D int64/int32."""
-    require(target.dtype in TARGET_DTYPES, lambda: f"target must be int64 or int32, got {target.dtype}")
-    require(target.dim() == 1, lambda: f"target must be 1-D, got {tuple(target.shape)}")
-    if weight is not None:
-        require(weight.dim() == 1, lambda: f"weight must be 1-D (C,), got {tuple(weight.shape)}")
-        check_class_weight(weight, weight.shape[0], target)
-    return target.new_empty((), dtype=torch.float32)
-
-
 def _check_grad_rows(grad_rows: torch.Tensor, rows: int) -> None:
     require(
         grad_rows.dtype == torch.float32 and grad_rows.shape == (rows,),
@@ -291,23 +279,22 @@ def _check_grad_rows(grad_rows: torch.Tensor, rows: int) -> None:
     )
 
 
-def cross_entropy_fwd_overwrite_outputs(
+def cross_entropy_bwd_overwrite_output(
     logits: torch.Tensor,
     target: torch.Tensor,
+    stats: torch.Tensor,
     grad_rows: torch.Tensor,
     label_smoothing: float,
     ignore_index: int,
     weight: torch.Tensor | None = None,
     z_loss: float = 0.0,
     softcap: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(loss (N,), row_stats (2, N))``; the logits, which receive the gradient, must be contiguous."""
-    outputs = cross_entropy_fwd_outputs(
-        logits, target, label_smoothing, ignore_index, weight, z_loss, softcap
-    )
-    _check_grad_rows(grad_rows, logits.shape[0])
+) -> None:
+    """Checks of ``lowp::cross_entropy_bwd_`` (in place, no output): :func:`cross_entropy_bwd_output`'s,
+    and contiguous logits, which receive the gradient."""
+    _check_bwd_inputs(logits, target, stats, grad_rows, 0, 0, weight, z_loss, softcap)
+    check_label_smoothing(label_smoothing)
     require(logits.is_contiguous(), lambda: "logits must be contiguous to receive the gradient in place")
-    return outputs
 
 
 def cross_entropy_scale_grad_output(dlogits: torch.Tensor, grad_rows: torch.Tensor) -> None:

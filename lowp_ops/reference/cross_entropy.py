@@ -50,9 +50,8 @@ from ..meta.cross_entropy import (
     LOG_SUM,
     SHIFT,
     cross_entropy_bwd_output,
+    cross_entropy_bwd_overwrite_output,
     cross_entropy_fwd_outputs,
-    cross_entropy_fwd_overwrite_outputs,
-    cross_entropy_grad_scale_output,
     cross_entropy_reduce_outputs,
     cross_entropy_scale_grad_output,
 )
@@ -317,39 +316,26 @@ def cross_entropy_reduce(
     return loss, grad_scale
 
 
-def cross_entropy_grad_scale(
-    target: torch.Tensor, ignore_index: int, mean: bool, weight: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Reference of ``lowp::cross_entropy_grad_scale``: :func:`cross_entropy_reduce`'s ``grad_scale``
-    from the targets alone (0-d fp32: ``1 / count`` for the mean, 1 for the sum)."""
-    grad_scale = cross_entropy_grad_scale_output(target, ignore_index, mean, weight)
-    if mean:
-        return grad_scale.copy_(1.0 / reduce_denominator(target, ignore_index, weight))
-    return grad_scale.fill_(1.0)
-
-
-def cross_entropy_fwd_overwrite(
+def cross_entropy_bwd_(
     logits: torch.Tensor,
     target: torch.Tensor,
+    stats: torch.Tensor,
     grad_rows: torch.Tensor,
     label_smoothing: float,
     ignore_index: int,
     weight: torch.Tensor | None = None,
     z_loss: float = 0.0,
     softcap: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference of ``lowp::cross_entropy_fwd_overwrite``: :func:`cross_entropy_fwd`, and the logits
-    replaced by :func:`cross_entropy_bwd` of its statistics for ``grad_rows``."""
-    cross_entropy_fwd_overwrite_outputs(
-        logits, target, grad_rows, label_smoothing, ignore_index, weight, z_loss, softcap
+) -> None:
+    """Reference of ``lowp::cross_entropy_bwd_``: the logits replaced by :func:`cross_entropy_bwd`."""
+    cross_entropy_bwd_overwrite_output(
+        logits, target, stats, grad_rows, label_smoothing, ignore_index, weight, z_loss, softcap
     )
-    loss, stats = cross_entropy_fwd(logits, target, label_smoothing, ignore_index, weight, z_loss, softcap)
     logits.copy_(
         cross_entropy_bwd(
             logits, target, stats, grad_rows, label_smoothing, ignore_index, 0, 0, weight, z_loss, softcap
         )
     )
-    return loss, stats
 
 
 def cross_entropy_scale_grad_(dlogits: torch.Tensor, grad_rows: torch.Tensor) -> None:
