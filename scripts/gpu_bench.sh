@@ -23,6 +23,7 @@ declare -A jobs=(
     [linear_ce]="python3 benchmarks/bench_linear_cross_entropy.py --quick --no-gemms --json $json/lce.json"
     [host]="python3 benchmarks/bench_host_overhead.py"
     [ce_features]="python3 benchmarks/bench_cross_entropy.py --features --shapes 4096x129280 --json $json/ce_features.json"
+    [overwrite]="python3 benchmarks/bench_overwrite_logits.py"
     [probe]="python3 benchmarks/probe_autograd_thread.py"
     [host_nvfp4_dequantize]="python3 benchmarks/bench_host_overhead.py --no-compile --only nvfp4_dequantize"
     [transformers]="python3 benchmarks/bench_transformers.py --impls liger,lowp,stock --steps 6 --warmup 2 --budget-seconds ${TRANSFORMERS_SECONDS:-200} --json $json/transformers.json"
