@@ -32,16 +32,15 @@ from .bf16_pairs import to_dtype_rne
 from .cross_entropy_math import (
     add_z_loss,
     program_tile_grad,
-    quantize_grad_tile,
+    round_to_dtype,
     row_loss,
     row_stats_and_weighted_shifted_sum,
     row_stats_softcapped,
     softcap_logits,
-    store_grad_tile,
     weighted_row_loss,
 )
 from .launch import cached_launch, rows_with_unit_stride
-from .mxfp8 import TRITON_FP8, tile_cols
+from .mxfp8 import TRITON_FP8, quantize_tile, store_tile, tile_cols
 from .softmax import finish_log_sum, masked_safe_shift, row_stats_and_shifted_sum
 
 FWD_BLOCK = 8192
@@ -183,7 +182,9 @@ def cross_entropy_bwd_kernel(
         HAS_Z_LOSS,
         HAS_SOFTCAP,
     )
-    store_grad_tile(grad, dlogits_ptr, rows_idx, cols, rows, n_cols, EVEN)
+    store_tile(
+        dlogits_ptr, rows_idx, cols, rows, n_cols, to_dtype_rne(grad, dlogits_ptr.dtype.element_ty), EVEN
+    )
 
 
 @cached_launch
@@ -255,11 +256,34 @@ def cross_entropy_bwd_mxfp8_kernel(
         HAS_Z_LOSS,
         HAS_SOFTCAP,
     )
-    quantize_grad_tile(
-        grad, logits_ptr.dtype.element_ty, rows_idx, cols, rows, n_cols, tile_col0, row_block,
-        row_data_ptr, row_scale_ptr, row_scale_cols, col_data_ptr, col_scale_ptr, col_scale_rows,
-        col_scale_cols, BLOCK_COLS, FP8_MAX, MAX_RCP, OUT_DTYPE, ROWWISE, COLWISE, SWIZZLED, EVEN,
-    )  # fmt: skip
+    # Quantize exactly what the other kernel stores: the gradient rounded to the logits' dtype.
+    grad = round_to_dtype(grad, logits_ptr.dtype.element_ty)
+    if not EVEN:
+        grad = tl.where((rows_idx[:, None] < rows) & (cols[None, :] < n_cols), grad, 0.0)
+    quantize_tile(
+        grad,
+        rows_idx,
+        cols,
+        rows,
+        n_cols,
+        tile_col0,
+        row_block,
+        row_data_ptr,
+        row_scale_ptr,
+        row_scale_cols,
+        col_data_ptr,
+        col_scale_ptr,
+        col_scale_rows,
+        col_scale_cols,
+        BLOCK_COLS,
+        FP8_MAX,
+        MAX_RCP,
+        OUT_DTYPE,
+        ROWWISE,
+        COLWISE,
+        SWIZZLED,
+        EVEN,
+    )
 
 
 def stats_rows(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

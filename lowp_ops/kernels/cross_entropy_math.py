@@ -18,7 +18,7 @@ from triton.language.extra import libdevice
 
 from .bf16_pairs import round_pairs_to_bf16, to_dtype_rne
 from .launch import INTERPRETING_CONSTEXPR as INTERPRETING
-from .mxfp8 import quantize_tile, store_tile, tile_coords
+from .mxfp8 import tile_coords
 from .softmax import online_softmax_update, rebase_shifted_sum
 
 
@@ -318,47 +318,6 @@ def program_tile_grad(
     2 z``; with class weights ``α + 2 z lse``).
     """
     row_block, col_tile = tile_coords(n_cols, BLOCK_COLS)
-    rows_idx, cols, grad = tile_grad(
-        row_block, col_tile, logits_ptr, stride_row, target_ptr, shift_ptr, log_sum_ptr, grad_ptr,
-        grad_stride, rows, n_cols, ignore_index, vocab_start, vocab_total, smoothing_eps, target_weight,
-        weight_ptr, smooth_total_ptr, z_loss2, softcap, softcap_rcp, BLOCK_COLS, HAS_SMOOTHING, EVEN,
-        HAS_WEIGHT, HAS_Z_LOSS, HAS_SOFTCAP,
-    )  # fmt: skip
-    return row_block, rows_idx, cols, col_tile * BLOCK_COLS, grad
-
-
-@triton.jit
-def tile_grad(
-    row_block,
-    col_tile,
-    logits_ptr,
-    stride_row,
-    target_ptr,
-    shift_ptr,
-    log_sum_ptr,
-    grad_ptr,
-    grad_stride,
-    rows,
-    n_cols,
-    ignore_index,
-    vocab_start,
-    vocab_total,
-    smoothing_eps,
-    target_weight,
-    weight_ptr,
-    smooth_total_ptr,
-    z_loss2,
-    softcap,
-    softcap_rcp,
-    BLOCK_COLS: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr,
-    EVEN: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_Z_LOSS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-):
-    """The fp32 gradient of the 32 x BLOCK_COLS tile (``row_block``, ``col_tile``): (rows_idx, cols,
-    gradient); :func:`program_tile_grad` says how."""
     rows_idx = row_block * 32 + tl.arange(0, 32)
     tile_col0 = col_tile * BLOCK_COLS
     cols = tile_col0 + tl.arange(0, BLOCK_COLS)
@@ -410,49 +369,4 @@ def tile_grad(
             grad = p * row_scale[:, None]
     if HAS_SOFTCAP:
         grad = grad * tl.fma(-tanh, tanh, 1.0)
-    return rows_idx, cols, grad
-
-
-@triton.jit
-def store_grad_tile(grad, dlogits_ptr, rows_idx, cols, rows, n_cols, EVEN: tl.constexpr):
-    """Store an fp32 gradient tile [32, BLOCK_COLS] in ``dlogits_ptr``'s dtype (RNE)."""
-    grad = to_dtype_rne(grad, dlogits_ptr.dtype.element_ty)
-    store_tile(dlogits_ptr, rows_idx, cols, rows, n_cols, grad, EVEN)
-
-
-@triton.jit
-def quantize_grad_tile(
-    grad,
-    LOGITS_DTYPE: tl.constexpr,
-    rows_idx,
-    cols,
-    rows,
-    n_cols,
-    tile_col0,
-    row_block,
-    row_data_ptr,
-    row_scale_ptr,
-    row_scale_cols,
-    col_data_ptr,
-    col_scale_ptr,
-    col_scale_rows,
-    col_scale_cols,
-    BLOCK_COLS: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    MAX_RCP: tl.constexpr,
-    OUT_DTYPE: tl.constexpr,
-    ROWWISE: tl.constexpr,
-    COLWISE: tl.constexpr,
-    SWIZZLED: tl.constexpr,
-    EVEN: tl.constexpr,
-):
-    """Write the MXFP8 copies of an fp32 gradient tile [32, BLOCK_COLS]: exactly what
-    :func:`store_grad_tile` stores (the gradient rounded to the logits' dtype), quantized."""
-    grad = round_to_dtype(grad, LOGITS_DTYPE)
-    if not EVEN:
-        grad = tl.where((rows_idx[:, None] < rows) & (cols[None, :] < n_cols), grad, 0.0)
-    quantize_tile(
-        grad, rows_idx, cols, rows, n_cols, tile_col0, row_block, row_data_ptr, row_scale_ptr, row_scale_cols,
-        col_data_ptr, col_scale_ptr, col_scale_rows, col_scale_cols, BLOCK_COLS, FP8_MAX, MAX_RCP, OUT_DTYPE,
-        ROWWISE, COLWISE, SWIZZLED, EVEN,
-    )  # fmt: skip
+    return row_block, rows_idx, cols, tile_col0, grad
