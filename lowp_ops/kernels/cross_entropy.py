@@ -34,8 +34,7 @@ from .cross_entropy_math import (
     program_tile_grad,
     round_to_dtype,
     row_loss,
-    row_stats_and_weighted_shifted_sum,
-    row_stats_softcapped,
+    row_stats_weighted_or_capped,
     softcap_logits,
     weighted_row_loss,
 )
@@ -83,12 +82,10 @@ def cross_entropy_fwd_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
-    if HAS_SOFTCAP:
-        m, d, shifted_sum = row_stats_softcapped(
-            row_ptr, weight_ptr, n_cols, softcap, softcap_rcp, BLOCK, HAS_SMOOTHING, HAS_WEIGHT
+    if HAS_SOFTCAP or (HAS_WEIGHT and HAS_SMOOTHING):  # only smoothing needs every class's weight
+        m, d, shifted_sum = row_stats_weighted_or_capped(
+            row_ptr, weight_ptr, n_cols, softcap, softcap_rcp, BLOCK, HAS_SMOOTHING, HAS_WEIGHT, HAS_SOFTCAP
         )
-    elif HAS_WEIGHT and HAS_SMOOTHING:  # only the smoothing term needs the weights of every class
-        m, d, shifted_sum = row_stats_and_weighted_shifted_sum(row_ptr, weight_ptr, n_cols, BLOCK, True)
     else:
         m, d, shifted_sum = row_stats_and_shifted_sum(row_ptr, n_cols, BLOCK, HAS_SMOOTHING)
     shift = masked_safe_shift(m)

@@ -1,9 +1,9 @@
 """Element-wise ``@triton.jit`` helpers of the cross-entropy kernels: per-row losses, the class-weighted
 forward terms, the fp32 gradient of a tile (``softmax_minus_eps``, ``cross_entropy_grad`` and their
 class-weighted forms), loading the saved row statistics and rounding to the logits' dtype; and the loss
-features' helpers (``softcap_logits``, ``row_stats_softcapped``, ``add_z_loss``, ``z_loss_factor``), which
-the kernels call only under their ``HAS_SOFTCAP`` / ``HAS_Z_LOSS`` constexprs, so the code compiled
-without the features is unchanged.
+features' helpers (``softcap_logits``, ``row_stats_weighted_or_capped``, ``add_z_loss``,
+``z_loss_factor``), which the kernels call only under their ``HAS_SOFTCAP`` / ``HAS_Z_LOSS``
+constexprs, so the code compiled without the features is unchanged.
 
 Shared by ``kernels.cross_entropy`` (Triton), ``kernels.cross_entropy_gluon`` (the same math in an
 explicit layout) and ``kernels.vocab_parallel``: one definition, so their bytes agree by construction
@@ -44,7 +44,7 @@ def softcap_logits(x, softcap, softcap_rcp):
 
 
 @triton.jit
-def row_stats_softcapped(
+def row_stats_weighted_or_capped(
     row_ptr,
     weight_ptr,
     n_cols,
@@ -53,10 +53,12 @@ def row_stats_softcapped(
     BLOCK: tl.constexpr,
     WITH_SUM: tl.constexpr,
     WEIGHTED: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
-    """(max m, ``d = Σ exp(cap(x) - shift(m))``, ``Σ w_c (cap(x_c) - shift(m))``) in fp32 of one row's
-    capped logits (``w_c = 1`` unless ``WEIGHTED``: fp32 weights at ``weight_ptr``); the sum, rebased by
-    the weight seen so far as the shift moves, is 0 unless ``WITH_SUM``."""
+    """(max m, ``d = Σ exp(x - shift(m))``, ``Σ w_c (x_c - shift(m))``) in fp32 of one row, ``x`` the
+    capped logits with ``HAS_SOFTCAP``; ``w_c = 1`` unless ``WEIGHTED`` (fp32 weights at ``weight_ptr``).
+    The sum, rebased by the weight seen so far as the shift moves, is 0 unless ``WITH_SUM``. Rows with
+    neither feature use ``softmax.row_stats_and_shifted_sum``."""
     m = float("-inf")
     d = 0.0
     total = 0.0
@@ -65,7 +67,8 @@ def row_stats_softcapped(
         cols = start + tl.arange(0, BLOCK)
         in_row = cols < n_cols
         block = tl.load(row_ptr + cols, mask=in_row, other=float("-inf")).to(tl.float32)
-        block, _ = softcap_logits(block, softcap, softcap_rcp)
+        if HAS_SOFTCAP:
+            block, _ = softcap_logits(block, softcap, softcap_rcp)
         m_old = m
         m, d, shifted = online_softmax_update(m, d, block)
         if WITH_SUM:
@@ -74,6 +77,7 @@ def row_stats_softcapped(
             else:
                 w = in_row.to(tl.float32)
             total = rebase_shifted_sum(total, weight_seen, m_old, m)
+            # Masked lanes hold 0 * -inf: excluded (a real -inf logit of weight 0 gives NaN, as torch).
             total += tl.sum(tl.where(in_row, w * shifted, 0.0), 0)
             weight_seen += tl.sum(w, 0)
     return m, d, total
@@ -115,31 +119,6 @@ def row_loss(
     if HAS_SMOOTHING:
         loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_sum - shifted_sum / n_vocab)
     return tl.where(is_valid, loss, 0.0)
-
-
-@triton.jit
-def row_stats_and_weighted_shifted_sum(
-    row_ptr, weight_ptr, n_cols, BLOCK: tl.constexpr, WITH_SUM: tl.constexpr
-):
-    """``row_stats_and_shifted_sum`` with the class-weighted sum ``Σ_c w_c (x_c - shift(m))`` (fp32
-    weights ``weight_ptr``), rebased by the weight seen so far as the shift moves."""
-    m = float("-inf")
-    d = 0.0
-    total = 0.0
-    weight_seen = 0.0
-    for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        in_row = cols < n_cols
-        block = tl.load(row_ptr + cols, mask=in_row, other=float("-inf")).to(tl.float32)
-        m_old = m
-        m, d, shifted = online_softmax_update(m, d, block)
-        if WITH_SUM:
-            w = tl.load(weight_ptr + cols, mask=in_row, other=0.0)
-            total = rebase_shifted_sum(total, weight_seen, m_old, m)
-            # Masked lanes hold 0 * -inf: excluded (a real -inf logit of weight 0 gives NaN, as torch).
-            total += tl.sum(tl.where(in_row, w * shifted, 0.0), 0)
-            weight_seen += tl.sum(w, 0)
-    return m, d, total
 
 
 @triton.jit

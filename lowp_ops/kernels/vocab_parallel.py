@@ -27,8 +27,7 @@ from .cross_entropy import fwd_config
 from .cross_entropy_math import (
     add_z_loss,
     row_loss,
-    row_stats_and_weighted_shifted_sum,
-    row_stats_softcapped,
+    row_stats_weighted_or_capped,
     softcap_logits,
     weighted_row_loss,
 )
@@ -64,15 +63,11 @@ def vocab_parallel_ce_stats_kernel(
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
     # An all -inf shard gives log_sum = -inf (d = 0), which the merge's exp turns into a 0 contribution.
-    if HAS_SOFTCAP:
-        m, d, shifted_sum = row_stats_softcapped(
-            row_ptr, weight_ptr + vocab_start, n_cols, softcap, softcap_rcp, BLOCK, LOGIT_SUM_ON, WEIGHTED
-        )
-    elif WEIGHTED:
-        shard_weight_ptr = weight_ptr + vocab_start
-        m, d, shifted_sum = row_stats_and_weighted_shifted_sum(
-            row_ptr, shard_weight_ptr, n_cols, BLOCK, LOGIT_SUM_ON
-        )
+    if HAS_SOFTCAP or WEIGHTED:
+        m, d, shifted_sum = row_stats_weighted_or_capped(
+            row_ptr, weight_ptr + vocab_start, n_cols, softcap, softcap_rcp, BLOCK, LOGIT_SUM_ON, WEIGHTED,
+            HAS_SOFTCAP,
+        )  # fmt: skip
     else:
         m, d, shifted_sum = row_stats_and_shifted_sum(row_ptr, n_cols, BLOCK, LOGIT_SUM_ON)
 
