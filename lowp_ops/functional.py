@@ -228,13 +228,15 @@ def cross_entropy(
     z_loss, softcap = public_z_loss(z_loss), public_softcap(softcap)
     check_return_flags(return_z_loss, return_lse)
     logits_rows, target_rows = _class_rows(input, target, classes_last)
-    overwrite = _overwrites(overwrite_logits, input, logits_rows, process_group)
+    overwrite = overwrite_logits is not False and _overwrites(
+        overwrite_logits, input, logits_rows, process_group
+    )
     if process_group is None:
         check_class_weight(weight, logits_rows.shape[1], logits_rows)
-        loss_function = library.cross_entropy_overwrite_loss if overwrite else library.cross_entropy_loss
-        loss, stats = loss_function(
-            logits_rows, target_rows, float(label_smoothing), ignore_index, reduction, weight, z_loss, softcap
-        )
+        loss, stats = library.cross_entropy_loss(
+            logits_rows, target_rows, float(label_smoothing), ignore_index, reduction, weight, z_loss,
+            softcap, overwrite,
+        )  # fmt: skip
         loss = loss.view(_loss_shape(target, reduction))
     else:
         from .distributed import check_process_group, vocab_parallel_cross_entropy_rows, vocab_shard
@@ -253,11 +255,10 @@ def cross_entropy(
 
 
 def _overwrites(overwrite_logits, input: torch.Tensor, logits_rows: torch.Tensor, process_group) -> bool:
-    """Whether the forward writes the gradient over the logits: asked for, and a gradient is needed."""
+    """Whether the forward writes the gradient over the logits (``overwrite_logits`` given, not False): the
+    arguments checked, and a gradient is needed."""
     if not isinstance(overwrite_logits, bool):
         raise TypeError(f"overwrite_logits must be a bool, got {type(overwrite_logits).__name__}")
-    if not overwrite_logits:
-        return False
     require(process_group is None, lambda: "overwrite_logits=True does not combine with process_group")
     require(
         input.is_contiguous() and logits_rows.data_ptr() == input.data_ptr(),

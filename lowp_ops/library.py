@@ -365,13 +365,18 @@ cross_entropy_bwd_mxfp8 = _define(
 )
 
 
+def refuse_weight_grad(weight: torch.Tensor | None) -> None:
+    """Class weights get no gradient: one that requires it raises."""
+    if weight is not None and weight.requires_grad:
+        raise ValueError("weight (class weights) must not require grad: lowp_ops gives it no gradient")
+
+
 def _cross_entropy_setup(ctx, inputs, output):
     # inputs: (logits, target, label_smoothing, ignore_index[, weight[, z_loss[, softcap]]]); class weights
     # get no gradient.
     logits, target, label_smoothing, ignore_index, *rest = inputs
     weight, z_loss, softcap = (*rest, *(None, 0.0, 0.0)[len(rest) :])
-    if weight is not None and weight.requires_grad:
-        raise ValueError("weight (class weights) must not require grad: lowp_ops gives it no gradient")
+    refuse_weight_grad(weight)
     ctx.label_smoothing = label_smoothing
     ctx.ignore_index = ignore_index
     ctx.features = (z_loss, softcap)
@@ -724,31 +729,6 @@ class _CrossEntropyLoss(torch.autograd.Function):
         return _cross_entropy_backward(rows, grad_rows, None)[0], *(None,) * 7
 
 
-def cross_entropy_loss(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    label_smoothing: float,
-    ignore_index: int,
-    reduction: str,
-    weight: torch.Tensor | None = None,
-    z_loss: float = 0.0,
-    softcap: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(loss, row_stats)``: the reduced (or per-row) fp32 cross entropy of ``(N, V)`` logits with
-    optional class weights ``(V,)`` and loss features (``z_loss``, ``softcap``; 0.0 = off), and the
-    forward's ``(2, N)`` row statistics (not differentiable): ``lowp::cross_entropy_fwd`` and, for
-    ``mean``/``sum``, ``lowp::cross_entropy_reduce``; one autograd node when called eagerly."""
-    args = (logits, target, label_smoothing, ignore_index, weight, z_loss, softcap)
-    if reduction == "none":
-        return cross_entropy_fwd(*args)
-    mean = reduction == "mean"
-    if logits.requires_grad and torch.is_grad_enabled() and eager_call_allowed(args):
-        loss, _, stats = _CrossEntropyLoss.apply(*args, mean)
-        return loss, stats
-    loss_rows, stats = cross_entropy_fwd(*args)
-    return cross_entropy_reduce(loss_rows, target, ignore_index, mean, weight)[0], stats
-
-
 class _CrossEntropyOverwrite(torch.autograd.Function):
     """The cross entropy whose forward writes the logits' gradient (for ``grad_loss = 1``) over the logits:
     ``cross_entropy_fwd``, (mean, sum) ``cross_entropy_reduce``, then ``cross_entropy_bwd_`` with the
@@ -757,8 +737,7 @@ class _CrossEntropyOverwrite(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, label_smoothing, ignore_index, weight, z_loss, softcap, reduction):
-        if weight is not None and weight.requires_grad:
-            raise ValueError("weight (class weights) must not require grad: lowp_ops gives it no gradient")
+        refuse_weight_grad(weight)
         rows = logits.shape[0]
         loss, stats = cross_entropy_fwd(
             logits, target, label_smoothing, ignore_index, weight, z_loss, softcap
@@ -786,7 +765,7 @@ class _CrossEntropyOverwrite(torch.autograd.Function):
         return dlogits, *(None,) * 7
 
 
-def cross_entropy_overwrite_loss(
+def cross_entropy_loss(
     logits: torch.Tensor,
     target: torch.Tensor,
     label_smoothing: float,
@@ -795,12 +774,26 @@ def cross_entropy_overwrite_loss(
     weight: torch.Tensor | None = None,
     z_loss: float = 0.0,
     softcap: float = 0.0,
+    overwrite_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`cross_entropy_loss` whose forward writes the gradient over the contiguous ``(N, V)`` logits
-    (their version counter moves: autograd refuses any saved use of them afterwards); the backward
-    returns it scaled by ``grad_loss`` (in place, rows whose factor is 1 untouched). The gradient's bytes
-    equal :func:`cross_entropy_loss`'s backward's when ``grad_loss`` is 1, and when it is a power of two
+    """``(loss, row_stats)``: the reduced (or per-row) fp32 cross entropy of ``(N, V)`` logits with
+    optional class weights ``(V,)`` and loss features (``z_loss``, ``softcap``; 0.0 = off), and the
+    forward's ``(2, N)`` row statistics (not differentiable): ``lowp::cross_entropy_fwd`` and, for
+    ``mean``/``sum``, ``lowp::cross_entropy_reduce``; one autograd node when called eagerly.
+
+    ``overwrite_logits``: the forward also writes the gradient over the contiguous logits (their version
+    counter moves: autograd refuses any saved use of them afterwards) and the backward returns it scaled
+    by ``grad_loss`` (in place, rows whose factor is 1 untouched): :class:`_CrossEntropyOverwrite`. The
+    gradient's bytes equal the default backward's when ``grad_loss`` is 1, and when it is a power of two
     with no product overflowing or going subnormal."""
-    return _CrossEntropyOverwrite.apply(
-        logits, target, label_smoothing, ignore_index, weight, z_loss, softcap, reduction
-    )
+    args = (logits, target, label_smoothing, ignore_index, weight, z_loss, softcap)
+    if overwrite_logits:
+        return _CrossEntropyOverwrite.apply(*args, reduction)
+    if reduction == "none":
+        return cross_entropy_fwd(*args)
+    mean = reduction == "mean"
+    if logits.requires_grad and torch.is_grad_enabled() and eager_call_allowed(args):
+        loss, _, stats = _CrossEntropyLoss.apply(*args, mean)
+        return loss, stats
+    loss_rows, stats = cross_entropy_fwd(*args)
+    return cross_entropy_reduce(loss_rows, target, ignore_index, mean, weight)[0], stats
