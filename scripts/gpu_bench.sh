@@ -25,6 +25,7 @@ declare -A jobs=(
     [ce_features]="python3 benchmarks/bench_cross_entropy.py --features --shapes 4096x129280 --json $json/ce_features.json"
     [overwrite]="python3 benchmarks/bench_overwrite_logits.py"
     [probe]="python3 benchmarks/probe_autograd_thread.py"
+    [unaligned]="python3 benchmarks/probe_unaligned_rows.py && python3 benchmarks/bench_cross_entropy.py --shapes 8192x50257 --json $json/ce_unaligned.json"
     [host_nvfp4_dequantize]="python3 benchmarks/bench_host_overhead.py --no-compile --only nvfp4_dequantize"
     [transformers]="python3 benchmarks/bench_transformers.py --impls liger,lowp,stock --steps 6 --warmup 2 --budget-seconds ${TRANSFORMERS_SECONDS:-200} --json $json/transformers.json"
 )

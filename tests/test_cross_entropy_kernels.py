@@ -166,6 +166,29 @@ def check_select_free_tiles(n_cols: int, dtype: torch.dtype, device: str, label_
     check_mxfp8_contract(logits, target, lse, grad_rows, label_smoothing, "e5m2", True, True, "swizzled")
 
 
+def check_flat_equals_tile(n_rows: int, n_cols: int, dtype: torch.dtype, device: str) -> None:
+    """The flat backward of unaligned rows (blocks of the flat buffer, two rows each at most) gives the
+    tile kernel's bytes, with every loss feature, ignored rows, -inf logits and a block across rows."""
+    logits, target = ce_inputs(n_rows, n_cols, dtype, device)
+    gen = torch.Generator(device=device).manual_seed(5)
+    weight = torch.rand(n_cols, generator=gen, device=device) + 0.5
+    grad_rows = grad_rows_for(n_rows, device, "dense")
+    for label_smoothing, class_weight, z_loss, softcap in [
+        (0.0, None, 0.0, 0.0),
+        (0.1, None, 0.0, 0.0),
+        (0.1, weight, 0.0, 0.0),
+        (0.0, weight, 1e-3, 0.0),
+        (0.1, None, 1e-3, 30.0),
+    ]:
+        features = (class_weight, z_loss, softcap)
+        stats = ce_kernels.launch_cross_entropy_fwd(logits, target, label_smoothing, IGNORE, *features)[1]
+        args = (logits, target, stats, grad_rows, label_smoothing, IGNORE, 0, 0, *features)
+        flat = ce_kernels.launch_cross_entropy_bwd(*args, flat=True)
+        tile = ce_kernels.launch_cross_entropy_bwd(*args, flat=False)
+        assert torch.equal(bits(flat), bits(tile)), f"flat != tile: {label_smoothing=} {z_loss=} {softcap=}"
+        assert ce_kernels.flat_rows(logits) == (n_cols % 16 != 0 and n_cols >= ce_kernels.FLAT_BLOCK)
+
+
 # interp ----------------------------------------------------------------------------------------------
 
 
@@ -271,6 +294,13 @@ def test_interp_mxfp8_grad_kernel_contract_property(data, fp8_layout, copies, gr
 def test_interp_select_free_tiles_equal_the_full_formula(n_cols, dtype):
     for label_smoothing in (0.0, 0.1):
         check_select_free_tiles(n_cols, dtype, "cpu", label_smoothing)
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize(("n_rows", "n_cols", "dtype"), [(45, 201, torch.bfloat16), (9, 130, torch.float32)])
+def test_interp_flat_backward_equals_the_tile_kernel(n_rows, n_cols, dtype, monkeypatch):
+    monkeypatch.setattr(ce_kernels, "FLAT_BLOCK", 64)  # blocks across rows at interpreter sizes
+    check_flat_equals_tile(n_rows, n_cols, dtype, "cpu")
 
 
 # gpu -------------------------------------------------------------------------------------------------
@@ -484,3 +514,12 @@ def test_cross_entropy_reduce_kernel_matches_reference(device, mean, n_rows):
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
 def test_gpu_select_free_tiles_equal_the_full_formula(n_cols, dtype, label_smoothing):
     check_select_free_tiles(n_cols, dtype, "cuda", label_smoothing)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("n_rows", "n_cols", "dtype"),
+    [(1000, 50257, torch.bfloat16), (77, 32001, torch.float16), (5, 4100, torch.float32)],
+)
+def test_gpu_flat_backward_equals_the_tile_kernel(n_rows, n_cols, dtype):
+    check_flat_equals_tile(n_rows, n_cols, dtype, "cuda")

@@ -31,16 +31,20 @@ from . import cross_entropy_gluon
 from .bf16_pairs import to_dtype_rne
 from .cross_entropy_math import (
     add_z_loss,
+    grad_of_logits,
+    load_class_weight_terms,
+    load_row_stats,
     program_tile_grad,
     round_to_dtype,
     row_loss,
     row_stats_weighted_or_capped,
     softcap_logits,
     weighted_row_loss,
+    z_loss_factor,
 )
 from .launch import cached_launch, rows_with_unit_stride
 from .mxfp8 import TRITON_FP8, quantize_tile, store_tile, tile_cols
-from .softmax import finish_log_sum, masked_safe_shift, row_stats_and_shifted_sum
+from .softmax import finish_log_sum, masked_safe_shift, row_stats_and_shifted_sum, row_stats_peeled
 
 FWD_BLOCK = 8192
 
@@ -79,6 +83,7 @@ def cross_entropy_fwd_kernel(
     HAS_WEIGHT: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
@@ -86,6 +91,9 @@ def cross_entropy_fwd_kernel(
         m, d, shifted_sum = row_stats_weighted_or_capped(
             row_ptr, weight_ptr, n_cols, softcap, softcap_rcp, BLOCK, HAS_SMOOTHING, HAS_WEIGHT, HAS_SOFTCAP
         )
+    elif ALIGN > 0:
+        row_start = row * stride_row
+        m, d, shifted_sum = row_stats_peeled(logits_ptr, row_start, n_cols, BLOCK, HAS_SMOOTHING, ALIGN)
     else:
         m, d, shifted_sum = row_stats_and_shifted_sum(row_ptr, n_cols, BLOCK, HAS_SMOOTHING)
     shift = masked_safe_shift(m)
@@ -358,9 +366,16 @@ def launch_cross_entropy_fwd(
         BLOCK=block,
         HAS_SMOOTHING=label_smoothing > 0,
         HAS_WEIGHT=weight is not None,
+        ALIGN=peel_align(logits),
         num_warps=num_warps,
     )
     return loss, stats
+
+
+def peel_align(logits: torch.Tensor) -> int:
+    """Elements per 16 bytes where the forward peels each row's unaligned head (the row stride is not a
+    multiple of 16 elements, which is all Triton's specialization proves), else 0."""
+    return 16 // logits.element_size() if logits.stride(0) % 16 != 0 and logits.shape[1] > 1 else 0
 
 
 def _fwd_feature_args(z_loss: float, softcap: float) -> dict:
@@ -373,6 +388,128 @@ def _fwd_feature_args(z_loss: float, softcap: float) -> dict:
 def _bwd_grid(rows: int, n_cols: int, block_cols: int) -> tuple[int]:
     """1-D grid of 32-row x ``block_cols`` tiles, walked along the rows (``mxfp8.tile_coords``)."""
     return (triton.cdiv(rows, TILE_ROWS) * triton.cdiv(n_cols, block_cols),)
+
+
+FLAT_BLOCK = 4096
+
+
+@triton.jit
+def row_terms(
+    target_ptr,
+    shift_ptr,
+    log_sum_ptr,
+    grad_ptr,
+    grad_stride,
+    weight_ptr,
+    smooth_total_ptr,
+    row,
+    rows,
+    n_cols,
+    ignore_index,
+    vocab_start,
+    vocab_total,
+    target_weight,
+    z_loss2,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+):
+    """One row's scalar terms of the gradient, as ``program_tile_grad`` loads them for its tile: (shift,
+    log_sum * log2(e), target column, row scale, ignored, ``w_y``, ``α`` (with z-loss), z-loss factor)."""
+    shift, log2_sum, target, row_scale, ignored = load_row_stats(
+        target_ptr, shift_ptr, log_sum_ptr, grad_ptr, grad_stride, row, rows, n_cols, ignore_index,
+        vocab_start, vocab_total,
+    )  # fmt: skip
+    class_weight = 0.0
+    alpha = 0.0
+    factor = 0.0
+    if HAS_WEIGHT:
+        class_weight, alpha = load_class_weight_terms(
+            target_ptr, weight_ptr, smooth_total_ptr, row, rows, vocab_total, ignore_index, target_weight
+        )
+        if HAS_Z_LOSS:
+            alpha = z_loss_factor(shift_ptr, log_sum_ptr, row, row < rows, z_loss2, alpha)
+    elif HAS_Z_LOSS:
+        factor = z_loss_factor(shift_ptr, log_sum_ptr, row, row < rows, z_loss2, 1.0)
+    return shift, log2_sum, target, row_scale, ignored, class_weight, alpha, factor
+
+
+@cached_launch
+@triton.jit
+def cross_entropy_bwd_flat_kernel(
+    logits_ptr,
+    target_ptr,
+    shift_ptr,
+    log_sum_ptr,
+    grad_ptr,
+    grad_stride,
+    dlogits_ptr,
+    rows,
+    n_cols,
+    ignore_index,
+    vocab_start,
+    vocab_total,
+    smoothing_eps,
+    target_weight,
+    weight_ptr,
+    smooth_total_ptr,
+    z_loss2,
+    softcap,
+    softcap_rcp,
+    BLOCK: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+):
+    """``cross_entropy_bwd_kernel`` for contiguous logits whose rows are not 16-byte aligned: one program
+    per ``BLOCK`` consecutive elements of the flat buffer, whose start is, so loads and stores are
+    vector-wide where a row-tile's could not be. With ``BLOCK <= n_cols`` a block spans at most two rows;
+    each element takes its row's terms by one select (the same values and op sequence as the tile
+    kernel: the same bytes)."""
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offsets = start + tl.arange(0, BLOCK)
+    first_row = start // n_cols
+    local = (start - first_row * n_cols).to(tl.int32) + tl.arange(0, BLOCK)
+    second = local >= n_cols
+    cols = tl.where(second, local - n_cols, local)
+    total = rows.to(tl.int64) * n_cols
+    whole = start + BLOCK <= total
+    if whole:
+        x = tl.load(logits_ptr + offsets)
+    else:
+        x = tl.load(logits_ptr + offsets, mask=offsets < total, other=0.0)
+    args = (target_ptr, shift_ptr, log_sum_ptr, grad_ptr, grad_stride, weight_ptr, smooth_total_ptr)
+    shift_a, log2_a, target_a, scale_a, ignored_a, weight_a, alpha_a, factor_a = row_terms(
+        *args, first_row, rows, n_cols, ignore_index, vocab_start, vocab_total, target_weight, z_loss2,
+        HAS_WEIGHT, HAS_Z_LOSS,
+    )  # fmt: skip
+    shift_b, log2_b, target_b, scale_b, ignored_b, weight_b, alpha_b, factor_b = row_terms(
+        *args, first_row + 1, rows, n_cols, ignore_index, vocab_start, vocab_total, target_weight, z_loss2,
+        HAS_WEIGHT, HAS_Z_LOSS,
+    )  # fmt: skip
+    column_eps = 0.0
+    if HAS_WEIGHT:
+        column_eps = smoothing_eps * tl.load(weight_ptr + vocab_start + cols)
+    grad = grad_of_logits(
+        x.to(tl.float32), cols, tl.where(second, shift_b, shift_a), tl.where(second, log2_b, log2_a),
+        tl.where(second, target_b, target_a), tl.where(second, scale_b, scale_a),
+        tl.where(second, ignored_b, ignored_a), True, tl.where(second, weight_b, weight_a),
+        tl.where(second, alpha_b, alpha_a), column_eps, tl.where(second, factor_b, factor_a), smoothing_eps,
+        target_weight, softcap, softcap_rcp, HAS_SMOOTHING, HAS_WEIGHT, HAS_Z_LOSS, HAS_SOFTCAP,
+    )  # fmt: skip
+    grad = to_dtype_rne(grad, dlogits_ptr.dtype.element_ty)
+    if whole:
+        tl.store(dlogits_ptr + offsets, grad)
+    else:
+        tl.store(dlogits_ptr + offsets, grad, mask=offsets < total)
+
+
+def flat_rows(logits: torch.Tensor) -> bool:
+    """Whether the bf16 backward takes the flat kernel: rows of contiguous logits that Triton cannot
+    prove 16-byte aligned (a row length not a multiple of 16 elements) and at least ``FLAT_BLOCK`` long.
+    H200, 8192 x 50257 bf16: the tile kernel ran at 34% of copy (scalar loads and stores)."""
+    n_cols = logits.shape[1]
+    return n_cols % 16 != 0 and n_cols >= FLAT_BLOCK and logits.is_contiguous()
 
 
 def launch_cross_entropy_bwd(
@@ -389,9 +526,11 @@ def launch_cross_entropy_bwd(
     softcap: float = 0.0,
     *,
     out: torch.Tensor | None = None,
+    flat: bool | None = None,
 ) -> torch.Tensor:
     """``lowp::cross_entropy_bwd``. ``out``: where to write dlogits; may be ``logits`` itself when it is
-    contiguous (each program reads its tile before writing it), which the LM-head loss uses."""
+    contiguous (each program reads its block before writing it), which the LM-head loss uses. ``flat``:
+    force (True, contiguous logits only) or forbid the flat kernel; None: :func:`flat_rows` decides."""
     dlogits = cross_entropy_bwd_output(
         logits, target, stats, grad_rows, label_smoothing, ignore_index, vocab_start, vocab_total, weight,
         z_loss, softcap, out,
@@ -403,6 +542,31 @@ def launch_cross_entropy_bwd(
     vocab_total = vocab_total or n_cols
     eps, target_weight = _bwd_scalars(label_smoothing, vocab_total)
     class_weights, smooth_total = class_weight_args(weight, eps, grad_rows)
+    if flat if flat is not None else flat_rows(logits):
+        require(logits.is_contiguous(), lambda: "the flat kernel reads contiguous logits only")
+        cross_entropy_bwd_flat_kernel[(triton.cdiv(rows * n_cols, FLAT_BLOCK),)](
+            logits,
+            target.contiguous(),
+            *stats_rows(stats),
+            grad_rows,
+            grad_rows.stride(0),
+            dlogits,
+            rows,
+            n_cols,
+            ignore_index,
+            vocab_start,
+            vocab_total,
+            eps,
+            target_weight,
+            class_weights,
+            smooth_total,
+            **feature_args(z_loss, softcap),
+            BLOCK=FLAT_BLOCK,
+            HAS_SMOOTHING=label_smoothing > 0,
+            HAS_WEIGHT=weight is not None,
+            num_warps=8,
+        )
+        return dlogits
     cross_entropy_bwd_kernel[_bwd_grid(rows, n_cols, BWD_BLOCK_COLS)](
         logits,
         logits.stride(0),
@@ -496,7 +660,8 @@ def launch_cross_entropy_bwd_mxfp8(
     if gluon:
         require(z_loss == 0 and softcap == 0, lambda: "the Gluon kernel has no z_loss / softcap: gluon=False")
         kernel = cross_entropy_gluon.cross_entropy_bwd_mxfp8_gluon_kernel
-        block_cols, num_warps, tile_config = cross_entropy_gluon.BLOCK_COLS, cross_entropy_gluon.NUM_WARPS, {}
+        block_cols, num_warps = cross_entropy_gluon.BLOCK_COLS, cross_entropy_gluon.NUM_WARPS
+        tile_config = {"ALIGNED": n_cols % 16 == 0 and logits.stride(0) % 16 == 0}
     else:
         # H200, 4096 x 129280, grid along rows: 128 columns on 2 warps 83-84% of copy; 64 on 1 or 2
         # warps 70-82%, 256 on 2-4 warps 62-67%, 128 on 4 warps 61%.

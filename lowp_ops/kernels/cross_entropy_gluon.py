@@ -45,6 +45,17 @@ NUM_WARPS = 2
 
 if gluon is not None:
 
+    @gluon.jit
+    def tile_offsets(row_block, tile_col0, rows, n_cols, stride_row, layout: gl.constexpr):
+        """The [32, 4, 32] tile (rows, 32-column blocks, columns in a block) of this program in ``layout``:
+        (int32 in-tile offsets into the logits, the same into the (rows, n_cols) outputs, in-bounds mask)."""
+        in_tile_rows = gl.arange(0, 32, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))[:, None, None]
+        blocks = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))[None, :, None]
+        in_block = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))[None, None, :]
+        cols = tile_col0 + blocks * 32 + in_block
+        in_bounds = (row_block * 32 + in_tile_rows < rows) & (cols < n_cols)
+        return in_tile_rows * stride_row + cols, in_tile_rows * n_cols + cols, in_bounds
+
     @cached_launch
     @gluon.jit
     def cross_entropy_bwd_mxfp8_gluon_kernel(
@@ -80,9 +91,13 @@ if gluon is not None:
         ROWWISE: gl.constexpr,
         COLWISE: gl.constexpr,
         SWIZZLED: gl.constexpr,
+        ALIGNED: gl.constexpr,
     ):
-        """One program (2 warps): a 32 x 128 tile, read once; both copies from registers."""
+        """One program (2 warps): a 32 x 128 tile, read once; both copies from registers. Rows that are
+        not 16-byte aligned (``ALIGNED=False``) move between memory and the tile layout through a
+        layout of one element per lane, 32 lanes along a row, converted in shared memory."""
         tile: gl.constexpr = gl.BlockedLayout([1, 1, 8], [2, 4, 4], [2, 1, 1], [2, 1, 0])
+        lanes_along_rows: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 1, 32], [2, 1, 1], [2, 1, 0])
         by_row: gl.constexpr = gl.SliceLayout(2, tile)  # [32, 4]: row-wise scales
         by_col: gl.constexpr = gl.SliceLayout(0, tile)  # [4, 32]: column-wise scales
 
@@ -104,7 +119,14 @@ if gluon is not None:
         in_bounds = (rows3 < rows) & (cols < n_cols)
         # evict_last although the logits are read once: measured faster (tuning log 35), cause not known.
         hint: gl.constexpr = "evict_last"
-        if EVEN:
+        if not ALIGNED:
+            # 8 elements per thread would be 8 scalar accesses, 16 bytes apart across the lanes.
+            io_offsets, io_out_offsets, io_in_bounds = tile_offsets(
+                row_block, tile_col0, rows, n_cols, stride_row, lanes_along_rows
+            )
+            x_io = gl.load(logits_ptr + tile_row0 * stride_row + io_offsets, mask=io_in_bounds, other=0.0)
+            x = gl.convert_layout(x_io, tile)
+        elif EVEN:
             x = gl.load(ptrs, eviction_policy=hint)
         else:
             x = gl.load(ptrs, mask=in_bounds, other=0.0, eviction_policy=hint)
@@ -175,7 +197,10 @@ if gluon is not None:
             scale_row = rows_idx[:, None]
             scale_col = blocks[None, :]
             data = cast_satfinite(grad * multiplier[:, :, None], FP8_MAX, OUT_DTYPE)
-            if EVEN:
+            if not ALIGNED:
+                data_io = gl.convert_layout(data, lanes_along_rows)
+                gl.store(row_data_ptr + out_origin + io_out_offsets, data_io, mask=io_in_bounds)
+            elif EVEN:
                 gl.store(row_data_ptr + out_origin + offsets, data)
             else:
                 gl.store(row_data_ptr + out_origin + offsets, data, mask=in_bounds)
@@ -192,7 +217,10 @@ if gluon is not None:
             col_blocks = tile_col0 // 32 + gl.arange(0, 4, layout=gl.SliceLayout(1, by_col))
             col_in_block = gl.arange(0, 32, layout=gl.SliceLayout(0, by_col))
             data = cast_satfinite(grad * multiplier[None, :, :], FP8_MAX, OUT_DTYPE)
-            if EVEN:
+            if not ALIGNED:
+                data_io = gl.convert_layout(data, lanes_along_rows)
+                gl.store(col_data_ptr + out_origin + io_out_offsets, data_io, mask=io_in_bounds)
+            elif EVEN:
                 gl.store(col_data_ptr + out_origin + offsets, data)
             else:
                 gl.store(col_data_ptr + out_origin + offsets, data, mask=in_bounds)

@@ -259,6 +259,65 @@ def load_logits_tile(logits_ptr, stride_row, rows_idx, cols, rows, n_cols, EVEN:
 
 
 @triton.jit
+def grad_of_logits(
+    x,
+    cols,
+    shift,
+    log2_sum,
+    target,
+    row_scale,
+    ignored,
+    any_special,
+    class_weight,
+    alpha,
+    column_eps,
+    z_factor,
+    smoothing_eps,
+    target_weight,
+    softcap,
+    softcap_rcp,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+):
+    """fp32 dlogits of fp32 logits ``x`` with every row value (``load_row_stats``' terms; with class
+    weights ``w_y``, ``α`` and ``eps w_i``; with z-loss its factor ``1 + 2 z lse``) broadcast to x's shape.
+    ``any_special``: some element's row is ignored or holds its target among ``cols``; without one the
+    per-element selects of ``cross_entropy_grad`` are skipped, which computes the same values (H200,
+    bf16 backward at 4096 x 129280: 88% -> 98% of copy).
+
+    Loss features: ``HAS_SOFTCAP`` computes on the capped logits and multiplies the gradient by the cap's
+    derivative ``1 - tanh²`` last; ``HAS_Z_LOSS`` scales the softmax term by ``1 + 2 z lse`` (with class
+    weights, the caller folds it into ``α``). The 2-D tile kernels and the flat kernel of unaligned rows
+    call this one op sequence: their bytes agree by construction."""
+    if HAS_SOFTCAP:
+        x, tanh = softcap_logits(x, softcap, softcap_rcp)
+    if HAS_WEIGHT:
+        p = softmax_minus_eps(x, shift, log2_sum, 0.0, False)
+        q = class_weighted_probs(p, alpha, column_eps, HAS_SMOOTHING)
+        if any_special:
+            grad = weighted_cross_entropy_grad(
+                q, cols, target, row_scale, ignored, target_weight, class_weight
+            )
+        else:
+            grad = q * row_scale
+    else:
+        if HAS_Z_LOSS:
+            p = softmax_minus_eps(x, shift, log2_sum, 0.0, False)
+            p = class_weighted_probs(p, z_factor, smoothing_eps, HAS_SMOOTHING)
+        else:
+            p = softmax_minus_eps(x, shift, log2_sum, smoothing_eps, HAS_SMOOTHING)
+        if any_special:
+            grad = cross_entropy_grad(p, cols, target, row_scale, ignored, target_weight)
+        else:
+            grad = p * row_scale
+    if HAS_SOFTCAP:
+        grad = grad * tl.fma(-tanh, tanh, 1.0)
+    return grad
+
+
+@triton.jit
 def program_tile_grad(
     logits_ptr,
     stride_row,
@@ -286,23 +345,13 @@ def program_tile_grad(
     HAS_Z_LOSS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
 ):
-    """This program's 32 x BLOCK_COLS tile: (row_block, rows_idx, cols, tile_col0, fp32 gradient).
-
-    Rows that are ignored or hold their target column in the tile need the per-element selects of
-    ``cross_entropy_grad``; a tile with none of them (most tiles of a large vocabulary) takes a branch
-    without them, which computes the same values (H200, bf16 backward at 4096 x 129280: 88% -> 98% of copy).
-
-    Loss features: ``HAS_SOFTCAP`` computes on the capped logits and multiplies the gradient by the cap's
-    derivative ``1 - tanh²`` last; ``HAS_Z_LOSS`` scales the softmax term by ``1 + 2 z lse`` (``z_loss2 =
-    2 z``; with class weights ``α + 2 z lse``).
-    """
+    """This program's 32 x BLOCK_COLS tile: (row_block, rows_idx, cols, tile_col0, fp32 gradient), the
+    gradient from :func:`grad_of_logits` (``z_loss2 = 2 z``)."""
     row_block, col_tile = tile_coords(n_cols, BLOCK_COLS)
     rows_idx = row_block * 32 + tl.arange(0, 32)
     tile_col0 = col_tile * BLOCK_COLS
     cols = tile_col0 + tl.arange(0, BLOCK_COLS)
     x = load_logits_tile(logits_ptr, stride_row, rows_idx, cols, rows, n_cols, EVEN).to(tl.float32)
-    if HAS_SOFTCAP:
-        x, tanh = softcap_logits(x, softcap, softcap_rcp)
     shift, log2_sum, target, row_scale, ignored = load_row_stats(
         target_ptr,
         shift_ptr,
@@ -317,35 +366,26 @@ def program_tile_grad(
         vocab_total,
     )
     special = ignored | ((target >= tile_col0) & (target < tile_col0 + BLOCK_COLS))
+    class_weight = 0.0
+    alpha = 0.0
+    column_eps = 0.0
+    factor = 0.0
     if HAS_WEIGHT:
         class_weight, alpha = load_class_weight_terms(
             target_ptr, weight_ptr, smooth_total_ptr, rows_idx, rows, vocab_total, ignore_index, target_weight
         )
         column_weight = tl.load(weight_ptr + vocab_start + cols, mask=cols < n_cols, other=0.0)
+        column_eps = (smoothing_eps * column_weight)[None, :]
         if HAS_Z_LOSS:
             alpha = z_loss_factor(shift_ptr, log_sum_ptr, rows_idx, rows_idx < rows, z_loss2, alpha)
-        p = softmax_minus_eps(x, shift[:, None], log2_sum[:, None], 0.0, False)
-        q = class_weighted_probs(p, alpha[:, None], (smoothing_eps * column_weight)[None, :], HAS_SMOOTHING)
-        if tl.max(special.to(tl.int32), 0) > 0:
-            grad = weighted_cross_entropy_grad(
-                q, cols[None, :], target[:, None], row_scale[:, None], ignored[:, None], target_weight,
-                class_weight[:, None],
-            )  # fmt: skip
-        else:
-            grad = q * row_scale[:, None]
-    else:
-        if HAS_Z_LOSS:
-            factor = z_loss_factor(shift_ptr, log_sum_ptr, rows_idx, rows_idx < rows, z_loss2, 1.0)
-            p = softmax_minus_eps(x, shift[:, None], log2_sum[:, None], 0.0, False)
-            p = class_weighted_probs(p, factor[:, None], smoothing_eps, HAS_SMOOTHING)
-        else:
-            p = softmax_minus_eps(x, shift[:, None], log2_sum[:, None], smoothing_eps, HAS_SMOOTHING)
-        if tl.max(special.to(tl.int32), 0) > 0:
-            grad = cross_entropy_grad(
-                p, cols[None, :], target[:, None], row_scale[:, None], ignored[:, None], target_weight
-            )
-        else:
-            grad = p * row_scale[:, None]
-    if HAS_SOFTCAP:
-        grad = grad * tl.fma(-tanh, tanh, 1.0)
+        class_weight = class_weight[:, None]
+        alpha = alpha[:, None]
+    elif HAS_Z_LOSS:
+        factor = z_loss_factor(shift_ptr, log_sum_ptr, rows_idx, rows_idx < rows, z_loss2, 1.0)[:, None]
+    grad = grad_of_logits(
+        x, cols[None, :], shift[:, None], log2_sum[:, None], target[:, None], row_scale[:, None],
+        ignored[:, None], tl.max(special.to(tl.int32), 0) > 0, class_weight, alpha, column_eps, factor,
+        smoothing_eps, target_weight, softcap, softcap_rcp, HAS_SMOOTHING, HAS_WEIGHT, HAS_Z_LOSS,
+        HAS_SOFTCAP,
+    )  # fmt: skip
     return row_block, rows_idx, cols, tile_col0, grad

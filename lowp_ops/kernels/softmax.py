@@ -63,25 +63,51 @@ def row_stats_and_shifted_sum(row_ptr, n_cols, BLOCK: tl.constexpr, WITH_SUM: tl
     """(max m, ``d = Σ exp(x - shift(m))``, ``Σ (x - shift(m))``) in fp32 of one row of ``n_cols``
     contiguous elements, from one pass; the sum (label smoothing needs it) is 0 unless ``WITH_SUM``.
     Whole blocks load without masks; only the tail block is masked."""
-    m = float("-inf")
+    m = float("-inf")  # assigned, not passed as literals: literal arguments would be constexprs
     d = 0.0
     total = 0.0
+    return fold_row_blocks(row_ptr, n_cols, m, d, total, 0, BLOCK, WITH_SUM)
+
+
+@triton.jit
+def fold_row_blocks(row_ptr, n_cols, m, d, total, seen, BLOCK: tl.constexpr, WITH_SUM: tl.constexpr):
+    """:func:`row_stats_and_shifted_sum` of ``n_cols`` elements at ``row_ptr``, continued from the state
+    ``(m, d, total)`` of ``seen`` earlier elements of the row."""
     n_whole = n_cols - n_cols % BLOCK
     for start in range(0, n_whole, BLOCK):
         block = tl.load(row_ptr + start + tl.arange(0, BLOCK)).to(tl.float32)
         m_old = m
         m, d, shifted = online_softmax_update(m, d, block)
         if WITH_SUM:
-            total = rebase_shifted_sum(total, start * 1.0, m_old, m) + tl.sum(shifted, 0)
+            total = rebase_shifted_sum(total, (seen + start) * 1.0, m_old, m) + tl.sum(shifted, 0)
     if n_whole < n_cols:
         cols = n_whole + tl.arange(0, BLOCK)
         block = tl.load(row_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
         m_old = m
         m, d, shifted = online_softmax_update(m, d, block)
         if WITH_SUM:
-            total = rebase_shifted_sum(total, n_whole * 1.0, m_old, m)
+            total = rebase_shifted_sum(total, (seen + n_whole) * 1.0, m_old, m)
             total += tl.sum(tl.where(cols < n_cols, shifted, 0.0), 0)
     return m, d, total
+
+
+@triton.jit
+def row_stats_peeled(
+    x_ptr, row_start, n_cols, BLOCK: tl.constexpr, WITH_SUM: tl.constexpr, ALIGN: tl.constexpr
+):
+    """:func:`row_stats_and_shifted_sum` of the row at element ``row_start`` of ``x_ptr`` (16-byte
+    aligned), ``ALIGN`` elements per 16 bytes: the elements before the row's first 16-byte boundary in one
+    masked block, the rest from that boundary, so that whole blocks load vector-wide. For rows whose
+    stride Triton cannot prove a multiple of 16 bytes (H200, 8192 x 50257 bf16: 76% of copy unpeeled)."""
+    head = tl.minimum((ALIGN - row_start % ALIGN) % ALIGN, n_cols)
+    cols = tl.arange(0, ALIGN)
+    block = tl.load(x_ptr + row_start + cols, mask=cols < head, other=float("-inf")).to(tl.float32)
+    m, d, shifted = online_softmax_update(float("-inf"), 0.0, block)
+    total = 0.0
+    if WITH_SUM:
+        total = tl.sum(tl.where(cols < head, shifted, 0.0), 0)
+    body = x_ptr + tl.multiple_of(row_start + head, ALIGN)
+    return fold_row_blocks(body, n_cols - head, m, d, total, head, BLOCK, WITH_SUM)
 
 
 @cached_launch
