@@ -21,7 +21,7 @@ def variants(x, target, stats, grad_rows):
         "fwd": (lambda v: ce.launch_cross_entropy_fwd(v, target, 0.0, -100), 2.0),
         "bwd->bf16": (lambda v: ce.launch_cross_entropy_bwd(v, target, stats, grad_rows, 0.0, -100), 4.0),
         "bwd->bf16 tile": (
-            lambda v: ce.launch_cross_entropy_bwd(v, target, stats, grad_rows, 0.0, -100, flat=False),
+            lambda v: ce.launch_cross_entropy_bwd(v, target, stats, grad_rows, 0.0, -100, by_row=False),
             4.0,
         ),
         "bwd->mxfp8 gluon": (

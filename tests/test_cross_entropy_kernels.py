@@ -166,9 +166,9 @@ def check_select_free_tiles(n_cols: int, dtype: torch.dtype, device: str, label_
     check_mxfp8_contract(logits, target, lse, grad_rows, label_smoothing, "e5m2", True, True, "swizzled")
 
 
-def check_flat_equals_tile(n_rows: int, n_cols: int, dtype: torch.dtype, device: str) -> None:
-    """The flat backward of unaligned rows (blocks of the flat buffer, two rows each at most) gives the
-    tile kernel's bytes, with every loss feature, ignored rows, -inf logits and a block across rows."""
+def check_row_segments_equal_tiles(n_rows: int, n_cols: int, dtype: torch.dtype, device: str) -> None:
+    """The backward of unaligned rows (one program per row segment, vector-wide body, ragged ends apart)
+    gives the tile kernel's bytes, with every loss feature, ignored rows and -inf logits."""
     logits, target = ce_inputs(n_rows, n_cols, dtype, device)
     gen = torch.Generator(device=device).manual_seed(5)
     weight = torch.rand(n_cols, generator=gen, device=device) + 0.5
@@ -183,10 +183,12 @@ def check_flat_equals_tile(n_rows: int, n_cols: int, dtype: torch.dtype, device:
         features = (class_weight, z_loss, softcap)
         stats = ce_kernels.launch_cross_entropy_fwd(logits, target, label_smoothing, IGNORE, *features)[1]
         args = (logits, target, stats, grad_rows, label_smoothing, IGNORE, 0, 0, *features)
-        flat = ce_kernels.launch_cross_entropy_bwd(*args, flat=True)
-        tile = ce_kernels.launch_cross_entropy_bwd(*args, flat=False)
-        assert torch.equal(bits(flat), bits(tile)), f"flat != tile: {label_smoothing=} {z_loss=} {softcap=}"
-        assert ce_kernels.flat_rows(logits) == (n_cols % 16 != 0 and n_cols >= ce_kernels.FLAT_BLOCK)
+        by_row = ce_kernels.launch_cross_entropy_bwd(*args, by_row=True)
+        tile = ce_kernels.launch_cross_entropy_bwd(*args, by_row=False)
+        what = f"rows != tiles: {label_smoothing=} {z_loss=} {softcap=}"
+        assert torch.equal(bits(by_row), bits(tile)), what
+    chosen = n_cols % 16 != 0 and n_cols >= ce_kernels.ROWS_BLOCK
+    assert ce_kernels.aligned_row_programs(logits) == chosen
 
 
 # interp ----------------------------------------------------------------------------------------------
@@ -297,10 +299,12 @@ def test_interp_select_free_tiles_equal_the_full_formula(n_cols, dtype):
 
 
 @pytest.mark.interp
-@pytest.mark.parametrize(("n_rows", "n_cols", "dtype"), [(45, 201, torch.bfloat16), (9, 130, torch.float32)])
-def test_interp_flat_backward_equals_the_tile_kernel(n_rows, n_cols, dtype, monkeypatch):
-    monkeypatch.setattr(ce_kernels, "FLAT_BLOCK", 64)  # blocks across rows at interpreter sizes
-    check_flat_equals_tile(n_rows, n_cols, dtype, "cpu")
+@pytest.mark.parametrize(
+    ("n_rows", "n_cols", "dtype"), [(45, 201, torch.bfloat16), (9, 130, torch.float32), (3, 5, torch.float16)]
+)
+def test_interp_row_segment_backward_equals_the_tile_kernel(n_rows, n_cols, dtype, monkeypatch):
+    monkeypatch.setattr(ce_kernels, "ROWS_BLOCK", 64)  # several segments per row at interpreter sizes
+    check_row_segments_equal_tiles(n_rows, n_cols, dtype, "cpu")
 
 
 # gpu -------------------------------------------------------------------------------------------------
@@ -521,5 +525,5 @@ def test_gpu_select_free_tiles_equal_the_full_formula(n_cols, dtype, label_smoot
     ("n_rows", "n_cols", "dtype"),
     [(1000, 50257, torch.bfloat16), (77, 32001, torch.float16), (5, 4100, torch.float32)],
 )
-def test_gpu_flat_backward_equals_the_tile_kernel(n_rows, n_cols, dtype):
-    check_flat_equals_tile(n_rows, n_cols, dtype, "cuda")
+def test_gpu_row_segment_backward_equals_the_tile_kernel(n_rows, n_cols, dtype):
+    check_row_segments_equal_tiles(n_rows, n_cols, dtype, "cuda")

@@ -390,7 +390,7 @@ def _bwd_grid(rows: int, n_cols: int, block_cols: int) -> tuple[int]:
     return (triton.cdiv(rows, TILE_ROWS) * triton.cdiv(n_cols, block_cols),)
 
 
-FLAT_BLOCK = 4096
+ROWS_BLOCK = 4096
 
 
 @triton.jit
@@ -435,7 +435,7 @@ def row_terms(
 
 @cached_launch
 @triton.jit
-def cross_entropy_bwd_flat_kernel(
+def cross_entropy_bwd_rows_kernel(
     logits_ptr,
     target_ptr,
     shift_ptr,
@@ -456,60 +456,68 @@ def cross_entropy_bwd_flat_kernel(
     softcap,
     softcap_rcp,
     BLOCK: tl.constexpr,
+    ALIGN: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
 ):
     """``cross_entropy_bwd_kernel`` for contiguous logits whose rows are not 16-byte aligned: one program
-    per ``BLOCK`` consecutive elements of the flat buffer, whose start is, so loads and stores are
-    vector-wide where a row-tile's could not be. With ``BLOCK <= n_cols`` a block spans at most two rows;
-    each element takes its row's terms by one select (the same values and op sequence as the tile
-    kernel: the same bytes)."""
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    offsets = start + tl.arange(0, BLOCK)
-    first_row = start // n_cols
-    local = (start - first_row * n_cols).to(tl.int32) + tl.arange(0, BLOCK)
-    second = local >= n_cols
-    cols = tl.where(second, local - n_cols, local)
-    total = rows.to(tl.int64) * n_cols
-    whole = start + BLOCK <= total
-    if whole:
-        x = tl.load(logits_ptr + offsets)
-    else:
-        x = tl.load(logits_ptr + offsets, mask=offsets < total, other=0.0)
-    args = (target_ptr, shift_ptr, log_sum_ptr, grad_ptr, grad_stride, weight_ptr, smooth_total_ptr)
-    shift_a, log2_a, target_a, scale_a, ignored_a, weight_a, alpha_a, factor_a = row_terms(
-        *args, first_row, rows, n_cols, ignore_index, vocab_start, vocab_total, target_weight, z_loss2,
-        HAS_WEIGHT, HAS_Z_LOSS,
+    per row and ``BLOCK`` columns of the row's aligned body (from its first 16-byte boundary, ``ALIGN``
+    elements, to its last whole ``ALIGN``-element vector), so loads and stores are vector-wide where a
+    32-row tile's cannot be; the row's first program also does the up to ``2 (ALIGN - 1)`` ragged
+    elements at its two ends. The same op sequence as the tile kernel (``grad_of_logits``): the same bytes."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    row_start = row * n_cols
+    head = tl.minimum((ALIGN - row_start % ALIGN) % ALIGN, n_cols).to(tl.int32)
+    body = tl.multiple_of(row_start + head, ALIGN)
+    body_len = n_cols - head
+    body_end = tl.multiple_of(body_len - body_len % ALIGN, ALIGN)
+    shift, log2_sum, target, row_scale, ignored, class_weight, alpha, factor = row_terms(
+        target_ptr, shift_ptr, log_sum_ptr, grad_ptr, grad_stride, weight_ptr, smooth_total_ptr, row, rows,
+        n_cols, ignore_index, vocab_start, vocab_total, target_weight, z_loss2, HAS_WEIGHT, HAS_Z_LOSS,
     )  # fmt: skip
-    shift_b, log2_b, target_b, scale_b, ignored_b, weight_b, alpha_b, factor_b = row_terms(
-        *args, first_row + 1, rows, n_cols, ignore_index, vocab_start, vocab_total, target_weight, z_loss2,
-        HAS_WEIGHT, HAS_Z_LOSS,
-    )  # fmt: skip
+    in_body = chunk * BLOCK + tl.arange(0, BLOCK)
+    in_row = in_body < body_end
+    cols = head + in_body
+    first_col = head + chunk * BLOCK
+    any_special = ignored | ((target >= first_col) & (target < first_col + BLOCK))
     column_eps = 0.0
     if HAS_WEIGHT:
-        column_eps = smoothing_eps * tl.load(weight_ptr + vocab_start + cols)
+        column_eps = smoothing_eps * tl.load(weight_ptr + vocab_start + cols, mask=in_row, other=0.0)
+    x = tl.load(logits_ptr + body + in_body, mask=in_row, other=0.0).to(tl.float32)
     grad = grad_of_logits(
-        x.to(tl.float32), cols, tl.where(second, shift_b, shift_a), tl.where(second, log2_b, log2_a),
-        tl.where(second, target_b, target_a), tl.where(second, scale_b, scale_a),
-        tl.where(second, ignored_b, ignored_a), True, tl.where(second, weight_b, weight_a),
-        tl.where(second, alpha_b, alpha_a), column_eps, tl.where(second, factor_b, factor_a), smoothing_eps,
-        target_weight, softcap, softcap_rcp, HAS_SMOOTHING, HAS_WEIGHT, HAS_Z_LOSS, HAS_SOFTCAP,
+        x, cols, shift, log2_sum, target, row_scale, ignored, any_special, class_weight, alpha, column_eps,
+        factor, smoothing_eps, target_weight, softcap, softcap_rcp, HAS_SMOOTHING, HAS_WEIGHT, HAS_Z_LOSS,
+        HAS_SOFTCAP,
     )  # fmt: skip
-    grad = to_dtype_rne(grad, dlogits_ptr.dtype.element_ty)
-    if whole:
-        tl.store(dlogits_ptr + offsets, grad)
-    else:
-        tl.store(dlogits_ptr + offsets, grad, mask=offsets < total)
+    tl.store(dlogits_ptr + body + in_body, to_dtype_rne(grad, dlogits_ptr.dtype.element_ty), mask=in_row)
+    if chunk == 0:
+        # The ragged ends: lanes [0, ALIGN) the head, lanes [ALIGN, 2 ALIGN) the tail after the body.
+        lane = tl.arange(0, 2 * ALIGN)
+        ragged = tl.where(lane < ALIGN, lane, head + body_end + lane - ALIGN)
+        ragged_ok = tl.where(lane < ALIGN, lane < head, ragged < n_cols)
+        ragged_eps = 0.0
+        if HAS_WEIGHT:
+            ragged_eps = smoothing_eps * tl.load(weight_ptr + vocab_start + ragged, mask=ragged_ok, other=0.0)
+        ends = tl.load(logits_ptr + row_start + ragged, mask=ragged_ok, other=0.0).to(tl.float32)
+        ends_grad = grad_of_logits(
+            ends, ragged, shift, log2_sum, target, row_scale, ignored, True, class_weight, alpha, ragged_eps,
+            factor, smoothing_eps, target_weight, softcap, softcap_rcp, HAS_SMOOTHING, HAS_WEIGHT,
+            HAS_Z_LOSS, HAS_SOFTCAP,
+        )  # fmt: skip
+        ends_grad = to_dtype_rne(ends_grad, dlogits_ptr.dtype.element_ty)
+        tl.store(dlogits_ptr + row_start + ragged, ends_grad, mask=ragged_ok)
 
 
-def flat_rows(logits: torch.Tensor) -> bool:
-    """Whether the bf16 backward takes the flat kernel: rows of contiguous logits that Triton cannot
-    prove 16-byte aligned (a row length not a multiple of 16 elements) and at least ``FLAT_BLOCK`` long.
-    H200, 8192 x 50257 bf16: the tile kernel ran at 34% of copy (scalar loads and stores)."""
+def aligned_row_programs(logits: torch.Tensor) -> bool:
+    """Whether the bf16 backward runs one program per row segment (``cross_entropy_bwd_rows_kernel``):
+    contiguous logits whose row length is not a multiple of 16 elements (all that Triton's specialization
+    proves) and at least ``ROWS_BLOCK`` long. H200, 8192 x 50257 bf16: the tile kernel ran at 33% of copy
+    (scalar loads and stores)."""
     n_cols = logits.shape[1]
-    return n_cols % 16 != 0 and n_cols >= FLAT_BLOCK and logits.is_contiguous()
+    return n_cols % 16 != 0 and n_cols >= ROWS_BLOCK and logits.is_contiguous()
 
 
 def launch_cross_entropy_bwd(
@@ -526,11 +534,12 @@ def launch_cross_entropy_bwd(
     softcap: float = 0.0,
     *,
     out: torch.Tensor | None = None,
-    flat: bool | None = None,
+    by_row: bool | None = None,
 ) -> torch.Tensor:
     """``lowp::cross_entropy_bwd``. ``out``: where to write dlogits; may be ``logits`` itself when it is
-    contiguous (each program reads its block before writing it), which the LM-head loss uses. ``flat``:
-    force (True, contiguous logits only) or forbid the flat kernel; None: :func:`flat_rows` decides."""
+    contiguous (each program reads its block before writing it), which the LM-head loss uses. ``by_row``:
+    force (True, contiguous logits only) or forbid the row-segment kernel; None:
+    :func:`aligned_row_programs` decides."""
     dlogits = cross_entropy_bwd_output(
         logits, target, stats, grad_rows, label_smoothing, ignore_index, vocab_start, vocab_total, weight,
         z_loss, softcap, out,
@@ -542,9 +551,9 @@ def launch_cross_entropy_bwd(
     vocab_total = vocab_total or n_cols
     eps, target_weight = _bwd_scalars(label_smoothing, vocab_total)
     class_weights, smooth_total = class_weight_args(weight, eps, grad_rows)
-    if flat if flat is not None else flat_rows(logits):
-        require(logits.is_contiguous(), lambda: "the flat kernel reads contiguous logits only")
-        cross_entropy_bwd_flat_kernel[(triton.cdiv(rows * n_cols, FLAT_BLOCK),)](
+    if by_row if by_row is not None else aligned_row_programs(logits):
+        require(logits.is_contiguous(), lambda: "the row-segment kernel reads contiguous logits only")
+        cross_entropy_bwd_rows_kernel[(rows, triton.cdiv(n_cols, ROWS_BLOCK))](
             logits,
             target.contiguous(),
             *stats_rows(stats),
@@ -561,10 +570,11 @@ def launch_cross_entropy_bwd(
             class_weights,
             smooth_total,
             **feature_args(z_loss, softcap),
-            BLOCK=FLAT_BLOCK,
+            BLOCK=ROWS_BLOCK,
+            ALIGN=16 // logits.element_size(),
             HAS_SMOOTHING=label_smoothing > 0,
             HAS_WEIGHT=weight is not None,
-            num_warps=8,
+            num_warps=4,
         )
         return dlogits
     cross_entropy_bwd_kernel[_bwd_grid(rows, n_cols, BWD_BLOCK_COLS)](

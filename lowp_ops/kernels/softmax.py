@@ -96,18 +96,28 @@ def row_stats_peeled(
     x_ptr, row_start, n_cols, BLOCK: tl.constexpr, WITH_SUM: tl.constexpr, ALIGN: tl.constexpr
 ):
     """:func:`row_stats_and_shifted_sum` of the row at element ``row_start`` of ``x_ptr`` (16-byte
-    aligned), ``ALIGN`` elements per 16 bytes: the elements before the row's first 16-byte boundary in one
-    masked block, the rest from that boundary, so that whole blocks load vector-wide. For rows whose
-    stride Triton cannot prove a multiple of 16 bytes (H200, 8192 x 50257 bf16: 76% of copy unpeeled)."""
-    head = tl.minimum((ALIGN - row_start % ALIGN) % ALIGN, n_cols)
-    cols = tl.arange(0, ALIGN)
-    block = tl.load(x_ptr + row_start + cols, mask=cols < head, other=float("-inf")).to(tl.float32)
-    m, d, shifted = online_softmax_update(float("-inf"), 0.0, block)
-    total = 0.0
-    if WITH_SUM:
-        total = tl.sum(tl.where(cols < head, shifted, 0.0), 0)
+    aligned), ``ALIGN`` elements per 16 bytes: first the row's body, from its first 16-byte boundary to
+    its last whole ``ALIGN``-element vector, in vector-wide loads; then the up to ``2 (ALIGN - 1)``
+    elements at its two ends in one masked block. For rows whose stride Triton cannot prove a multiple
+    of 16 bytes (H200, 8192 x 50257 bf16: 76% of copy unpeeled)."""
+    head = tl.minimum((ALIGN - row_start % ALIGN) % ALIGN, n_cols).to(tl.int32)
+    body_len = n_cols - head
+    body_end = tl.multiple_of(body_len - body_len % ALIGN, ALIGN)
     body = x_ptr + tl.multiple_of(row_start + head, ALIGN)
-    return fold_row_blocks(body, n_cols - head, m, d, total, head, BLOCK, WITH_SUM)
+    m = float("-inf")
+    d = 0.0
+    total = 0.0
+    m, d, total = fold_row_blocks(body, body_end, m, d, total, 0, BLOCK, WITH_SUM)
+    lane = tl.arange(0, 2 * ALIGN)
+    ragged = tl.where(lane < ALIGN, lane, head + body_end + lane - ALIGN)
+    ragged_ok = tl.where(lane < ALIGN, lane < head, ragged < n_cols)
+    block = tl.load(x_ptr + row_start + ragged, mask=ragged_ok, other=float("-inf")).to(tl.float32)
+    m_old = m
+    m, d, shifted = online_softmax_update(m, d, block)
+    if WITH_SUM:
+        total = rebase_shifted_sum(total, body_end * 1.0, m_old, m)
+        total += tl.sum(tl.where(ragged_ok, shifted, 0.0), 0)
+    return m, d, total
 
 
 @cached_launch
