@@ -835,15 +835,18 @@ SCALE_BLOCK = 4096
 @cached_launch
 @triton.jit
 def cross_entropy_scale_grad_kernel(dlogits_ptr, grad_ptr, grad_stride, n_cols, BLOCK: tl.constexpr):
-    """Multiply one row block of the gradient in place by its row's fp32 ``grad_rows`` and round to the
-    gradient's dtype (RNE); a program whose factor is 1 returns at once (the product equals the input)."""
+    """Multiply one row of the gradient in place by its row's fp32 ``grad_rows`` and round to the
+    gradient's dtype (RNE); a row whose factor is 1 returns at once (the product equals the input), so
+    the usual call (an upstream gradient of 1) costs one program per row and one load each."""
     row = tl.program_id(0).to(tl.int64)
     factor = tl.load(grad_ptr + row * grad_stride)
     if factor != 1.0:
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        ptrs = dlogits_ptr + row * n_cols + cols
-        x = tl.load(ptrs, mask=cols < n_cols, other=0.0).to(tl.float32)
-        tl.store(ptrs, to_dtype_rne(x * factor, dlogits_ptr.dtype.element_ty), mask=cols < n_cols)
+        row_ptr = dlogits_ptr + row * n_cols
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            in_row = cols < n_cols
+            x = tl.load(row_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+            tl.store(row_ptr + cols, to_dtype_rne(x * factor, dlogits_ptr.dtype.element_ty), mask=in_row)
 
 
 def launch_cross_entropy_scale_grad_(dlogits: torch.Tensor, grad_rows: torch.Tensor) -> None:
@@ -853,6 +856,6 @@ def launch_cross_entropy_scale_grad_(dlogits: torch.Tensor, grad_rows: torch.Ten
     rows, n_cols = dlogits.shape
     if rows == 0 or n_cols == 0:
         return
-    cross_entropy_scale_grad_kernel[(rows, triton.cdiv(n_cols, SCALE_BLOCK))](
+    cross_entropy_scale_grad_kernel[(rows,)](
         dlogits, grad_rows, grad_rows.stride(0), n_cols, BLOCK=SCALE_BLOCK, num_warps=4
     )
