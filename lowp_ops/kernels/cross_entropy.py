@@ -2,10 +2,12 @@
 backward that recomputes the gradient from the saved logits and writes it either in the logits' dtype
 or directly as MXFP8 (row- and column-wise) from registers.
 
-Both backward kernels compute the fp32 gradient with the same element-wise ``softmax_minus_eps`` and
-``cross_entropy_grad`` (``program_tile_grad``), and the MXFP8 one rounds it to the logits' dtype before
-quantizing: its bytes equal ``mxfp8_quantize(<the other kernel's output>)`` by construction. On CUDA the
-MXFP8 one is usually ``cross_entropy_gluon``'s, the same helpers in an explicit layout.
+Every backward kernel computes the fp32 gradient with the same element-wise ``softmax_minus_eps`` and
+``cross_entropy_grad`` (``grad_of_logits``), and the MXFP8 one rounds it to the logits' dtype before
+quantizing: its bytes equal ``mxfp8_quantize(<the bf16 kernel's output>)`` by construction. On CUDA the
+MXFP8 one is usually ``cross_entropy_gluon``'s, the same helpers in an explicit layout. Rows that are not
+16-byte aligned take a peeled forward (``softmax.row_stats_peeled``) and a bf16 backward of one program
+per row segment (``cross_entropy_bwd_rows_kernel``), with the 32-row tile kernel's bytes.
 """
 
 from __future__ import annotations

@@ -159,7 +159,7 @@ def softmax_minus_eps(x, shift, log2_sum, smoothing_eps, HAS_SMOOTHING: tl.const
 def cross_entropy_grad(p, cols, target, row_scale, ignored, target_weight):
     """fp32 dlogits from ``p = softmax_minus_eps(x)``: ``(p - (1 - ls)[col == y]) * row_scale``, exactly 0
     on ignored rows. Row values come broadcast to p's shape (the target as an int32 column, -1 where out
-    of range). Every backward kernel calls this one op sequence (``program_tile_grad``, the Gluon
+    of range). Every backward kernel calls this one op sequence (``grad_of_logits``, the Gluon
     kernel), which is what makes the MXFP8 kernels' bytes equal quantize(bf16 kernel's output)."""
     p = tl.where(cols == target, p - target_weight, p)
     return tl.where(ignored, 0.0, p * row_scale)
