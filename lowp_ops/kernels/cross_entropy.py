@@ -34,15 +34,13 @@ from .bf16_pairs import to_dtype_rne
 from .cross_entropy_math import (
     add_z_loss,
     grad_of_logits,
-    load_class_weight_terms,
-    load_row_stats,
     program_tile_grad,
     round_to_dtype,
     row_loss,
     row_stats_weighted_or_capped,
+    row_terms,
     softcap_logits,
     weighted_row_loss,
-    z_loss_factor,
 )
 from .launch import cached_launch, rows_with_unit_stride
 from .mxfp8 import TRITON_FP8, quantize_tile, store_tile, tile_cols
@@ -393,46 +391,6 @@ def _bwd_grid(rows: int, n_cols: int, block_cols: int) -> tuple[int]:
 
 
 ROWS_BLOCK = 4096
-
-
-@triton.jit
-def row_terms(
-    target_ptr,
-    shift_ptr,
-    log_sum_ptr,
-    grad_ptr,
-    grad_stride,
-    weight_ptr,
-    smooth_total_ptr,
-    row,
-    rows,
-    n_cols,
-    ignore_index,
-    vocab_start,
-    vocab_total,
-    target_weight,
-    z_loss2,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_Z_LOSS: tl.constexpr,
-):
-    """One row's scalar terms of the gradient, as ``program_tile_grad`` loads them for its tile: (shift,
-    log_sum * log2(e), target column, row scale, ignored, ``w_y``, ``α`` (with z-loss), z-loss factor)."""
-    shift, log2_sum, target, row_scale, ignored = load_row_stats(
-        target_ptr, shift_ptr, log_sum_ptr, grad_ptr, grad_stride, row, rows, n_cols, ignore_index,
-        vocab_start, vocab_total,
-    )  # fmt: skip
-    class_weight = 0.0
-    alpha = 0.0
-    factor = 0.0
-    if HAS_WEIGHT:
-        class_weight, alpha = load_class_weight_terms(
-            target_ptr, weight_ptr, smooth_total_ptr, row, rows, vocab_total, ignore_index, target_weight
-        )
-        if HAS_Z_LOSS:
-            alpha = z_loss_factor(shift_ptr, log_sum_ptr, row, row < rows, z_loss2, alpha)
-    elif HAS_Z_LOSS:
-        factor = z_loss_factor(shift_ptr, log_sum_ptr, row, row < rows, z_loss2, 1.0)
-    return shift, log2_sum, target, row_scale, ignored, class_weight, alpha, factor
 
 
 @cached_launch

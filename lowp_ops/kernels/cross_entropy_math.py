@@ -318,6 +318,47 @@ def grad_of_logits(
 
 
 @triton.jit
+def row_terms(
+    target_ptr,
+    shift_ptr,
+    log_sum_ptr,
+    grad_ptr,
+    grad_stride,
+    weight_ptr,
+    smooth_total_ptr,
+    row,
+    rows,
+    n_cols,
+    ignore_index,
+    vocab_start,
+    vocab_total,
+    target_weight,
+    z_loss2,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+):
+    """The gradient's terms of rows ``row`` (a scalar or a vector of rows): (shift, log_sum * log2(e),
+    target column, row scale, ignored, ``w_y``, ``α`` (with z-loss folded in), z-loss factor ``1 + 2 z
+    lse``); the last three are 0.0 where their feature is off."""
+    shift, log2_sum, target, row_scale, ignored = load_row_stats(
+        target_ptr, shift_ptr, log_sum_ptr, grad_ptr, grad_stride, row, rows, n_cols, ignore_index,
+        vocab_start, vocab_total,
+    )  # fmt: skip
+    class_weight = 0.0
+    alpha = 0.0
+    factor = 0.0
+    if HAS_WEIGHT:
+        class_weight, alpha = load_class_weight_terms(
+            target_ptr, weight_ptr, smooth_total_ptr, row, rows, vocab_total, ignore_index, target_weight
+        )
+        if HAS_Z_LOSS:
+            alpha = z_loss_factor(shift_ptr, log_sum_ptr, row, row < rows, z_loss2, alpha)
+    elif HAS_Z_LOSS:
+        factor = z_loss_factor(shift_ptr, log_sum_ptr, row, row < rows, z_loss2, 1.0)
+    return shift, log2_sum, target, row_scale, ignored, class_weight, alpha, factor
+
+
+@triton.jit
 def program_tile_grad(
     logits_ptr,
     stride_row,
@@ -352,36 +393,19 @@ def program_tile_grad(
     tile_col0 = col_tile * BLOCK_COLS
     cols = tile_col0 + tl.arange(0, BLOCK_COLS)
     x = load_logits_tile(logits_ptr, stride_row, rows_idx, cols, rows, n_cols, EVEN).to(tl.float32)
-    shift, log2_sum, target, row_scale, ignored = load_row_stats(
-        target_ptr,
-        shift_ptr,
-        log_sum_ptr,
-        grad_ptr,
-        grad_stride,
-        rows_idx,
-        rows,
-        n_cols,
-        ignore_index,
-        vocab_start,
-        vocab_total,
-    )
+    shift, log2_sum, target, row_scale, ignored, class_weight, alpha, factor = row_terms(
+        target_ptr, shift_ptr, log_sum_ptr, grad_ptr, grad_stride, weight_ptr, smooth_total_ptr, rows_idx,
+        rows, n_cols, ignore_index, vocab_start, vocab_total, target_weight, z_loss2, HAS_WEIGHT, HAS_Z_LOSS,
+    )  # fmt: skip
     special = ignored | ((target >= tile_col0) & (target < tile_col0 + BLOCK_COLS))
-    class_weight = 0.0
-    alpha = 0.0
     column_eps = 0.0
-    factor = 0.0
     if HAS_WEIGHT:
-        class_weight, alpha = load_class_weight_terms(
-            target_ptr, weight_ptr, smooth_total_ptr, rows_idx, rows, vocab_total, ignore_index, target_weight
-        )
         column_weight = tl.load(weight_ptr + vocab_start + cols, mask=cols < n_cols, other=0.0)
         column_eps = (smoothing_eps * column_weight)[None, :]
-        if HAS_Z_LOSS:
-            alpha = z_loss_factor(shift_ptr, log_sum_ptr, rows_idx, rows_idx < rows, z_loss2, alpha)
         class_weight = class_weight[:, None]
         alpha = alpha[:, None]
     elif HAS_Z_LOSS:
-        factor = z_loss_factor(shift_ptr, log_sum_ptr, rows_idx, rows_idx < rows, z_loss2, 1.0)[:, None]
+        factor = factor[:, None]
     grad = grad_of_logits(
         x, cols[None, :], shift[:, None], log2_sum[:, None], target[:, None], row_scale[:, None],
         ignored[:, None], tl.max(special.to(tl.int32), 0) > 0, class_weight, alpha, column_eps, factor,
