@@ -6,7 +6,8 @@
 # (the failing tests' assertion lines of every group), gpu_groups.log (the groups' whole output) and
 # cudagraph_output.log. Raw per-process logs stay in a temporary directory. Arguments "name=file,file"
 # replace the groups (and limit the cudagraph tests to those files). H200, 2026-12-01: 640 passed,
-# 20 skipped (two-GPU tests) in 5 min 12 s, then 19 cudagraph tests (2 skipped) in about 4 min.
+# 20 skipped (two-GPU tests) in 5 min 12 s, then 18 of the 19 cudagraph tests in the next ~3 min (the
+# tiny-MoE one alone takes ~70 s).
 # Exits nonzero if any test failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
