@@ -307,6 +307,26 @@ def test_interp_row_segment_backward_equals_the_tile_kernel(n_rows, n_cols, dtyp
     check_row_segments_equal_tiles(n_rows, n_cols, dtype, "cpu")
 
 
+@pytest.mark.interp
+def test_interp_row_segment_backward_of_a_vocabulary_shard(monkeypatch):
+    """A shard of a 3-way vocabulary (ids [201, 402) of 603): targets global, some in other shards, class
+    weights of the whole vocabulary; the row-segment kernel gives the tile kernel's bytes."""
+    monkeypatch.setattr(ce_kernels, "ROWS_BLOCK", 64)
+    n_rows, n_cols = 40, 201
+    logits, _ = ce_inputs(n_rows, n_cols, torch.bfloat16, "cpu")
+    gen = torch.Generator().manual_seed(7)
+    target = torch.randint(0, 3 * n_cols, (n_rows,), generator=gen)
+    target[::5] = IGNORE
+    weight = torch.rand(3 * n_cols, generator=gen) + 0.5
+    stats = ce_kernels.launch_cross_entropy_fwd(logits, target.clamp(0, n_cols - 1), 0.1, IGNORE)[1]
+    grad_rows = grad_rows_for(n_rows, "cpu", "dense")
+    for class_weight in (None, weight):
+        args = (logits, target, stats, grad_rows, 0.1, IGNORE, n_cols, 3 * n_cols, class_weight)
+        by_row = ce_kernels.launch_cross_entropy_bwd(*args, by_row=True)
+        tile = ce_kernels.launch_cross_entropy_bwd(*args, by_row=False)
+        assert torch.equal(bits(by_row), bits(tile)), f"weights: {class_weight is not None}"
+
+
 # gpu -------------------------------------------------------------------------------------------------
 
 GPU_CE_SHAPES = [
