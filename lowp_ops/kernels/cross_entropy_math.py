@@ -289,8 +289,8 @@ def grad_of_logits(
 
     Loss features: ``HAS_SOFTCAP`` computes on the capped logits and multiplies the gradient by the cap's
     derivative ``1 - tanh²`` last; ``HAS_Z_LOSS`` scales the softmax term by ``1 + 2 z lse`` (with class
-    weights, the caller folds it into ``α``). The 2-D tile kernels and the flat kernel of unaligned rows
-    call this one op sequence: their bytes agree by construction."""
+    weights, the caller folds it into ``α``). The 32-row tile kernels and the row-segment kernel of
+    unaligned rows call this one op sequence: their bytes agree by construction."""
     if HAS_SOFTCAP:
         x, tanh = softcap_logits(x, softcap, softcap_rcp)
     if HAS_WEIGHT:
