@@ -10,12 +10,12 @@ whole 128-byte lines, and the E8M0 scales are stored straight from the layouts t
 where Triton's kernel re-lays both scale tensors out through shared memory (with a barrier each)
 before storing them.
 
-H200, bf16, compact scales, % of a device copy (benchmarks/RESULTS.md, run S5-8): 4096 x 129280
+H200, bf16, compact scales, % of a device copy (2026-11-30, Triton kernel -> this one): 4096 x 129280
 83.3 -> 86.7, 8192 x 32768 80.2 -> 85.7, 16384 x 131072 80.5 -> 86.8 (both kernels swing by several
 points from run to run there); with swizzled scales 79.0 against Triton's 80.3, so the launcher keeps
 Triton's kernel there. The logits load carries an L2 ``evict_last`` hint: +1-3 points in 100 ms
-bursts and +1.5-3% back to back, with new logits buffers every call (S9-3, S9-4); no cost above the
-noise to GEMMs run right after it (S9-6). Also Triton's: the CPU interpreter, thin inputs (< 128 columns)
+bursts and +1.5-3% back to back, with new logits buffers every call; no cost above the noise to
+GEMMs run right after it (2026-11-30). Also Triton's: the CPU interpreter, thin inputs (< 128 columns)
 and Triton builds without Gluon. GPU tests hold the two kernels to the same bytes.
 """
 
@@ -117,7 +117,7 @@ if gluon is not None:
         offsets = in_tile_rows * n_cols + cols
         ptrs = logits_ptr + tile_row0 * stride_row + (in_tile_rows * stride_row + cols)
         in_bounds = (rows3 < rows) & (cols < n_cols)
-        # evict_last although the logits are read once: measured faster (tuning log 35), cause not known.
+        # evict_last although the logits are read once: measured faster (module docstring), cause not known.
         hint: gl.constexpr = "evict_last"
         if not ALIGNED:
             # 8 elements per thread would be 8 scalar accesses, 16 bytes apart across the lanes.

@@ -554,7 +554,7 @@ def nvfp4_quantize_kernel(
 # per SM instead of 16. Both launches are capped at 128 (sm_90 SASS, triton 3.6: the maskless kernel
 # takes 128 anyway, the masked one spills 8 bytes). H200, 16384^2 bf16, 8 experts, row+col, given
 # amaxes: one kernel 0.674 ms, capped 0.551, two launches 0.530 (ragged experts 0.570 -> 0.536); a
-# second launch over the whole grid instead of E rows cost 0.05 ms (S8-4, S8-7, S8-8). Without the RHT
+# second launch over the whole grid instead of E rows cost 0.05 ms (2026-11-30). Without the RHT
 # or with stochastic rounding a cap of 128 spills 224-520 bytes: those keep one kernel at ptxas' choice.
 GROUPED_RHT_MAX_REGISTERS = 128
 
