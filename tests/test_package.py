@@ -144,6 +144,8 @@ def test_dependencies_and_extras():
     assert project["tool"]["setuptools"]["package-data"]["lowp_ops"] == ["py.typed"]
     meta = project["project"]
     assert meta["license"] == "MIT" and meta["license-files"] == ["LICENSE"]
+    assert meta["authors"] and meta["classifiers"]
+    assert meta["urls"] and all(url.startswith("https://") for url in meta["urls"].values())
 
     def names(requirements: list[str]) -> set[str]:
         return {Requirement(req).name for req in requirements}
