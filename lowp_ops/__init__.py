@@ -11,6 +11,7 @@ from .functional import (
     dglu,
     log_softmax,
     logsumexp,
+    rms_norm,
     softmax,
     swiglu,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "nvfp4_dequantize",
     "nvfp4_group_quantize",
     "nvfp4_quantize",
+    "rms_norm",
     "softmax",
     "swiglu",
 ]

@@ -29,6 +29,7 @@ __all__ = [
     "dglu",
     "log_softmax",
     "logsumexp",
+    "rms_norm",
     "softmax",
     "swiglu",
 ]
@@ -485,12 +486,44 @@ def _interleave(glu_interleave_size: int | None) -> int:
     return glu_interleave_size or 0
 
 
-def swiglu(c: torch.Tensor, probs: torch.Tensor, *, glu_interleave_size: int | None = None) -> torch.Tensor:
-    """``silu(gate) * linear * probs`` for MoE experts: ``c`` (tokens, 2F) holds the gate half first (TE's
-    order) or alternating 32-wide gate/linear blocks (``glu_interleave_size=32``); ``probs`` (tokens,)
-    fp32 or bf16. fp32 math, one rounding to c's dtype. Differentiable in ``c`` and ``probs``; the
-    probability gradient is computed in fp32 and never rounded to bf16 for fp32 ``probs``."""
+def swiglu(
+    c: torch.Tensor, probs: torch.Tensor | None = None, *, glu_interleave_size: int | None = None
+) -> torch.Tensor:
+    """``silu(gate) * linear * probs``: ``c`` (tokens, 2F) holds the gate half first (TE's order) or
+    alternating 32-wide gate/linear blocks (``glu_interleave_size=32``); ``probs`` (tokens,) fp32 or bf16
+    (MoE experts), or None for a dense MLP (``silu(gate) * linear``). fp32 math, one rounding to c's
+    dtype. Differentiable in ``c`` and ``probs``; the probability gradient is computed in fp32 and never
+    rounded to bf16 for fp32 ``probs``. Only the input ``c`` is saved for the backward."""
+    require_tensor(c, "c")
+    if probs is None:
+        probs = c.new_ones(c.shape[:1], dtype=torch.float32)
     return library.swiglu_fwd(c, probs, _interleave(glu_interleave_size))
+
+
+def rms_norm(
+    input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, round_normalized: bool = True
+) -> torch.Tensor:
+    """RMSNorm over the last dim: ``weight * (x / sqrt(mean(x^2) + eps))`` with fp32 statistics, output
+    in x's dtype (docs/rms_norm.md).
+
+    ``input`` (..., H) float32 / bfloat16 / float16, ``weight`` (H,) of the same dtype, H <= 65536.
+    ``round_normalized=True`` rounds the normalized fp32 row to x's dtype before the weight multiplies it
+    (transformers' Llama, Qwen, Mistral: ``weight * hidden.to(input_dtype)``); False multiplies in fp32
+    and rounds once (OLMo 2). Differentiable in both; the backward saves x, weight and the fp32 ``rstd``
+    (rows,) only, and sums the weight gradient in fp32 in a fixed order (deterministic).
+    """
+    require_tensor(input, "input")
+    require_tensor(weight, "weight")
+    check_real(eps, "eps")
+    require(eps >= 0, lambda: f"eps must be >= 0, got {eps}")
+    require(
+        isinstance(round_normalized, bool),
+        lambda: f"round_normalized must be a bool, got {round_normalized!r}",
+    )
+    require(input.dim() >= 1, lambda: "input must have at least one dimension, got a 0-d tensor")
+    rows = input if input.dim() == 2 else input.reshape(-1, input.shape[-1])
+    y, _ = library.rms_norm_fwd(rows, weight, float(eps), round_normalized)
+    return y.view(input.shape)
 
 
 def dglu(

@@ -22,6 +22,7 @@ from .meta import linear_cross_entropy as linear_ce_meta
 from .meta import mxfp8 as mxfp8_meta
 from .meta import mxfp8_gemm as mxfp8_gemm_meta
 from .meta import nvfp4 as nvfp4_meta
+from .meta import rms_norm as rms_norm_meta
 from .meta import softmax as softmax_meta
 from .meta import swiglu as swiglu_meta
 from .meta import vocab_parallel as vocab_parallel_meta
@@ -31,6 +32,7 @@ from .reference import linear_cross_entropy as linear_ce_ref
 from .reference import mxfp8 as mxfp8_ref
 from .reference import mxfp8_gemm as mxfp8_gemm_ref
 from .reference import nvfp4 as nvfp4_ref
+from .reference import rms_norm as rms_norm_ref
 from .reference import softmax as softmax_ref
 from .reference import swiglu as swiglu_ref
 from .reference import vocab_parallel as vocab_parallel_ref
@@ -281,6 +283,44 @@ def _swiglu_backward(ctx, grad):
 
 
 swiglu_fwd.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
+
+# -------------------------------------------------------------------------------------------- RMSNorm
+
+rms_norm_fwd = _define(
+    "rms_norm_fwd",
+    "(Tensor x, Tensor weight, float eps, bool round_normalized) -> (Tensor, Tensor)",
+    rms_norm_ref.rms_norm_fwd,
+    "rms_norm.launch_rms_norm_fwd",
+    rms_norm_meta.rms_norm_fwd_outputs,
+)
+
+rms_norm_bwd = _define(
+    "rms_norm_bwd",
+    "(Tensor grad, Tensor x, Tensor weight, Tensor rstd, bool round_normalized) -> (Tensor, Tensor)",
+    rms_norm_ref.rms_norm_bwd,
+    "rms_norm.launch_rms_norm_bwd",
+    rms_norm_meta.rms_norm_bwd_outputs,
+)
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    x, weight, _, round_normalized = inputs
+    ctx.round_normalized = round_normalized
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+    # x, not y: the input is the residual stream's tensor; y is usually saved by the next GEMM anyway.
+    ctx.save_for_backward(x, weight, output[1])
+
+
+def _rms_norm_backward(ctx, grad, _grad_rstd):
+    if grad is None:
+        return None, None, None, None
+    x, weight, rstd = ctx.saved_tensors
+    dx, dweight = rms_norm_bwd(grad, x, weight, rstd, ctx.round_normalized)
+    return dx, dweight, None, None
+
+
+rms_norm_fwd.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
 
 # --------------------------------------------------------------------------------------------- softmax
 

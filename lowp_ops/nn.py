@@ -6,12 +6,13 @@ import math
 
 import torch
 
+from .functional import rms_norm
 from .losses import CrossEntropyLoss, LinearCrossEntropyLoss
 from .meta.checks import require
 from .meta.grouped_mm import RECIPES
 from .moe import grouped_swiglu_mlp
 
-__all__ = ["CrossEntropyLoss", "GroupedSwiGLUMLP", "LinearCrossEntropyLoss"]
+__all__ = ["CrossEntropyLoss", "GroupedSwiGLUMLP", "LinearCrossEntropyLoss", "RMSNorm"]
 
 
 class GroupedSwiGLUMLP(torch.nn.Module):
@@ -70,3 +71,27 @@ class GroupedSwiGLUMLP(torch.nn.Module):
             f"recipe={self.recipe!r}, fc1_dy_amax_from_dglu={self.fc1_dy_amax_from_dglu}, "
             f"glu_interleave_size={self.glu_interleave_size}"
         )
+
+
+class RMSNorm(torch.nn.Module):
+    """RMSNorm over the last dim through :func:`lowp_ops.rms_norm`: ``weight`` (hidden,) initialized to
+    ones, bf16 by default; ``round_normalized`` as there (True: the Llama form)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        eps: float = 1e-6,
+        *,
+        round_normalized: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+    ):
+        super().__init__()
+        self.hidden, self.eps, self.round_normalized = hidden, eps, round_normalized
+        self.weight = torch.nn.Parameter(torch.ones(hidden, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, round_normalized=self.round_normalized)
+
+    def extra_repr(self) -> str:
+        return f"hidden={self.hidden}, eps={self.eps}, round_normalized={self.round_normalized}"

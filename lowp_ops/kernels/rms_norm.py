@@ -1,0 +1,194 @@
+"""Triton RMSNorm forward and backward (semantics and math: ``lowp_ops.reference.rms_norm``).
+
+Forward: a program normalizes ``BLOCK_ROWS`` whole rows held in registers (one read of x, one write of
+y, the fp32 ``rstd`` kept for the backward). Backward: a persistent grid (at most two programs per SM)
+walks the rows; each program keeps its partial ``Σ g n`` of the weight gradient in fp32 registers and
+writes it once, and a second launch sums the partials in a fixed order (deterministic, no atomics).
+fp32 math, one rounding to nearest even at each store.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ..meta.rms_norm import rms_norm_bwd_outputs, rms_norm_fwd_outputs
+from .bf16_pairs import to_dtype_rne
+from .launch import INTERPRETING, cached_launch, rows_with_unit_stride
+
+ELEMENTS_PER_PROGRAM = 4096
+
+
+@triton.jit
+def normalized(x, rstd, ROUND_NORMALIZED: tl.constexpr, DTYPE: tl.constexpr):
+    """fp32 ``(xhat, n)``: ``n`` is ``xhat`` rounded to ``DTYPE`` when ROUND_NORMALIZED."""
+    xhat = x * rstd[:, None]
+    if ROUND_NORMALIZED:  # noqa: SIM108 (a constexpr branch: the other one is never compiled)
+        n = to_dtype_rne(xhat, DTYPE).to(tl.float32)
+    else:
+        n = xhat
+    return xhat, n
+
+
+@cached_launch
+@triton.jit
+def rms_norm_fwd_kernel(
+    x_ptr,
+    weight_ptr,
+    y_ptr,
+    rstd_ptr,
+    rows,
+    hidden,
+    stride_x,
+    eps,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ROUND_NORMALIZED: tl.constexpr,
+):
+    row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    col = tl.arange(0, BLOCK_H)
+    row_in = row < rows
+    mask = row_in[:, None] & (col < hidden)[None, :]
+    row_64 = row.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + row_64 * stride_x + col[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, 1) / hidden + eps))
+    _, n = normalized(x, rstd, ROUND_NORMALIZED, y_ptr.dtype.element_ty)
+    w = tl.load(weight_ptr + col, mask=col < hidden, other=0.0).to(tl.float32)
+    y = to_dtype_rne(w[None, :] * n, y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row_64 * hidden + col[None, :], y, mask=mask)
+    tl.store(rstd_ptr + row, rstd, mask=row_in)
+
+
+@cached_launch
+@triton.jit
+def rms_norm_bwd_kernel(
+    grad_ptr,
+    x_ptr,
+    weight_ptr,
+    rstd_ptr,
+    dx_ptr,
+    partial_ptr,
+    rows,
+    hidden,
+    stride_grad,
+    stride_x,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ROUND_NORMALIZED: tl.constexpr,
+):
+    """dx of every row this program visits, and its partial weight gradient ``partial[program]``."""
+    program = tl.program_id(0)
+    col = tl.arange(0, BLOCK_H)
+    col_in = col < hidden
+    w = tl.load(weight_ptr + col, mask=col_in, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for start in range(program * BLOCK_ROWS, rows, tl.num_programs(0) * BLOCK_ROWS):
+        row = start + tl.arange(0, BLOCK_ROWS)
+        row_in = row < rows
+        mask = row_in[:, None] & col_in[None, :]
+        row_64 = row.to(tl.int64)[:, None]
+        g = tl.load(grad_ptr + row_64 * stride_grad + col[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row_64 * stride_x + col[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row, mask=row_in, other=0.0)
+        xhat, n = normalized(x, rstd, ROUND_NORMALIZED, dx_ptr.dtype.element_ty)
+        dw += tl.sum(g * n, 0)
+        dn = g * w[None, :]
+        mean_dot = tl.sum(dn * xhat, 1) / hidden
+        dx = rstd[:, None] * (dn - xhat * mean_dot[:, None])
+        dx = to_dtype_rne(dx, dx_ptr.dtype.element_ty)
+        tl.store(dx_ptr + row_64 * hidden + col[None, :], dx, mask=mask)
+    tl.store(partial_ptr + program * hidden + col, dw, mask=col_in)
+
+
+@cached_launch
+@triton.jit
+def sum_partials_kernel(partial_ptr, out_ptr, programs, hidden, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr):
+    """``out[c] = Σ_p partial[p, c]`` in fp32, programs summed in a fixed order, rounded once."""
+    col = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    total = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for start in range(0, programs, BLOCK_P):
+        p = start + tl.arange(0, BLOCK_P)
+        mask = (p < programs)[:, None] & (col < hidden)[None, :]
+        total += tl.sum(tl.load(partial_ptr + p[:, None] * hidden + col[None, :], mask=mask, other=0.0), 0)
+    tl.store(out_ptr + col, to_dtype_rne(total, out_ptr.dtype.element_ty), mask=col < hidden)
+
+
+def row_config(hidden: int) -> tuple[int, int, int]:
+    """(BLOCK_ROWS, BLOCK_H, num_warps): whole rows, about ELEMENTS_PER_PROGRAM elements a program."""
+    block_h = triton.next_power_of_2(hidden)
+    block_rows = max(1, ELEMENTS_PER_PROGRAM // block_h)
+    num_warps = min(16, max(4, block_rows * block_h // 512))
+    return block_rows, block_h, num_warps
+
+
+@functools.cache
+def _programs_per_grid(device_index: int) -> int:
+    """Two programs per SM on a GPU; four under the interpreter (CPU tensors)."""
+    if INTERPRETING:
+        return 4
+    return 2 * torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def launch_rms_norm_fwd(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, round_normalized: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lowp::rms_norm_fwd`` on a CUDA (or interpreted CPU) tensor; rows read through their stride."""
+    y, rstd = rms_norm_fwd_outputs(x, weight, eps, round_normalized)
+    rows, hidden = x.shape
+    if rows == 0:
+        return y, rstd
+    x = rows_with_unit_stride(x)
+    block_rows, block_h, num_warps = row_config(hidden)
+    rms_norm_fwd_kernel[(triton.cdiv(rows, block_rows),)](
+        x,
+        weight.contiguous(),
+        y,
+        rstd,
+        rows,
+        hidden,
+        x.stride(0),
+        eps,
+        BLOCK_ROWS=block_rows,
+        BLOCK_H=block_h,
+        ROUND_NORMALIZED=round_normalized,
+        num_warps=num_warps,
+    )
+    return y, rstd
+
+
+def launch_rms_norm_bwd(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, round_normalized: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lowp::rms_norm_bwd`` on a CUDA (or interpreted CPU) tensor."""
+    dx, dweight = rms_norm_bwd_outputs(grad, x, weight, rstd, round_normalized)
+    rows, hidden = x.shape
+    if rows == 0:
+        return dx, dweight.zero_()
+    grad, x = rows_with_unit_stride(grad), rows_with_unit_stride(x)
+    block_rows, block_h, num_warps = row_config(hidden)
+    programs = min(triton.cdiv(rows, block_rows), _programs_per_grid(x.device.index or 0))
+    partial = torch.empty((programs, hidden), dtype=torch.float32, device=x.device)
+    rms_norm_bwd_kernel[(programs,)](
+        grad,
+        x,
+        weight.contiguous(),
+        rstd.contiguous(),
+        dx,
+        partial,
+        rows,
+        hidden,
+        grad.stride(0),
+        x.stride(0),
+        BLOCK_ROWS=block_rows,
+        BLOCK_H=block_h,
+        ROUND_NORMALIZED=round_normalized,
+        num_warps=num_warps,
+    )
+    block_cols = min(256, block_h)
+    sum_partials_kernel[(triton.cdiv(hidden, block_cols),)](
+        partial, dweight, programs, hidden, BLOCK_P=32, BLOCK_H=block_cols, num_warps=4
+    )
+    return dx, dweight

@@ -1,0 +1,108 @@
+"""Triton RMSNorm kernels against the pure-PyTorch reference (``interp``: CPU tensors under
+TRITON_INTERPRET=1; ``gpu``: the reference run on CUDA). The fp32 sum of squares is added up in another
+order than torch's, so rstd may differ by an fp32 ulp and an output element by one ulp of its dtype, on
+a small fraction of elements; the weight gradient's fp32 sum differs by its rounding."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from lowp_ops.kernels import rms_norm as kernels
+from lowp_ops.reference import rms_norm as reference
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+SUITES = [
+    pytest.param("interp", marks=pytest.mark.interp, id="interp"),
+    pytest.param("gpu", marks=pytest.mark.gpu, id="gpu"),
+]
+property_settings = settings(
+    max_examples=8 if INTERPRET else 60,
+    deadline=None,
+    phases=[phase for phase in Phase if phase != Phase.shrink or not INTERPRET],
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
+
+def make(rows: int, hidden: int, dtype: torch.dtype, seed: int, device: str):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+    weight = (1 + 0.5 * torch.randn(hidden, generator=gen)).to(dtype)
+    grad = torch.randn(rows, hidden, generator=gen).to(dtype)
+    return x.to(device), weight.to(device), grad.to(device)
+
+
+def ulp(x: torch.Tensor) -> torch.Tensor:
+    mantissa = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}[x.dtype]
+    tiny = torch.finfo(x.dtype).tiny
+    return torch.exp2(torch.floor(torch.log2(x.double().abs().clamp_min(tiny))) - mantissa)
+
+
+def assert_within_an_ulp(got: torch.Tensor, want: torch.Tensor, name: str, ulps: float = 1.0) -> None:
+    got, want = got.cpu(), want.cpu()
+    assert got.dtype == want.dtype and got.shape == want.shape, name
+    error = (got.double() - want.double()).abs()
+    bound = ulps * ulp(want) + 1e-6 * want.double().abs().max()
+    assert (error <= bound).all(), f"{name}: max error {error.max().item()}"
+    if got.dtype != torch.float32:  # fp32 outputs carry rstd's last-bit difference in every element
+        assert (got != want).float().mean() < 0.05, f"{name}: {(got != want).float().mean():.3f} differ"
+
+
+def check_kernels(rows, hidden, dtype, round_normalized, seed, device, eps=1e-6):
+    x, weight, grad = make(rows, hidden, dtype, seed, device)
+    y, rstd = kernels.launch_rms_norm_fwd(x, weight, eps, round_normalized)
+    y_ref, rstd_ref = reference.rms_norm_fwd(x, weight, eps, round_normalized)
+    torch.testing.assert_close(rstd, rstd_ref, rtol=4e-7, atol=0)
+    assert_within_an_ulp(y, y_ref, "y", ulps=1 if dtype != torch.float32 else 4)
+    # The backward from the reference's own rstd: only the sums' order differs.
+    dx, dweight = kernels.launch_rms_norm_bwd(grad, x, weight, rstd_ref, round_normalized)
+    dx_ref, dweight_ref = reference.rms_norm_bwd(grad, x, weight, rstd_ref, round_normalized)
+    assert_within_an_ulp(dx, dx_ref, "dx", ulps=1 if dtype != torch.float32 else 64)
+    magnitude = (grad.double() * x.double() * rstd_ref.double()[:, None]).abs().sum(0).cpu()
+    error = (dweight.double() - dweight_ref.double()).abs().cpu()
+    assert (error <= ulp(dweight_ref.cpu()) + 1e-6 * magnitude).all(), "dweight"
+
+
+@pytest.mark.parametrize("suite", SUITES)
+@property_settings
+@given(
+    data=st.data(),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+    round_normalized=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_kernels_match_reference(suite, kernel_device, data, dtype, round_normalized, seed):
+    """Partial row blocks, a hidden size that is not a power of two, more row blocks than programs."""
+    rows = data.draw(st.integers(1, 40 if suite == "interp" else 5000), label="rows")
+    hidden = data.draw(st.sampled_from([1, 40, 128, 1000] + ([2048, 4096, 5120] if suite == "gpu" else [])))
+    check_kernels(rows, hidden, dtype, round_normalized, seed, kernel_device)
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_persistent_backward_loops_over_more_rows_than_programs(suite, kernel_device):
+    """Each program walks several row blocks; the partial weight gradients add up to the reference's."""
+    check_kernels(300 if suite == "interp" else 70000, 40, torch.bfloat16, True, 3, kernel_device)
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_kernels_read_strided_rows_and_handle_no_rows(suite, kernel_device):
+    x, weight, _ = make(24, 64, torch.bfloat16, 5, kernel_device)
+    wide = torch.zeros(24, 128, dtype=x.dtype, device=kernel_device)
+    wide[:, :64] = x
+    got = kernels.launch_rms_norm_fwd(wide[:, :64], weight, 1e-6, True)
+    want = kernels.launch_rms_norm_fwd(x, weight, 1e-6, True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    empty = x[:0]
+    y, rstd = kernels.launch_rms_norm_fwd(empty, weight, 1e-6, True)
+    dx, dweight = kernels.launch_rms_norm_bwd(empty, empty, weight, rstd, True)
+    assert y.shape == dx.shape == (0, 64) and not dweight.any()
+
+
+@pytest.mark.gpu
+def test_kernels_match_reference_at_llama_shape():
+    """4096 tokens x hidden 4096 (an 8B Llama's), bf16."""
+    check_kernels(4096, 4096, torch.bfloat16, True, 11, "cuda", eps=1e-5)
