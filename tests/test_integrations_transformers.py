@@ -159,8 +159,9 @@ def test_shift_labels_are_used_as_given():
 
 
 def test_logits_only_when_asked_or_without_labels():
+    """The head's own logits, bit for bit (norms and MLPs left alone: they round in another order)."""
     ref = tiny_model("llama")
-    patched = apply_lowp_ops(copy.deepcopy(ref))
+    patched = apply_lowp_ops(copy.deepcopy(ref), rms_norm=False, mlp=False)
     ids, labels = batch()
     assert patched(input_ids=ids, labels=labels).logits is None
     want = ref(input_ids=ids).logits
@@ -436,3 +437,68 @@ def test_gpu_low_precision_experts_train(recipe):
     for name, grad in want.items():
         error = (got[name].double() - grad.double()).norm() / grad.double().norm()
         assert error <= 0.5, f"{name}: {float(error):.2e}"
+
+
+# ------------------------------------------------------------------------------ RMSNorm, dense MLPs
+
+
+def saved_bytes(model, ids, labels) -> int:
+    """Bytes of the distinct tensors autograd saves for the backward of one training forward."""
+    saved = {}
+
+    def pack(tensor):
+        saved[(tensor.data_ptr(), tensor.dtype, tuple(tensor.shape))] = tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(input_ids=ids, labels=labels)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("model_type", sorted(LM_HEAD_MODEL_TYPES))
+def test_every_rms_norm_and_dense_mlp_is_patched(model_type):
+    model = apply_lowp_ops(tiny_model(model_type))
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    assert norms and all(m.forward.__func__ is integration._rms_norm_forward for m in norms)
+    dense = [m for m in model.modules() if type(m).__name__.endswith("MLP") and hasattr(m, "down_proj")]
+    assert all(m.forward.__func__ is integration._dense_swiglu_forward for m in dense)
+    if model_type in ("llama", "phi3", "qwen2_moe", "deepseek_v3"):
+        assert dense, "the dense or shared-expert MLPs were not found"
+    untouched = apply_lowp_ops(tiny_model(model_type), rms_norm=False, mlp=False)
+    assert not any("forward" in vars(m) for m in untouched.model.modules())
+
+
+@pytest.mark.parametrize("model_type", sorted(LM_HEAD_MODEL_TYPES))
+def test_bf16_norms_round_as_the_models_own(model_type):
+    """Each patched norm against its class's forward in bf16: equal, or one ulp off where the fp32 sum
+    of squares rounds differently. A wrong rounding order (weight product in bf16 or in fp32) would make
+    about a quarter of the elements differ."""
+    model = apply_lowp_ops(tiny_model(model_type, torch.bfloat16))
+    gen = torch.Generator().manual_seed(1)
+    for module in integration._rms_norm_modules(model):
+        with torch.no_grad():
+            module.weight.copy_(1 + 0.3 * torch.randn(module.weight.shape, generator=gen))
+        x = (torch.randn(64, module.weight.shape[0], generator=gen) * 3).bfloat16()
+        got, want = module(x), type(module).forward(module, x)
+        assert got.dtype == want.dtype
+        ulp = torch.exp2(torch.floor(torch.log2(want.float().abs().clamp_min(2**-126))) - 7)
+        assert ((got.float() - want.float()).abs() <= ulp).all()
+        assert (got != want).float().mean() <= 0.02
+
+
+def test_patched_llama_saves_less_for_the_backward():
+    """Per layer, transformers' RMSNorm saves the fp32 input and normalized rows and its MLP saves gate,
+    silu(gate) and up; lowp saves the bf16 input and fp32 1/rms per row, and [gate | up]."""
+    config = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2}
+    ids, labels = batch(length=32)
+    stock = saved_bytes(tiny_model("llama", torch.bfloat16, **config), ids, labels)
+    loss_only = saved_bytes(
+        apply_lowp_ops(tiny_model("llama", torch.bfloat16, **config), rms_norm=False, mlp=False), ids, labels
+    )
+    patched = saved_bytes(apply_lowp_ops(tiny_model("llama", torch.bfloat16, **config)), ids, labels)
+    tokens, layers = ids.numel(), config["num_hidden_layers"]
+    # per norm: 4 bytes (fp32 x) + 2 (bf16 normalized) - 2 (bf16 x) per element; 5 norms
+    norm_saving = 5 * tokens * config["hidden_size"] * 4
+    # per MLP: one (tokens, intermediate) bf16 tensor fewer (silu(gate))
+    mlp_saving = layers * tokens * config["intermediate_size"] * 2
+    assert loss_only - patched >= 0.9 * (norm_saving + mlp_saving), (stock, loss_only, patched)

@@ -19,6 +19,17 @@ parameters stay the model's own (no copies), so optimizers, ``state_dict`` and c
   each expert's rows are padded with zero rows to a multiple of 32 / 16, so no quantization block
   straddles two experts. GPT-OSS's experts are not this SwiGLU (biases, interleaved gate/up columns,
   a clamped gate, ``(up + 1) * gate * sigmoid(alpha * gate)``): they raise ``NotImplementedError``.
+- **RMSNorm** (``rms_norm=True``, the default): every ``*RMSNorm`` module (the layers' norms, the final
+  norm, Qwen3's per-head q/k norms) runs through :func:`lowp_ops.rms_norm`, whose backward keeps only
+  the input and the fp32 ``1/rms`` per row (transformers' own keeps the fp32 copy of the input and the
+  normalized rows too). The rounding of each model's own formula is kept (``round_normalized``: Llama's
+  ``weight * hidden.to(dtype)``, OLMo 2's and GPT-OSS's ``(weight * hidden).to(dtype)``); an input whose
+  dtype is not the weight's (e.g. fp32 activations, bf16 weights) runs the module's own forward.
+- **Dense SwiGLU MLPs** (``mlp=True``, the default): every MLP of ``down(silu(gate(x)) * up(x))``
+  (``gate_proj`` / ``up_proj`` / ``down_proj``, or Phi-3's fused ``gate_up_proj``; the MoE models' dense
+  layers and shared experts included) computes ``silu(gate) * up`` with :func:`lowp_ops.swiglu`: one
+  kernel, one rounding, and only ``[gate | up]`` saved for the backward (transformers' own saves gate,
+  silu(gate) and up).
 - **Attention softmax** (``softmax=True``): only for models whose attention implementation is
   ``"eager"``: the probabilities go through :func:`lowp_ops.softmax` (an attention function registered
   as ``"lowp_eager"`` and selected on this model). Other implementations (sdpa, flash) are left alone.
@@ -50,7 +61,9 @@ except ImportError:  # pragma: no cover - builds without torch.distributed
     DTensor = ()
 
 from .. import grouped_swiglu_mlp, linear_cross_entropy
+from .. import rms_norm as lowp_rms_norm
 from .. import softmax as lowp_softmax
+from .. import swiglu as lowp_swiglu
 from ..meta.checks import require
 
 __all__ = ["apply_lowp_ops"]
@@ -80,6 +93,10 @@ LM_HEAD_MODEL_TYPES = frozenset(
 """Causal LMs whose forward hands ``lm_head``'s output straight to ``loss_function`` (no soft-capping or
 scaling of the logits in between); each one is a test in tests/test_integrations_transformers.py."""
 
+NORM_WEIGHT_IN_FP32_MODEL_TYPES = frozenset({"gpt_oss", "olmo2"})
+"""Models whose RMSNorm multiplies the fp32 normalized rows by the weight and rounds once
+(``(weight * hidden).to(dtype)``); the others round the rows first (``weight * hidden.to(dtype)``)."""
+
 SOFTMAX_MODEL_TYPES = frozenset(
     {"llama", "mistral", "mixtral", "olmoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"}
 )
@@ -95,6 +112,8 @@ def apply_lowp_ops(
     grad_format: str | None = None,
     experts: str | None = None,
     softmax: bool = False,
+    rms_norm: bool = True,
+    mlp: bool = True,
     **loss_options,
 ) -> nn.Module:
     """Patch a transformers causal LM instance to train on lowp_ops; returns ``model`` itself.
@@ -108,6 +127,8 @@ def apply_lowp_ops(
             experts module through :func:`lowp_ops.grouped_swiglu_mlp` with that recipe (the expert
             weights must be bf16 with hidden and intermediate sizes multiples of 8).
         softmax: with eager attention, the attention probabilities go through :func:`lowp_ops.softmax`.
+        rms_norm: every RMSNorm module runs through :func:`lowp_ops.rms_norm`.
+        mlp: every dense SwiGLU MLP computes its activation with :func:`lowp_ops.swiglu`.
         loss_options: passed through to :func:`lowp_ops.linear_cross_entropy` (e.g. ``chunk_size``,
             ``other_operand``, ``label_smoothing``; later loss features the same way).
 
@@ -122,11 +143,21 @@ def apply_lowp_ops(
         experts is None or experts in EXPERT_RECIPES,
         lambda: f"experts must be None or one of {EXPERT_RECIPES}, got {experts!r}",
     )
-    require(isinstance(softmax, bool), lambda: f"softmax must be a bool, got {type(softmax).__name__}")
+    for name, flag in (("softmax", softmax), ("rms_norm", rms_norm), ("mlp", mlp)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be a bool, got {type(flag).__name__}")
     expert_modules = _supported_experts(model) if experts is not None else []
     use_lowp_attention = softmax and _eager_attention_allowed(model)
 
     _patch_head_and_loss(model, {"grad_format": grad_format, **loss_options})
+    if rms_norm:
+        round_normalized = model.config.model_type not in NORM_WEIGHT_IN_FP32_MODEL_TYPES
+        for module in _rms_norm_modules(model):
+            module._lowp_round_normalized = round_normalized
+            module.forward = types.MethodType(_rms_norm_forward, module)
+    if mlp:
+        for module in _dense_swiglu_modules(model):
+            module.forward = types.MethodType(_dense_swiglu_forward, module)
     for module in expert_modules:
         module._lowp_recipe = experts
         module.forward = types.MethodType(_grouped_experts_forward, module)
@@ -329,6 +360,63 @@ def _forward_with_optional_logits(
     if return_dict is None:
         return_dict = getattr(self.config, "return_dict", True)
     return output if return_dict else output.to_tuple()
+
+
+# ------------------------------------------------------------------------------ RMSNorm, dense MLPs
+
+
+def _rms_norm_modules(model: nn.Module) -> list[nn.Module]:
+    """transformers' ``*RMSNorm`` modules: a 1-D ``weight`` and a ``variance_epsilon``."""
+    return [
+        module
+        for module in model.modules()
+        if type(module).__name__.endswith("RMSNorm")
+        and isinstance(getattr(module, "weight", None), torch.Tensor)
+        and module.weight.dim() == 1
+        and isinstance(getattr(module, "variance_epsilon", None), float)
+    ]
+
+
+def _rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The patched RMSNorm: :func:`lowp_ops.rms_norm`, or the module's own forward for an input whose
+    dtype differs from the weight's (transformers then promotes; the op keeps one dtype)."""
+    if hidden_states.dtype != self.weight.dtype or isinstance(self.weight, DTensor):
+        return type(self).forward(self, hidden_states)
+    return lowp_rms_norm(
+        hidden_states, self.weight, self.variance_epsilon, round_normalized=self._lowp_round_normalized
+    )
+
+
+def _dense_swiglu_modules(model: nn.Module) -> list[nn.Module]:
+    """MLPs of ``down(silu(gate(x)) * up(x))``: ``gate_proj``, ``up_proj``, ``down_proj`` linears and a SiLU
+    ``act_fn``, or Phi-3's ``gate_up_proj`` linear (gate half first) and a SiLU ``activation_fn``."""
+    silu = _silu_classes()
+
+    def linears(module, *names):
+        return all(isinstance(getattr(module, name, None), nn.Linear) for name in names)
+
+    return [
+        module
+        for module in model.modules()
+        if (
+            linears(module, "gate_proj", "up_proj", "down_proj")
+            and isinstance(getattr(module, "act_fn", None), silu)
+        )
+        or (
+            linears(module, "gate_up_proj", "down_proj")
+            and isinstance(getattr(module, "activation_fn", None), silu)
+        )
+    ]
+
+
+def _dense_swiglu_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``down(silu(gate) * up)`` with the activation from :func:`lowp_ops.swiglu` on ``[gate | up]``."""
+    if hasattr(self, "gate_up_proj"):
+        c = self.gate_up_proj(x)
+    else:
+        c = torch.cat((self.gate_proj(x), self.up_proj(x)), dim=-1)
+    h = lowp_swiglu(c.reshape(-1, c.shape[-1]))
+    return self.down_proj(h.view(*c.shape[:-1], h.shape[-1]))
 
 
 # ------------------------------------------------------------------------------------------ experts
