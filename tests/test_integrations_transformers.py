@@ -317,10 +317,16 @@ def test_softmax_leaves_sdpa_alone():
 # --------------------------------------------------------------------------------- compile, errors
 
 
-def test_compiled_loss_is_one_graph():
-    """The whole patched MoE forward with its loss (router, sorted and padded MXFP8 experts, MXFP8
-    LM-head gradient) in one Dynamo graph: no graph break anywhere, in lowp ops or around them."""
-    model = apply_lowp_ops(tiny_model("qwen3_moe", torch.bfloat16), experts="mxfp8", grad_format="mxfp8_e4m3")
+@pytest.mark.parametrize(
+    ("model_type", "options"),
+    [("qwen3_moe", {"experts": "mxfp8", "grad_format": "mxfp8_e4m3"}), ("llama", {})],
+    ids=["qwen3_moe-mxfp8", "llama"],
+)
+def test_compiled_loss_is_one_graph(model_type, options):
+    """The whole patched forward with its loss in one Dynamo graph: no graph break anywhere, in lowp ops
+    or around them (MoE: router, sorted and padded MXFP8 experts, MXFP8 LM-head gradient; Llama: the
+    RMSNorms and the dense MLPs with their recomputed activation)."""
+    model = apply_lowp_ops(tiny_model(model_type, torch.bfloat16), **options)
     ids, labels = batch()
     items = torch.tensor(int((labels[:, 1:] != -100).sum()))
     eager = model(input_ids=ids, labels=labels, num_items_in_batch=items).loss
@@ -488,7 +494,7 @@ def test_bf16_norms_round_as_the_models_own(model_type):
 
 def test_patched_llama_saves_less_for_the_backward():
     """Per layer, transformers' RMSNorm saves the fp32 input and normalized rows and its MLP saves gate,
-    silu(gate) and up; lowp saves the bf16 input and fp32 1/rms per row, and [gate | up]."""
+    silu(gate), up and their product; lowp saves the bf16 input and fp32 1/rms per row, and [gate | up]."""
     config = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2}
     ids, labels = batch(length=32)
     stock = saved_bytes(tiny_model("llama", torch.bfloat16, **config), ids, labels)
@@ -499,6 +505,21 @@ def test_patched_llama_saves_less_for_the_backward():
     tokens, layers = ids.numel(), config["num_hidden_layers"]
     # per norm: 4 bytes (fp32 x) + 2 (bf16 normalized) - 2 (bf16 x) per element; 5 norms
     norm_saving = 5 * tokens * config["hidden_size"] * 4
-    # per MLP: one (tokens, intermediate) bf16 tensor fewer (silu(gate))
-    mlp_saving = layers * tokens * config["intermediate_size"] * 2
+    # per MLP: two (tokens, intermediate) bf16 tensors fewer (silu(gate), and the product down_proj keeps)
+    mlp_saving = layers * tokens * config["intermediate_size"] * 2 * 2
     assert loss_only - patched >= 0.9 * (norm_saving + mlp_saving), (stock, loss_only, patched)
+
+
+def test_recomputed_activation_gives_the_gradients_of_the_plain_path():
+    """The MLP whose down projection recomputes swiglu(c) in the backward, against the same MLP through
+    ``down_proj``'s own call (a forward hook makes the patch take that path): equal bits."""
+    model = apply_lowp_ops(tiny_model("llama", torch.bfloat16))
+    plain = copy.deepcopy(model)
+    for layer in plain.model.layers:
+        layer.mlp.down_proj.register_forward_hook(lambda module, args, out: None)
+    ids, labels = batch()
+    want_loss, want = loss_and_grads(plain, ids, labels)
+    got_loss, got = loss_and_grads(model, ids, labels)
+    assert torch.equal(got_loss, want_loss)
+    for name, grad in want.items():
+        assert torch.equal(got[name], grad), name

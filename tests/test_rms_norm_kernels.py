@@ -42,13 +42,13 @@ def ulp(x: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(x.double().abs().clamp_min(tiny))) - mantissa)
 
 
-def assert_within_an_ulp(got: torch.Tensor, want: torch.Tensor, name: str, ulps: float = 1.0) -> None:
+def assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, name: str, few: bool) -> None:
+    """|got - want| <= bound everywhere and, where ``few``, on at most 5% of the elements any difference."""
     got, want = got.cpu(), want.cpu()
     assert got.dtype == want.dtype and got.shape == want.shape, name
     error = (got.double() - want.double()).abs()
-    bound = ulps * ulp(want) + 1e-6 * want.double().abs().max()
-    assert (error <= bound).all(), f"{name}: max error {error.max().item()}"
-    if got.dtype != torch.float32:  # fp32 outputs carry rstd's last-bit difference in every element
+    assert (error <= bound.cpu()).all(), f"{name}: max error {error.max().item()}"
+    if few:
         assert (got != want).float().mean() < 0.05, f"{name}: {(got != want).float().mean():.3f} differ"
 
 
@@ -57,14 +57,21 @@ def check_kernels(rows, hidden, dtype, round_normalized, seed, device, eps=1e-6)
     y, rstd = kernels.launch_rms_norm_fwd(x, weight, eps, round_normalized)
     y_ref, rstd_ref = reference.rms_norm_fwd(x, weight, eps, round_normalized)
     torch.testing.assert_close(rstd, rstd_ref, rtol=4e-7, atol=0)
-    assert_within_an_ulp(y, y_ref, "y", ulps=1 if dtype != torch.float32 else 4)
-    # The backward from the reference's own rstd: only the sums' order differs.
+    # rstd an fp32 ulp apart moves y by at most one rounding of each step: n (when rounded), then y.
+    low_precision = dtype != torch.float32
+    steps = 2 if round_normalized and low_precision else 1
+    y_bound = (steps if low_precision else 4) * ulp(y_ref)
+    assert_within(y, y_ref, y_bound, "y", few=low_precision and hidden >= 32)
+    # The backward from the reference's own rstd: the sums' order differs, so dx is within one rounding
+    # plus the fp32 error of the terms it adds (large next to dx where they cancel, as for hidden = 1).
     dx, dweight = kernels.launch_rms_norm_bwd(grad, x, weight, rstd_ref, round_normalized)
     dx_ref, dweight_ref = reference.rms_norm_bwd(grad, x, weight, rstd_ref, round_normalized)
-    assert_within_an_ulp(dx, dx_ref, "dx", ulps=1 if dtype != torch.float32 else 64)
-    magnitude = (grad.double() * x.double() * rstd_ref.double()[:, None]).abs().sum(0).cpu()
-    error = (dweight.double() - dweight_ref.double()).abs().cpu()
-    assert (error <= ulp(dweight_ref.cpu()) + 1e-6 * magnitude).all(), "dweight"
+    xhat = x.double() * rstd_ref.double()[:, None]
+    dn = grad.double() * weight.double()
+    terms = rstd_ref.double()[:, None] * (dn.abs() + xhat.abs() * (dn * xhat).abs().mean(1, keepdim=True))
+    assert_within(dx, dx_ref, ulp(dx_ref) + 1e-5 * terms, "dx", few=low_precision and hidden >= 32)
+    magnitude = (grad.double() * xhat).abs().sum(0)
+    assert_within(dweight, dweight_ref, ulp(dweight_ref) + 1e-6 * magnitude, "dweight", few=False)
 
 
 @pytest.mark.parametrize("suite", SUITES)

@@ -28,8 +28,9 @@ parameters stay the model's own (no copies), so optimizers, ``state_dict`` and c
 - **Dense SwiGLU MLPs** (``mlp=True``, the default): every MLP of ``down(silu(gate(x)) * up(x))``
   (``gate_proj`` / ``up_proj`` / ``down_proj``, or Phi-3's fused ``gate_up_proj``; the MoE models' dense
   layers and shared experts included) computes ``silu(gate) * up`` with :func:`lowp_ops.swiglu`: one
-  kernel, one rounding, and only ``[gate | up]`` saved for the backward (transformers' own saves gate,
-  silu(gate) and up).
+  kernel, one rounding, and only ``[gate | up]`` saved for the backward; the activation itself, which
+  ``down_proj`` would keep, is recomputed there (transformers' own saves gate, silu(gate), up and
+  their product: 4 x (tokens, intermediate) against lowp's 2).
 - **Attention softmax** (``softmax=True``): only for models whose attention implementation is
   ``"eager"``: the probabilities go through :func:`lowp_ops.softmax` (an attention function registered
   as ``"lowp_eager"`` and selected on this model). Other implementations (sdpa, flash) are left alone.
@@ -45,6 +46,7 @@ from dataclasses import fields
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 try:
     import transformers
@@ -60,7 +62,7 @@ try:
 except ImportError:  # pragma: no cover - builds without torch.distributed
     DTensor = ()
 
-from .. import grouped_swiglu_mlp, linear_cross_entropy
+from .. import grouped_swiglu_mlp, library, linear_cross_entropy
 from .. import rms_norm as lowp_rms_norm
 from .. import softmax as lowp_softmax
 from .. import swiglu as lowp_swiglu
@@ -410,13 +412,56 @@ def _dense_swiglu_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def _dense_swiglu_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``down(silu(gate) * up)`` with the activation from :func:`lowp_ops.swiglu` on ``[gate | up]``."""
+    """``down(silu(gate) * up)`` with the activation from :func:`lowp_ops.swiglu` on ``[gate | up]``; a
+    plain bias-free ``nn.Linear`` down projection (no hooks) recomputes the activation in the backward."""
     if hasattr(self, "gate_up_proj"):
         c = self.gate_up_proj(x)
     else:
         c = torch.cat((self.gate_proj(x), self.up_proj(x)), dim=-1)
-    h = lowp_swiglu(c.reshape(-1, c.shape[-1]))
-    return self.down_proj(h.view(*c.shape[:-1], h.shape[-1]))
+    rows = c.reshape(-1, c.shape[-1])
+    down = self.down_proj
+    if _plain_linear(down) and down.bias is None and not isinstance(down.weight, DTensor):
+        y = SwiGLUThenLinear.apply(rows, down.weight)
+    else:
+        y = down(lowp_swiglu(rows))
+    return y.view(*c.shape[:-1], y.shape[-1])
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` itself (no subclass, no hooks): its call is exactly ``F.linear``."""
+    hooks = (
+        module._forward_hooks,
+        module._forward_pre_hooks,
+        module._backward_hooks,
+        module._backward_pre_hooks,
+        nn.modules.module._global_forward_hooks,
+        nn.modules.module._global_forward_pre_hooks,
+    )
+    return type(module) is nn.Linear and not any(hooks)
+
+
+class SwiGLUThenLinear(torch.autograd.Function):
+    """``F.linear(swiglu(c), weight)`` for c (tokens, 2F) and weight (H, F), saving only c and weight:
+    the backward recomputes ``swiglu(c)`` (one kernel, reading c once more) for the weight's gradient
+    instead of keeping the (tokens, F) activation alive from forward to backward. The gradients are the
+    GEMMs ``F.linear``'s backward runs and :func:`lowp_ops.dglu`'s ``dc``."""
+
+    @staticmethod
+    def forward(ctx, c: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ones = c.new_ones(c.shape[:1], dtype=torch.float32)
+        ctx.save_for_backward(c, weight, ones)
+        return F.linear(library.swiglu_fwd(c, ones, 0), weight)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        c, weight, ones = ctx.saved_tensors
+        grad_weight = grad.t().mm(library.swiglu_fwd(c, ones, 0)) if ctx.needs_input_grad[1] else None
+        grad_c = None
+        if ctx.needs_input_grad[0]:
+            one_group = c.new_full((1,), c.shape[0], dtype=torch.int64)
+            grad_c, _, _ = library.dglu(grad.mm(weight), c, ones, one_group, 0)
+        return grad_c, grad_weight
 
 
 # ------------------------------------------------------------------------------------------ experts
