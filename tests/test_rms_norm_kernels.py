@@ -113,3 +113,17 @@ def test_kernels_read_strided_rows_and_handle_no_rows(suite, kernel_device):
 def test_kernels_match_reference_at_llama_shape():
     """4096 tokens x hidden 4096 (an 8B Llama's), bf16."""
     check_kernels(4096, 4096, torch.bfloat16, True, 11, "cuda", eps=1e-5)
+
+
+@pytest.mark.parametrize("suite", SUITES)
+@pytest.mark.parametrize("config", [(1, 4, 1, 1), (4, 4, 3, 2), (2, 8, 8, 3)])
+def test_backward_launch_configs_agree(suite, kernel_device, config):
+    """Other row blocks, grids and pipelining depths: dx bit-identical to the default's; the weight
+    gradient sums the same terms in other groups (within its fp32 rounding)."""
+    x, weight, grad = make(200, 96, torch.bfloat16, 8, kernel_device)
+    _, rstd = kernels.launch_rms_norm_fwd(x, weight, 1e-6, True)
+    dx, dweight = kernels.launch_rms_norm_bwd(grad, x, weight, rstd, True, config)
+    dx_default, dweight_default = kernels.launch_rms_norm_bwd(grad, x, weight, rstd, True)
+    assert torch.equal(dx, dx_default)
+    magnitude = (grad.double() * x.double() * rstd.double()[:, None]).abs().sum(0)
+    assert_within(dweight, dweight_default, ulp(dweight_default) + 1e-6 * magnitude, "dweight", few=False)

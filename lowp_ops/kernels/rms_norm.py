@@ -78,6 +78,7 @@ def rms_norm_bwd_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ROUND_NORMALIZED: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     """dx of every row this program visits, and its partial weight gradient ``partial[program]``."""
     program = tl.program_id(0)
@@ -85,7 +86,7 @@ def rms_norm_bwd_kernel(
     col_in = col < hidden
     w = tl.load(weight_ptr + col, mask=col_in, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for start in range(program * BLOCK_ROWS, rows, tl.num_programs(0) * BLOCK_ROWS):
+    for start in tl.range(program * BLOCK_ROWS, rows, tl.num_programs(0) * BLOCK_ROWS, num_stages=NUM_STAGES):
         row = start + tl.arange(0, BLOCK_ROWS)
         row_in = row < rows
         mask = row_in[:, None] & col_in[None, :]
@@ -124,12 +125,18 @@ def row_config(hidden: int) -> tuple[int, int, int]:
     return block_rows, block_h, num_warps
 
 
+def bwd_config(hidden: int) -> tuple[int, int, int, int]:
+    """(BLOCK_ROWS, num_warps, programs per SM, NUM_STAGES) of the backward."""
+    block_rows, _, num_warps = row_config(hidden)
+    return block_rows, num_warps, 2, 1
+
+
 @functools.cache
-def _programs_per_grid(device_index: int) -> int:
-    """Two programs per SM on a GPU; four under the interpreter (CPU tensors)."""
+def _multiprocessors(device_index: int) -> int:
+    """The GPU's SM count; 2 under the interpreter (CPU tensors: a small persistent grid)."""
     if INTERPRETING:
-        return 4
-    return 2 * torch.cuda.get_device_properties(device_index).multi_processor_count
+        return 2
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def launch_rms_norm_fwd(
@@ -160,16 +167,23 @@ def launch_rms_norm_fwd(
 
 
 def launch_rms_norm_bwd(
-    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, round_normalized: bool
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    round_normalized: bool,
+    config: tuple[int, int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``lowp::rms_norm_bwd`` on a CUDA (or interpreted CPU) tensor."""
+    """``lowp::rms_norm_bwd`` on a CUDA (or interpreted CPU) tensor. ``config`` overrides
+    :func:`bwd_config` (benchmarks, tests)."""
     dx, dweight = rms_norm_bwd_outputs(grad, x, weight, rstd, round_normalized)
     rows, hidden = x.shape
     if rows == 0:
         return dx, dweight.zero_()
     grad, x = rows_with_unit_stride(grad), rows_with_unit_stride(x)
-    block_rows, block_h, num_warps = row_config(hidden)
-    programs = min(triton.cdiv(rows, block_rows), _programs_per_grid(x.device.index or 0))
+    block_rows, num_warps, programs_per_sm, num_stages = config or bwd_config(hidden)
+    block_h = triton.next_power_of_2(hidden)
+    programs = min(triton.cdiv(rows, block_rows), programs_per_sm * _multiprocessors(x.device.index or 0))
     partial = torch.empty((programs, hidden), dtype=torch.float32, device=x.device)
     rms_norm_bwd_kernel[(programs,)](
         grad,
@@ -185,6 +199,7 @@ def launch_rms_norm_bwd(
         BLOCK_ROWS=block_rows,
         BLOCK_H=block_h,
         ROUND_NORMALIZED=round_normalized,
+        NUM_STAGES=num_stages,
         num_warps=num_warps,
     )
     block_cols = min(256, block_h)
