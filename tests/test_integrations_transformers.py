@@ -523,3 +523,29 @@ def test_recomputed_activation_gives_the_gradients_of_the_plain_path():
     assert torch.equal(got_loss, want_loss)
     for name, grad in want.items():
         assert torch.equal(got[name], grad), name
+
+
+def test_compiled_mlp_saves_gate_and_up_not_the_activation():
+    """Traced by Dynamo and split by the min-cut partitioner (Inductor's), the dense MLP's down
+    projection still saves [gate | up] and the weight, not the (tokens, F) activation."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    forward_graphs = []
+
+    def keep_forward(graph_module, _):
+        forward_graphs.append(graph_module)
+        return graph_module.forward
+
+    backend = aot_autograd(
+        fw_compiler=keep_forward,
+        bw_compiler=lambda graph_module, _: graph_module.forward,
+        partition_fn=min_cut_rematerialization_partition,
+    )
+    c = torch.randn(64, 96, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(32, 48, dtype=torch.bfloat16, requires_grad=True)
+    step = torch.compile(integration.SwiGLUThenLinear.apply, backend=backend, fullgraph=True)
+    step(c, weight).float().sum().backward()
+    (output,) = [node for node in forward_graphs[0].graph.nodes if node.op == "output"]
+    saved = [tuple(node.meta["val"].shape) for node in output.args[0][1:]]
+    assert (64, 48) not in saved and (64, 96) in saved, saved

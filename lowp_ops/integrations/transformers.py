@@ -456,7 +456,12 @@ class SwiGLUThenLinear(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         c, weight, ones = ctx.saved_tensors
-        grad_weight = grad.t().mm(library.swiglu_fwd(c, ones, 0)) if ctx.needs_input_grad[1] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            # Probabilities from a node of their own: traced, this call is then not the forward's
+            # (common-subexpression elimination would merge the two and save the activation again).
+            h = library.swiglu_fwd(c, torch.ones_like(ones), 0)
+            grad_weight = grad.t().mm(h)
         grad_c = None
         if ctx.needs_input_grad[0]:
             one_group = c.new_full((1,), c.shape[0], dtype=torch.int64)
