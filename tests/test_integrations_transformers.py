@@ -5,6 +5,7 @@ experts: bf16 tolerance), the experts' padded layout equals each expert run alon
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 
 import pytest
@@ -549,3 +550,22 @@ def test_compiled_mlp_saves_gate_and_up_not_the_activation():
     (output,) = [node for node in forward_graphs[0].graph.nodes if node.op == "output"]
     saved = [tuple(node.meta["val"].shape) for node in output.args[0][1:]]
     assert (64, 48) not in saved and (64, 96) in saved, saved
+
+
+def test_loss_chunks_bound_the_logits(monkeypatch):
+    """More tokens than the hidden size: chunks of at most LOSS_CHUNK_LOGITS logits (at least 256 tokens);
+    at most H tokens: no chunk size (the unchunked in-gradient schedule); a given chunk_size wins."""
+    seen = []
+
+    @functools.wraps(lowp_ops.linear_cross_entropy)
+    def spy(*args, **kwargs):
+        seen.append(kwargs["chunk_size"])
+        return lowp_ops.linear_cross_entropy(*args, **kwargs)
+
+    monkeypatch.setattr(integration, "linear_cross_entropy", spy)
+    monkeypatch.setattr(integration, "LOSS_CHUNK_LOGITS", 2**10 * VOCAB)
+    ids, labels = batch(rows=8, length=256)  # 2048 tokens, hidden 32
+    apply_lowp_ops(tiny_model("llama"))(input_ids=ids, labels=labels)
+    apply_lowp_ops(tiny_model("llama"))(input_ids=ids[:, :4], labels=labels[:, :4])  # 32 tokens
+    apply_lowp_ops(tiny_model("llama"), chunk_size=512)(input_ids=ids, labels=labels)
+    assert seen == [1024, None, 512]

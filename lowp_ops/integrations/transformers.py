@@ -10,7 +10,10 @@ parameters stay the model's own (no copies), so optimizers, ``state_dict`` and c
   gradient accumulation) are those of transformers' ``ForCausalLMLoss``. ``model(...)`` returns logits
   (one ``F.linear`` of those hidden states) when no ``labels`` are given, in eval mode, or with
   ``return_logits=True``; when training with labels, ``logits`` is None (``return_logits=True`` costs
-  one more (tokens, vocab) GEMM and its memory).
+  one more (tokens, vocab) GEMM and its memory). Unless ``chunk_size`` is given, more tokens than the
+  hidden size are chunked so that a chunk's logits hold at most ``LOSS_CHUNK_LOGITS`` elements (128 MiB
+  in bf16): ``linear_cross_entropy``'s own default (2^28) is a few percent faster on the LM head alone,
+  but its chunk would set the whole model's peak memory.
 - **MoE experts** (``experts="bf16" | "mxfp8" | "nvfp4"``): every fused experts module of transformers
   5.x (3-D ``gate_up_proj`` (E, 2F, H), gate rows first, and ``down_proj`` (E, H, F), SiLU, no biases:
   Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-V3, ...) runs through :func:`lowp_ops.grouped_swiglu_mlp`
@@ -103,6 +106,9 @@ SOFTMAX_MODEL_TYPES = frozenset(
     {"llama", "mistral", "mixtral", "olmoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"}
 )
 """Models whose eager attention is plain ``softmax(q k^T * scaling + mask) v`` (no sinks, no soft-cap)."""
+
+LOSS_CHUNK_LOGITS = 2**26
+"""Most logits elements of one chunk of the loss (see the module docstring)."""
 
 ATTENTION_NAME = "lowp_eager"
 _OWN_LOSS_ARGUMENTS = ("hidden", "weight", "target", "grad_format", "reduction", "ignore_index")
@@ -333,14 +339,27 @@ def _causal_lm_loss(
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     shift_labels = shift_labels.to(hidden.device)
     reduction = "mean" if num_items_in_batch is None else "sum"
+    options = self._lowp_ops_loss
+    if options.get("chunk_size") is None:
+        options = {**options, "chunk_size": loss_chunk_size(hidden, weight)}
     loss = linear_cross_entropy(
-        hidden, weight, shift_labels, ignore_index=ignore_index, reduction=reduction, **self._lowp_ops_loss
+        hidden, weight, shift_labels, ignore_index=ignore_index, reduction=reduction, **options
     )
     if num_items_in_batch is None:
         return loss
     if isinstance(num_items_in_batch, torch.Tensor):
         num_items_in_batch = num_items_in_batch.to(loss.device)
     return loss / num_items_in_batch
+
+
+def loss_chunk_size(hidden: torch.Tensor, weight: torch.Tensor) -> int | None:
+    """Tokens per chunk of the loss: None (``linear_cross_entropy`` keeps the logits inside ``weight``'s
+    gradient, unchunked) for at most H tokens; else the largest multiple of 256 whose logits hold at most
+    ``LOSS_CHUNK_LOGITS`` elements (at least 256)."""
+    vocab, width = weight.shape
+    if hidden.numel() // width <= width:
+        return None
+    return max(256, LOSS_CHUNK_LOGITS // vocab // 256 * 256)
 
 
 def _forward_with_optional_logits(
