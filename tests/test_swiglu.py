@@ -154,3 +154,15 @@ def test_compiled_backward_with_changing_split_sizes_does_not_recompile():
         expected = lowp_ops.dglu(grad, c, probs, split_sizes)
         assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     assert not counters["graph_break"]
+
+
+def test_dense_swiglu_without_probs_is_probs_of_one():
+    gen = torch.Generator().manual_seed(6)
+    c = torch.randn(10, 64, generator=gen).bfloat16()
+    grad = torch.randn(10, 32, generator=gen).bfloat16()
+    dense, with_ones = c.clone().requires_grad_(), c.clone().requires_grad_()
+    y = lowp_ops.swiglu(dense)
+    y.backward(grad)
+    y_ones = lowp_ops.swiglu(with_ones, torch.ones(10))
+    y_ones.backward(grad)
+    assert torch.equal(y, y_ones) and torch.equal(dense.grad, with_ones.grad)
