@@ -7,8 +7,9 @@ Qwen3-MoE (64 experts, top-8). Each is trained with
 - ``stock``: transformers as installed (MoE experts through its default experts implementation);
 - ``liger``: Liger-Kernel's full patch for the model (RMSNorm, RoPE, SwiGLU / fused MoE experts, fused
   linear cross entropy); ``liger-loss``: Liger with only its fused linear cross entropy (lowp's scope);
-- ``lowp``: ``apply_lowp_ops(model)`` (LM head + loss through ``linear_cross_entropy``; on the MoE also
-  ``experts="bf16"``); opt-in ``lowp-mxfp8`` (``grad_format="mxfp8_e4m3"``, MoE experts ``"mxfp8"``)
+- ``lowp``: ``apply_lowp_ops(model)`` (LM head + loss through ``linear_cross_entropy``, every RMSNorm
+  through ``rms_norm``, the dense SwiGLU MLPs through ``swiglu``; on the MoE also ``experts="bf16"``);
+  opt-in ``lowp-mxfp8`` (``grad_format="mxfp8_e4m3"``, MoE experts ``"mxfp8"``)
   and ``lowp-nvfp4`` (MoE experts ``"nvfp4"``),
 
 eager and compiled (default regional: ``layer.compile()`` on every decoder layer; ``--compile-scope
