@@ -220,6 +220,28 @@ def eager_cases(device: str) -> list[tuple[str, object, str, object]]:
             ),
         )
     )
+    normed = randn(tokens, 2048, grad=True)
+    norm_weight = torch.ones(2048, device=device, dtype=bf16, requires_grad=True)
+
+    def llama_rms_norm():
+        hidden = normed.float()
+        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + 1e-5)
+        return norm_weight * hidden.to(bf16)
+
+    cases += [
+        (
+            "rms_norm fwd T512 H2048",
+            lambda: lowp_ops.rms_norm(normed.detach(), norm_weight.detach(), 1e-5),
+            "F.rms_norm fwd",
+            lambda: F.rms_norm(normed.detach(), (2048,), norm_weight.detach(), 1e-5),
+        ),
+        (
+            "rms_norm fwd+bwd T512 H2048",
+            fwd_bwd(lambda: lowp_ops.rms_norm(normed, norm_weight, 1e-5), normed, norm_weight),
+            "transformers' LlamaRMSNorm formula fwd+bwd",
+            fwd_bwd(llama_rms_norm, normed, norm_weight),
+        ),
+    ]
     grad_h = randn(tokens, f)
     cases.append(
         (

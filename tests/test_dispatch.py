@@ -84,7 +84,10 @@ def test_public_functions_give_the_same_bytes_with_and_without_the_direct_call(m
         x = logits.float().clone().requires_grad_()
         y = lowp_ops.log_softmax(x, dim=1)
         y.backward(torch.ones_like(y))
-        return loss, leaf.grad, y, x.grad
+        rows, weight = logits.clone().requires_grad_(), logits[0, 0].clone().requires_grad_()
+        normed = lowp_ops.rms_norm(rows, weight)
+        normed.backward(torch.ones_like(normed))
+        return loss, leaf.grad, y, x.grad, normed, rows.grad, weight.grad
 
     direct = run()
     monkeypatch.setattr(library, "eager_call_allowed", lambda args: False)
@@ -119,7 +122,10 @@ TRITON_LAUNCHES = {
     "linear_cross_entropy fwd+bwd, MXFP8 gradient": 6,
     "nn.LinearCrossEntropyLoss fwd+bwd, weight frozen": 3,  # chunk forward, backward, dhidden scaling
     "swiglu fwd+bwd": 2,
+    "swiglu fwd+bwd, dense (no probabilities)": 2,
     "dglu": 1,
+    "rms_norm fwd+bwd": 3,  # forward; backward and its weight-gradient partial sums
+    "nn.RMSNorm fwd+bwd": 3,
     # 6 grouped GEMMs, each: its valid group ends (1), and the 4 row-grouped ones zero rows past the last
     # end (1); then SwiGLU forward and dGLU
     "grouped_swiglu_mlp bf16 fwd+bwd": 12,
@@ -147,6 +153,7 @@ def _launch_cases(device):
     hid = torch.randn(16, 32, generator=gen).bfloat16().to(device)
     head = (torch.randn(96, 32, generator=gen) * 0.1).bfloat16().to(device)
     mlp = lowp_ops.nn.GroupedSwiGLUMLP(4, hidden, ffn).to(device)
+    norm = lowp_ops.nn.RMSNorm(hidden).to(device)
 
     def fwd_bwd(fn, *inputs):
         def run():
@@ -203,6 +210,9 @@ def _launch_cases(device):
             lambda h: lowp_ops.nn.LinearCrossEntropyLoss()(head, h, target), hid
         ),
         "swiglu fwd+bwd": fwd_bwd(lowp_ops.swiglu, c, probs),
+        "swiglu fwd+bwd, dense (no probabilities)": fwd_bwd(lowp_ops.swiglu, c),
+        "rms_norm fwd+bwd": fwd_bwd(lowp_ops.rms_norm, xt, xt[0]),
+        "nn.RMSNorm fwd+bwd": fwd_bwd(norm, xt),
         "dglu": lambda: lowp_ops.dglu(grad_h, c, probs, splits),
         "grouped_swiglu_mlp bf16 fwd+bwd": fwd_bwd(
             lambda a, b, d, p: lowp_ops.grouped_swiglu_mlp(a, b, d, splits, p), xt, w1, w2, probs
