@@ -569,3 +569,27 @@ def test_loss_chunks_bound_the_logits(monkeypatch):
     apply_lowp_ops(tiny_model("llama"))(input_ids=ids[:, :4], labels=labels[:, :4])  # 32 tokens
     apply_lowp_ops(tiny_model("llama"), chunk_size=512)(input_ids=ids, labels=labels)
     assert seen == [1024, None, 512]
+
+
+def dtensor_inputs_run_the_modules_own_forward(rank, world, case, group):
+    """(run_checks worker) The patched norm and MLP with replicated DTensor parameters and input (as under
+    tensor parallelism): the module's own result."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = apply_lowp_ops(tiny_model("llama"))
+    layer = distribute_module(model.model.layers[0], mesh)
+    x = distribute_tensor(torch.randn(2, 5, 32), mesh, [Replicate()])
+    for module in (layer.input_layernorm, layer.mlp):
+        got, want = module(x), type(module).forward(module, x)
+        assert isinstance(got, DTensor) and torch.equal(got.to_local(), want.to_local())
+
+
+def test_dtensor_inputs_run_the_modules_own_forward(tmp_path):
+    import process_groups
+
+    results = process_groups.run_checks(
+        1, str(tmp_path), "test_integrations_transformers", "dtensor_inputs_run_the_modules_own_forward", [0]
+    )
+    process_groups.assert_all_passed(results, [0])

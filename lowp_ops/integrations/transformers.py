@@ -400,8 +400,13 @@ def _rms_norm_modules(model: nn.Module) -> list[nn.Module]:
 
 def _rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """The patched RMSNorm: :func:`lowp_ops.rms_norm`, or the module's own forward for an input whose
-    dtype differs from the weight's (transformers then promotes; the op keeps one dtype)."""
-    if hidden_states.dtype != self.weight.dtype or isinstance(self.weight, DTensor):
+    dtype differs from the weight's (transformers then promotes; the op keeps one dtype) and for DTensor
+    operands (tensor / sequence parallelism: the ops take plain tensors)."""
+    if (
+        hidden_states.dtype != self.weight.dtype
+        or isinstance(self.weight, DTensor)
+        or isinstance(hidden_states, DTensor)
+    ):
         return type(self).forward(self, hidden_states)
     return lowp_rms_norm(
         hidden_states, self.weight, self.variance_epsilon, round_normalized=self._lowp_round_normalized
@@ -432,11 +437,16 @@ def _dense_swiglu_modules(model: nn.Module) -> list[nn.Module]:
 
 def _dense_swiglu_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``down(silu(gate) * up)`` with the activation from :func:`lowp_ops.swiglu` on ``[gate | up]``; a
-    plain bias-free ``nn.Linear`` down projection (no hooks) recomputes the activation in the backward."""
+    plain bias-free ``nn.Linear`` down projection (no hooks) recomputes the activation in the backward.
+    DTensor inputs (tensor parallelism) run the module's own forward."""
+    if isinstance(x, DTensor):
+        return type(self).forward(self, x)
     if hasattr(self, "gate_up_proj"):
         c = self.gate_up_proj(x)
     else:
         c = torch.cat((self.gate_proj(x), self.up_proj(x)), dim=-1)
+    if isinstance(c, DTensor):  # column-parallel gate / up projections
+        return type(self).forward(self, x)
     rows = c.reshape(-1, c.shape[-1])
     down = self.down_proj
     if _plain_linear(down) and down.bias is None and not isinstance(down.weight, DTensor):
