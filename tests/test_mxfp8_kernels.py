@@ -8,32 +8,20 @@ the semantics (docs/mxfp8.md) and is itself checked in test_mxfp8.py.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from kernel_suites import INTERPRET, SUITES, kernel_property_settings
 
 from lowp_ops.kernels import cross_entropy as ce_kernels
 from lowp_ops.kernels import mxfp8 as kernels
 from lowp_ops.reference import mxfp8 as reference
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
 # One test body per property; the parameter picks the suite and the size of the shapes drawn.
-SUITES = [
-    pytest.param("interp", marks=pytest.mark.interp, id="interp"),
-    pytest.param("gpu", marks=pytest.mark.gpu, id="gpu"),
-]
 MAX_SIDE = {"interp": 200, "gpu": 1500}
-property_settings = settings(
-    max_examples=15 if INTERPRET else 60,
-    deadline=None,
-    # Shrinking a failure takes minutes in the interpreter: report the first failing example as drawn.
-    phases=[phase for phase in Phase if phase != Phase.shrink or not INTERPRET],
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+property_settings = kernel_property_settings(15)
 
 FP8_DTYPES = ("e4m3", "e5m2")
 LAYOUTS = ("compact", "swizzled")

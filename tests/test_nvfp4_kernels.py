@@ -10,32 +10,20 @@ random bits are a counter-based hash that both compute). Plain tests: properties
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from kernel_suites import INTERPRET, SUITES, kernel_property_settings
 
 import lowp_ops
 from lowp_ops.kernels import nvfp4 as kernels
 from lowp_ops.kernels import nvfp4_math
 from lowp_ops.reference import nvfp4 as reference
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-SUITES = [
-    pytest.param("interp", marks=pytest.mark.interp, id="interp"),
-    pytest.param("gpu", marks=pytest.mark.gpu, id="gpu"),
-]
 MAX_SIDE = {"interp": 96, "gpu": 1200}
-property_settings = settings(
-    max_examples=10 if INTERPRET else 60,
-    deadline=None,
-    # Shrinking a failure takes minutes in the interpreter: report the first failing example as drawn.
-    phases=[phase for phase in Phase if phase != Phase.shrink or not INTERPRET],
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+property_settings = kernel_property_settings(10)
 OUTPUT_NAMES = ("row_data", "row_scale", "col_data", "col_scale", "amax_rowwise", "amax_columnwise")
 BF16_MIN_NORMAL = 2.0**-126
 SPEC_SIGNS = [1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1]

@@ -5,27 +5,16 @@ a small fraction of elements; the weight gradient's fp32 sum differs by its roun
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from kernel_suites import SUITES, kernel_property_settings
 
 from lowp_ops.kernels import rms_norm as kernels
 from lowp_ops.reference import rms_norm as reference
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-SUITES = [
-    pytest.param("interp", marks=pytest.mark.interp, id="interp"),
-    pytest.param("gpu", marks=pytest.mark.gpu, id="gpu"),
-]
-property_settings = settings(
-    max_examples=8 if INTERPRET else 60,
-    deadline=None,
-    phases=[phase for phase in Phase if phase != Phase.shrink or not INTERPRET],
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+property_settings = kernel_property_settings(8)
 
 
 def make(rows: int, hidden: int, dtype: torch.dtype, seed: int, device: str):

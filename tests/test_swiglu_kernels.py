@@ -10,27 +10,17 @@ Either way the contract ``bf16(amax) == max |dc|`` per expert holds exactly for 
 from __future__ import annotations
 
 import itertools
-import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from kernel_suites import SUITES, kernel_property_settings
 
 from lowp_ops.kernels import swiglu as kernels
 from lowp_ops.reference import swiglu as reference
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-SUITES = [
-    pytest.param("interp", marks=pytest.mark.interp, id="interp"),
-    pytest.param("gpu", marks=pytest.mark.gpu, id="gpu"),
-]
-property_settings = settings(
-    max_examples=8 if INTERPRET else 60,
-    deadline=None,
-    phases=[phase for phase in Phase if phase != Phase.shrink or not INTERPRET],
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+property_settings = kernel_property_settings(8)
 
 
 def make(tokens: int, ffn: int, seed: int, device: str, probs_dtype=torch.float32, grad_dtype=torch.bfloat16):
