@@ -117,3 +117,9 @@ def test_backward_launch_configs_agree(suite, kernel_device, config):
     assert torch.equal(dx, dx_default)
     magnitude = (grad.double() * x.double() * rstd.double()[:, None]).abs().sum(0)
     assert_within(dweight, dweight_default, ulp(dweight_default) + 1e-6 * magnitude, "dweight", few=False)
+
+
+@pytest.mark.gpu
+def test_kernels_match_reference_at_the_widest_rows():
+    """hidden 16384 (MAX_HIDDEN): 16 warps, the backward without pipelining."""
+    check_kernels(96, 16384, torch.bfloat16, True, 12, "cuda", eps=1e-5)

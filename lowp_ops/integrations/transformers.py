@@ -70,6 +70,7 @@ from .. import rms_norm as lowp_rms_norm
 from .. import softmax as lowp_softmax
 from .. import swiglu as lowp_swiglu
 from ..meta.checks import require
+from ..meta.rms_norm import MAX_HIDDEN
 
 __all__ = ["apply_lowp_ops"]
 
@@ -400,10 +401,12 @@ def _rms_norm_modules(model: nn.Module) -> list[nn.Module]:
 
 def _rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """The patched RMSNorm: :func:`lowp_ops.rms_norm`, or the module's own forward for an input whose
-    dtype differs from the weight's (transformers then promotes; the op keeps one dtype) and for DTensor
-    operands (tensor / sequence parallelism: the ops take plain tensors)."""
+    dtype differs from the weight's (transformers then promotes; the op keeps one dtype), for rows wider
+    than the kernels take (``MAX_HIDDEN``) and for DTensor operands (tensor / sequence parallelism: the
+    ops take plain tensors)."""
     if (
         hidden_states.dtype != self.weight.dtype
+        or hidden_states.shape[-1] > MAX_HIDDEN
         or isinstance(self.weight, DTensor)
         or isinstance(hidden_states, DTensor)
     ):

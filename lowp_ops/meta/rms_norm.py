@@ -7,8 +7,9 @@ import torch
 from ..formats import HIGH_PRECISION_DTYPES
 from .checks import require
 
-MAX_HIDDEN = 65536
-"""Widest row the kernels hold in registers (one row per program, no loop over the hidden dim)."""
+MAX_HIDDEN = 16384
+"""Widest row the kernels hold in registers (one row per program, no loop over the hidden dim): the
+hidden size of the largest Llama (405B)."""
 
 
 def check_rms_norm_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
