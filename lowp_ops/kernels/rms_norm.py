@@ -1,9 +1,10 @@
 """Triton RMSNorm forward and backward (semantics and math: ``lowp_ops.reference.rms_norm``).
 
 Forward: a program normalizes ``BLOCK_ROWS`` whole rows held in registers (one read of x, one write of
-y, the fp32 ``rstd`` kept for the backward). Backward: a persistent grid (at most two programs per SM)
-walks the rows; each program keeps its partial ``Σ g n`` of the weight gradient in fp32 registers and
-writes it once, and a second launch sums the partials in a fixed order (deterministic, no atomics).
+y, the fp32 ``rstd`` kept for the backward). Backward: a persistent grid (one program per SM, loads
+pipelined across loop iterations: :func:`bwd_config`) walks the rows; each program keeps its partial
+``Σ g n`` of the weight gradient in fp32 registers and writes it once, and a second launch sums the
+partials in a fixed order (deterministic, no atomics).
 fp32 math, one rounding to nearest even at each store.
 """
 
