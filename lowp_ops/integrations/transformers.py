@@ -12,8 +12,9 @@ parameters stay the model's own (no copies), so optimizers, ``state_dict`` and c
   ``return_logits=True``; when training with labels, ``logits`` is None (``return_logits=True`` costs
   one more (tokens, vocab) GEMM and its memory). Unless ``chunk_size`` is given, more tokens than the
   hidden size are chunked so that a chunk's logits hold at most ``LOSS_CHUNK_LOGITS`` elements (128 MiB
-  in bf16): ``linear_cross_entropy``'s own default (2^28) is a few percent faster on the LM head alone,
-  but its chunk would set the whole model's peak memory.
+  in bf16): ``linear_cross_entropy``'s own default (2^28) accumulates the weight gradient in fewer
+  passes, but its chunk adds to the whole model's peak memory (a ~1.5 B Llama at 4096 tokens: 13.10 GiB
+  with it, 12.86 GiB with this; benchmarks/RESULTS.md).
 - **MoE experts** (``experts="bf16" | "mxfp8" | "nvfp4"``): every fused experts module of transformers
   5.x (3-D ``gate_up_proj`` (E, 2F, H), gate rows first, and ``down_proj`` (E, H, F), SiLU, no biases:
   Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-V3, ...) runs through :func:`lowp_ops.grouped_swiglu_mlp`
@@ -27,7 +28,8 @@ parameters stay the model's own (no copies), so optimizers, ``state_dict`` and c
   the input and the fp32 ``1/rms`` per row (transformers' own keeps the fp32 copy of the input and the
   normalized rows too). The rounding of each model's own formula is kept (``round_normalized``: Llama's
   ``weight * hidden.to(dtype)``, OLMo 2's and GPT-OSS's ``(weight * hidden).to(dtype)``); an input whose
-  dtype is not the weight's (e.g. fp32 activations, bf16 weights) runs the module's own forward.
+  dtype is not the weight's (e.g. fp32 activations, bf16 weights), rows wider than 16384 and DTensor
+  operands run the module's own forward.
 - **Dense SwiGLU MLPs** (``mlp=True``, the default): every MLP of ``down(silu(gate(x)) * up(x))``
   (``gate_proj`` / ``up_proj`` / ``down_proj``, or Phi-3's fused ``gate_up_proj``; the MoE models' dense
   layers and shared experts included) computes ``silu(gate) * up`` with :func:`lowp_ops.swiglu`: one
