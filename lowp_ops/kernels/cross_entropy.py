@@ -393,6 +393,29 @@ def _bwd_grid(rows: int, n_cols: int, block_cols: int) -> tuple[int]:
 ROWS_BLOCK = 4096
 
 
+@triton.jit
+def store_row_grad(
+    row_ptr, grad_row_ptr, offsets, cols, mask, any_special, class_weight_ptr, shift, log2_sum, target,
+    row_scale, ignored, class_weight, alpha, factor, smoothing_eps, target_weight, softcap, softcap_rcp,
+    HAS_SMOOTHING: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+):  # fmt: skip
+    """The gradient of one row's elements ``row_ptr[offsets]`` (columns ``cols`` of the vocabulary shard,
+    ``mask``ed), stored at ``grad_row_ptr[offsets]`` in its dtype: ``grad_of_logits`` with the row's terms
+    (``row_terms``) and, with class weights (``class_weight_ptr`` at the shard's first column), each
+    column's smoothing weight."""
+    column_eps = 0.0
+    if HAS_WEIGHT:
+        column_eps = smoothing_eps * tl.load(class_weight_ptr + cols, mask=mask, other=0.0)
+    x = tl.load(row_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    grad = grad_of_logits(
+        x, cols, shift, log2_sum, target, row_scale, ignored, any_special, class_weight, alpha, column_eps,
+        factor, smoothing_eps, target_weight, softcap, softcap_rcp, HAS_SMOOTHING, HAS_WEIGHT, HAS_Z_LOSS,
+        HAS_SOFTCAP,
+    )  # fmt: skip
+    tl.store(grad_row_ptr + offsets, to_dtype_rne(grad, grad_row_ptr.dtype.element_ty), mask=mask)
+
+
 @cached_launch
 @triton.jit
 def cross_entropy_bwd_rows_kernel(
@@ -439,36 +462,24 @@ def cross_entropy_bwd_rows_kernel(
         n_cols, ignore_index, vocab_start, vocab_total, target_weight, z_loss2, HAS_WEIGHT, HAS_Z_LOSS,
     )  # fmt: skip
     in_body = chunk * BLOCK + tl.arange(0, BLOCK)
-    in_row = in_body < body_end
-    cols = head + in_body
     first_col = head + chunk * BLOCK
     any_special = ignored | ((target >= first_col) & (target < first_col + BLOCK))
-    column_eps = 0.0
-    if HAS_WEIGHT:
-        column_eps = smoothing_eps * tl.load(weight_ptr + vocab_start + cols, mask=in_row, other=0.0)
-    x = tl.load(logits_ptr + body + in_body, mask=in_row, other=0.0).to(tl.float32)
-    grad = grad_of_logits(
-        x, cols, shift, log2_sum, target, row_scale, ignored, any_special, class_weight, alpha, column_eps,
-        factor, smoothing_eps, target_weight, softcap, softcap_rcp, HAS_SMOOTHING, HAS_WEIGHT, HAS_Z_LOSS,
+    store_row_grad(
+        logits_ptr + body, dlogits_ptr + body, in_body, head + in_body, in_body < body_end, any_special,
+        weight_ptr + vocab_start, shift, log2_sum, target, row_scale, ignored, class_weight, alpha, factor,
+        smoothing_eps, target_weight, softcap, softcap_rcp, HAS_SMOOTHING, HAS_WEIGHT, HAS_Z_LOSS,
         HAS_SOFTCAP,
     )  # fmt: skip
-    tl.store(dlogits_ptr + body + in_body, to_dtype_rne(grad, dlogits_ptr.dtype.element_ty), mask=in_row)
     if chunk == 0:
         # The ragged ends: lanes [0, ALIGN) the head, lanes [ALIGN, 2 ALIGN) the tail after the body.
         lane = tl.arange(0, 2 * ALIGN)
         ragged = tl.where(lane < ALIGN, lane, head + body_end + lane - ALIGN)
-        ragged_ok = tl.where(lane < ALIGN, lane < head, ragged < n_cols)
-        ragged_eps = 0.0
-        if HAS_WEIGHT:
-            ragged_eps = smoothing_eps * tl.load(weight_ptr + vocab_start + ragged, mask=ragged_ok, other=0.0)
-        ends = tl.load(logits_ptr + row_start + ragged, mask=ragged_ok, other=0.0).to(tl.float32)
-        ends_grad = grad_of_logits(
-            ends, ragged, shift, log2_sum, target, row_scale, ignored, True, class_weight, alpha, ragged_eps,
-            factor, smoothing_eps, target_weight, softcap, softcap_rcp, HAS_SMOOTHING, HAS_WEIGHT,
-            HAS_Z_LOSS, HAS_SOFTCAP,
+        store_row_grad(
+            logits_ptr + row_start, dlogits_ptr + row_start, ragged, ragged,
+            tl.where(lane < ALIGN, lane < head, ragged < n_cols), True, weight_ptr + vocab_start, shift,
+            log2_sum, target, row_scale, ignored, class_weight, alpha, factor, smoothing_eps, target_weight,
+            softcap, softcap_rcp, HAS_SMOOTHING, HAS_WEIGHT, HAS_Z_LOSS, HAS_SOFTCAP,
         )  # fmt: skip
-        ends_grad = to_dtype_rne(ends_grad, dlogits_ptr.dtype.element_ty)
-        tl.store(dlogits_ptr + row_start + ragged, ends_grad, mask=ragged_ok)
 
 
 def aligned_row_programs(logits: torch.Tensor) -> bool:
