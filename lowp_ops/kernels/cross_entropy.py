@@ -522,55 +522,30 @@ def launch_cross_entropy_bwd(
     vocab_total = vocab_total or n_cols
     eps, target_weight = _bwd_scalars(label_smoothing, vocab_total)
     class_weights, smooth_total = class_weight_args(weight, eps, grad_rows)
+    # The arguments after the logits (and their row stride), and the constexprs both kernels take.
+    row_args = (
+        target.contiguous(), *stats_rows(stats), grad_rows, grad_rows.stride(0), dlogits, rows, n_cols,
+        ignore_index, vocab_start, vocab_total, eps, target_weight, class_weights, smooth_total,
+    )  # fmt: skip
+    features = {
+        **feature_args(z_loss, softcap),
+        "HAS_SMOOTHING": label_smoothing > 0,
+        "HAS_WEIGHT": weight is not None,
+        "num_warps": 4,
+    }
     if by_row if by_row is not None else aligned_row_programs(logits):
         require(logits.is_contiguous(), lambda: "the row-segment kernel reads contiguous logits only")
         cross_entropy_bwd_rows_kernel[(rows, triton.cdiv(n_cols, ROWS_BLOCK))](
-            logits,
-            target.contiguous(),
-            *stats_rows(stats),
-            grad_rows,
-            grad_rows.stride(0),
-            dlogits,
-            rows,
-            n_cols,
-            ignore_index,
-            vocab_start,
-            vocab_total,
-            eps,
-            target_weight,
-            class_weights,
-            smooth_total,
-            **feature_args(z_loss, softcap),
-            BLOCK=ROWS_BLOCK,
-            ALIGN=16 // logits.element_size(),
-            HAS_SMOOTHING=label_smoothing > 0,
-            HAS_WEIGHT=weight is not None,
-            num_warps=4,
+            logits, *row_args, BLOCK=ROWS_BLOCK, ALIGN=16 // logits.element_size(), **features
         )
         return dlogits
     cross_entropy_bwd_kernel[_bwd_grid(rows, n_cols, BWD_BLOCK_COLS)](
         logits,
         logits.stride(0),
-        target.contiguous(),
-        *stats_rows(stats),
-        grad_rows,
-        grad_rows.stride(0),
-        dlogits,
-        rows,
-        n_cols,
-        ignore_index,
-        vocab_start,
-        vocab_total,
-        eps,
-        target_weight,
-        class_weights,
-        smooth_total,
-        **feature_args(z_loss, softcap),
+        *row_args,
         BLOCK_COLS=BWD_BLOCK_COLS,
-        HAS_SMOOTHING=label_smoothing > 0,
         EVEN=rows % TILE_ROWS == 0 and n_cols % BWD_BLOCK_COLS == 0,
-        HAS_WEIGHT=weight is not None,
-        num_warps=4,
+        **features,
     )
     return dlogits
 
