@@ -482,7 +482,7 @@ cross_entropy_scale_grad_ = _define(
 )
 
 # ------------------------------------------------------------------------------- grouped MoE SwiGLU MLP
-# grouped_mm runs torch._grouped_mm on CUDA. grouped_linear and grouped_fc1_swiglu are composite: their
+# grouped_mm runs torch._grouped_mm on CUDA. grouped_linear and grouped_swiglu_mlp are composite: their
 # one implementation calls the lowp:: ops on every device, and their backward formulas (plain functions
 # of lowp:: ops) are traced into the backward graph. Split sizes never leave the device.
 
@@ -502,13 +502,13 @@ grouped_linear = _define(
     grouped_mm_meta.grouped_linear_output,
 )
 
-grouped_fc1_swiglu = _define(
-    "grouped_fc1_swiglu",
-    "(Tensor x, Tensor fc1_weight, Tensor probs, Tensor split_sizes, str recipe, int interleave,"
-    " bool fc1_dy_amax_from_dglu) -> (Tensor, Tensor)",
-    grouped_linear_impl.grouped_fc1_swiglu,
+grouped_swiglu_mlp = _define(
+    "grouped_swiglu_mlp",
+    "(Tensor x, Tensor fc1_weight, Tensor fc2_weight, Tensor probs, Tensor split_sizes, str recipe,"
+    " int interleave, bool fc1_dy_amax_from_dglu) -> (Tensor, Tensor)",
+    grouped_linear_impl.grouped_swiglu_mlp,
     None,
-    grouped_mm_meta.grouped_fc1_swiglu_outputs,
+    grouped_mm_meta.grouped_swiglu_mlp_outputs,
 )
 
 
@@ -524,28 +524,28 @@ def _grouped_linear_backward(ctx, grad):
     return dx, dweight, None, None
 
 
-def _grouped_fc1_swiglu_setup(ctx, inputs, output):
-    x, fc1_weight, probs, split_sizes, recipe, interleave, fc1_dy_amax_from_dglu = inputs
-    ctx.recipe, ctx.interleave, ctx.amax_from_dglu = recipe, interleave, fc1_dy_amax_from_dglu
-    ctx.save_for_backward(x, fc1_weight, probs, split_sizes, output[1])
+def _grouped_swiglu_mlp_setup(ctx, inputs, output):
+    x, fc1_weight, fc2_weight, probs, split_sizes, *config = inputs
+    ctx.config = config  # recipe, interleave, fc1_dy_amax_from_dglu
+    # c, not h: the backward recomputes h (docs/grouped_mlp.md#memory).
+    ctx.save_for_backward(x, fc1_weight, fc2_weight, probs, split_sizes, output[1])
     ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)  # no zero-filled (T, 2F) gradient of c
 
 
-def _grouped_fc1_swiglu_backward(ctx, grad_h, _grad_c):
-    if grad_h is None:
-        return (None,) * 7
-    x, fc1_weight, probs, split_sizes, c = ctx.saved_tensors
-    dc, dprobs, dc_amax = dglu(grad_h, c, probs, split_sizes, ctx.interleave)
-    dx, dweight = grouped_linear_impl.linear_backward(
-        dc, x, fc1_weight, split_sizes, ctx.recipe, dc_amax if ctx.amax_from_dglu else None
+def _grouped_swiglu_mlp_backward(ctx, grad_y, _grad_c):
+    if grad_y is None:
+        return (None,) * 8
+    x, fc1_weight, fc2_weight, probs, split_sizes, c = ctx.saved_tensors
+    dx, dfc1_weight, dfc2_weight, dprobs = grouped_linear_impl.grouped_swiglu_mlp_backward(
+        grad_y, x, fc1_weight, fc2_weight, probs, split_sizes, c, *ctx.config
     )
     # dprobs stays fp32: autograd casts it once for bf16 probs.
-    return dx, dweight, dprobs, None, None, None, None
+    return dx, dfc1_weight, dfc2_weight, dprobs, None, None, None, None
 
 
 grouped_linear.register_autograd(_grouped_linear_backward, setup_context=_grouped_linear_setup)
-grouped_fc1_swiglu.register_autograd(_grouped_fc1_swiglu_backward, setup_context=_grouped_fc1_swiglu_setup)
+grouped_swiglu_mlp.register_autograd(_grouped_swiglu_mlp_backward, setup_context=_grouped_swiglu_mlp_setup)
 
 
 # ------------------------------------------------------------ MXFP8 GEMM and LM head + cross entropy

@@ -55,20 +55,14 @@ def grouped_swiglu_mlp(
         glu_interleave_size in (None, 32),
         lambda: f"glu_interleave_size must be None or 32, got {glu_interleave_size!r}",
     )
-    require(
-        fc1_weight.dim() == 3 and fc2_weight.dim() == 3,
-        lambda: f"fc1_weight and fc2_weight must be 3-D, got {fc1_weight.dim()}-D and {fc2_weight.dim()}-D",
+    y, _ = library.grouped_swiglu_mlp(
+        x,
+        fc1_weight,
+        fc2_weight,
+        probs.reshape(-1),
+        split_sizes,
+        recipe,
+        glu_interleave_size or 0,
+        fc1_dy_amax_from_dglu,
     )
-    experts, two_ffn, hidden = fc1_weight.shape
-    expected_fc2 = (experts, hidden, two_ffn // 2)
-    require(
-        tuple(fc2_weight.shape) == expected_fc2,
-        lambda: (
-            f"fc2_weight must have shape {expected_fc2} for fc1_weight {tuple(fc1_weight.shape)}, "
-            f"got {tuple(fc2_weight.shape)}"
-        ),
-    )
-    h, _ = library.grouped_fc1_swiglu(
-        x, fc1_weight, probs.reshape(-1), split_sizes, recipe, glu_interleave_size or 0, fc1_dy_amax_from_dglu
-    )
-    return library.grouped_linear(h, fc2_weight, split_sizes, recipe)
+    return y

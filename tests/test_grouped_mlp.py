@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import lowp_ops
-from lowp_ops.composite import grouped_nvfp4
+from lowp_ops.composite import grouped_linear, grouped_nvfp4
 from lowp_ops.reference import grouped_mm as grouped_mm_ref
 from lowp_ops.reference import nvfp4 as nvfp4_ref
 
@@ -151,18 +151,81 @@ def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_fp32_probs_get_an_fp32_gradient_never_rounded_to_bf16(recipe):
-    """The node's dprobs against float64 Σ g u from the same g and c: far below a bf16 ulp."""
+    """The op's dprobs against float64 sum(dh * silu(gate) * linear) from the same bf16 dh and c: far
+    below a bf16 ulp."""
     inputs = make_inputs([32, 0, 64], 64, 32, seed=2)
+    x, w1, w2, splits, dy = (inputs[k] for k in ("x", "fc1_weight", "fc2_weight", "split_sizes", "dy"))
     probs = inputs["probs"].clone().requires_grad_()
-    h, c = torch.ops.lowp.grouped_fc1_swiglu(
-        inputs["x"], inputs["fc1_weight"], probs, inputs["split_sizes"], recipe, 0, False
-    )
-    grad_h = inputs["dy"][:, :32]
-    h.backward(grad_h)
+    y, c = torch.ops.lowp.grouped_swiglu_mlp(x, w1, w2, probs, splits, recipe, 0, False)
+    y.backward(dy)
+    h = torch.ops.lowp.swiglu_fwd(c, grouped_linear.fc1_probs(probs.detach(), recipe), 0)
+    dh = grouped_linear.linear_backward(dy, h, w2, splits, recipe)[0]  # the FC2 dgrad the op runs
     gate, linear = c.double().chunk(2, dim=1)
-    expected = (grad_h.double() * torch.nn.functional.silu(gate) * linear).sum(dim=1)
+    expected = (dh.double() * torch.nn.functional.silu(gate) * linear).sum(dim=1)
     assert probs.grad.dtype == torch.float32
     assert ((probs.grad.double() - expected).abs() < 0.01 * bf16_ulp(expected) + 1e-12).all()
+
+
+def saved_shapes(function, *args) -> list[tuple[int, ...]]:
+    """Shapes of the tensors autograd saves for the backward while ``function(*args)`` runs."""
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        function(*args)
+    return shapes
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_backward_keeps_c_and_recomputes_h(recipe):
+    """Saved for the backward: x, both weights, probs, split sizes and c (T, 2F), not h (T, F); the
+    gradients are those of FC1, SwiGLU and FC2 as three autograd nodes (h saved), bit for bit. The
+    probabilities are bf16 values, so mxfp8's rounding of them in the forward changes nothing."""
+    inputs = make_inputs([32, 0, 64], 64, 32, seed=4)
+    inputs["probs"] = inputs["probs"].bfloat16().float()
+    shapes = saved_shapes(run_mlp, inputs, recipe)
+    assert (96, 64) in shapes and (96, 32) not in shapes, shapes
+    got = run_mlp(inputs, recipe)
+    names = ("x", "fc1_weight", "fc2_weight", "probs")
+    x, w1, w2, probs = (inputs[k].clone().requires_grad_() for k in names)
+    splits = inputs["split_sizes"]
+    c = torch.ops.lowp.grouped_linear(x, w1, splits, recipe)
+    h = lowp_ops.swiglu(c, probs)
+    y = torch.ops.lowp.grouped_linear(h, w2, splits, recipe)
+    y.backward(inputs["dy"])
+    expected = (y.detach(), x.grad, w1.grad, w2.grad, probs.grad)
+    for name, g, e in zip(("y", "dx", "dW1", "dW2", "dprobs"), got, expected, strict=True):
+        assert torch.equal(g, e), name
+
+
+def test_compiled_mlp_saves_c_not_h():
+    """Traced by Dynamo and split by Inductor's min-cut partitioner, the forward graph still saves c,
+    not h (the backward formula's recomputation stays in the backward graph)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    forward_graphs = []
+
+    def keep_forward(graph_module, _):
+        forward_graphs.append(graph_module)
+        return graph_module.forward
+
+    backend = aot_autograd(
+        fw_compiler=keep_forward,
+        bw_compiler=lambda graph_module, _: graph_module.forward,
+        partition_fn=min_cut_rematerialization_partition,
+    )
+    inputs = make_inputs([32, 0, 64], 64, 32, seed=4)
+    mlp = torch.compile(lowp_ops.grouped_swiglu_mlp, backend=backend, fullgraph=True)
+    names = ("x", "fc1_weight", "fc2_weight", "probs")
+    x, w1, w2, probs = (inputs[k].clone().requires_grad_() for k in names)
+    mlp(x, w1, w2, inputs["split_sizes"], probs).float().sum().backward()
+    (output,) = [node for node in forward_graphs[0].graph.nodes if node.op == "output"]
+    saved = [tuple(node.meta["val"].shape) for node in output.args[0][1:] if "val" in node.meta]
+    assert (96, 64) in saved and (96, 32) not in saved, saved
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -277,8 +340,17 @@ def test_opcheck(recipe):
         (x.requires_grad_(), w2.transpose(1, 2).contiguous(), splits, recipe),
     )
     torch.library.opcheck(
-        torch.ops.lowp.grouped_fc1_swiglu.default,
-        (x.detach().requires_grad_(), w1.requires_grad_(), probs.requires_grad_(), splits, recipe, 32, False),
+        torch.ops.lowp.grouped_swiglu_mlp.default,
+        (
+            x.detach().requires_grad_(),
+            w1.requires_grad_(),
+            w2.requires_grad_(),
+            probs.requires_grad_(),
+            splits,
+            recipe,
+            32,
+            False,
+        ),
     )
 
 
@@ -321,6 +393,7 @@ def test_compiled_forward_backward_does_not_recompile_over_token_counts_and_spli
         ({"glu_interleave_size": 16}, "None or 32"),
         ({"fc1_dy_amax_from_dglu": True}, "needs recipe='nvfp4'"),
         ({"fc2_weight": torch.zeros(2, 32, 8, dtype=torch.bfloat16)}, "fc2_weight must have shape"),
+        ({"fc2_weight": torch.zeros(2, 32, 16)}, "fc2_weight must be bfloat16"),
         ({"split_sizes": torch.tensor([4, 4, 4])}, "one entry per expert"),
         ({"split_sizes": torch.tensor([4.0, 4.0])}, "integer tensor"),
         ({"x": torch.zeros(8, 32)}, "x must be bfloat16"),

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ..meta.grouped_mm import grouped_fc1_swiglu_outputs, grouped_linear_output
+from ..meta.grouped_mm import grouped_linear_output, grouped_swiglu_mlp_outputs
 from ..meta.split_sizes import clamped_prefix_sums
 from . import registry
 from .grouped_nvfp4 import nvfp4_backward, nvfp4_fprop
@@ -67,12 +67,17 @@ def _flat(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear_fprop(
-    x: torch.Tensor, weight: torch.Tensor, split_sizes: torch.Tensor, recipe: str
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    split_sizes: torch.Tensor,
+    recipe: str,
+    offs: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y (T, N) = x_e (T_e, K) w[e]^T per expert, bf16."""
+    """y (T, N) = x_e (T_e, K) w[e]^T per expert, bf16. ``offs``: ``group_ends(split_sizes, T)`` when the
+    caller has it already (bf16 and mxfp8)."""
     if recipe == "nvfp4":
         return nvfp4_fprop(x, weight, split_sizes)
-    offs = group_ends(split_sizes, x.shape[0])
+    offs = group_ends(split_sizes, x.shape[0]) if offs is None else offs
     if recipe == "bf16":
         return registry().grouped_mm(x, weight.transpose(1, 2), offs)
     x_deq = _mxfp8_dequantized(x, "rowwise")
@@ -87,13 +92,14 @@ def linear_backward(
     split_sizes: torch.Tensor,
     recipe: str,
     grad_amax: torch.Tensor | None = None,
+    offs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx (T, K), dweight (E, N, K)) bf16 from grad = dy (T, N). ``grad_amax`` (E,) fp32: the per-expert
     amax of ``grad`` before its bf16 rounding (nvfp4 only; from the dGLU epilogue), so that no amax
-    pass over ``grad`` runs."""
+    pass over ``grad`` runs. ``offs`` as in :func:`linear_fprop`."""
     if recipe == "nvfp4":
         return nvfp4_backward(grad, x, weight, split_sizes, grad_amax)
-    offs = group_ends(split_sizes, x.shape[0])
+    offs = group_ends(split_sizes, x.shape[0]) if offs is None else offs
     if recipe == "bf16":
         dx = registry().grouped_mm(grad, weight, offs)
         return dx, registry().grouped_mm(grad.t(), x, offs)
@@ -118,17 +124,55 @@ def fc1_probs(probs: torch.Tensor, recipe: str) -> torch.Tensor:
     return probs.to(torch.bfloat16) if recipe == "mxfp8" else probs
 
 
-def grouped_fc1_swiglu(
+def _shared_group_ends(split_sizes: torch.Tensor, rows: int, recipe: str) -> torch.Tensor | None:
+    """The group ends every bf16 / mxfp8 GEMM of one MLP call uses, computed once (nvfp4: None, its
+    GEMMs take the split sizes)."""
+    return None if recipe == "nvfp4" else group_ends(split_sizes, rows)
+
+
+def grouped_swiglu_mlp(
     x: torch.Tensor,
     fc1_weight: torch.Tensor,
+    fc2_weight: torch.Tensor,
     probs: torch.Tensor,
     split_sizes: torch.Tensor,
     recipe: str,
     interleave: int,
     fc1_dy_amax_from_dglu: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Implementation of ``lowp::grouped_fc1_swiglu``: ``(h, c)`` with ``c = FC1(x)`` (bf16, saved for the
-    dGLU) and ``h = silu(gate) * linear * probs`` (bf16)."""
-    grouped_fc1_swiglu_outputs(x, fc1_weight, probs, split_sizes, recipe, interleave, fc1_dy_amax_from_dglu)
-    c = linear_fprop(x, fc1_weight, split_sizes, recipe)
-    return registry().swiglu_fwd(c, fc1_probs(probs, recipe), interleave), c
+    """Implementation of ``lowp::grouped_swiglu_mlp``: ``(y, c)`` with ``c = FC1(x)`` (bf16, saved for
+    the backward), ``h = silu(gate) * linear * probs`` (bf16, not kept) and ``y = FC2(h)`` (bf16)."""
+    grouped_swiglu_mlp_outputs(
+        x, fc1_weight, fc2_weight, probs, split_sizes, recipe, interleave, fc1_dy_amax_from_dglu
+    )
+    offs = _shared_group_ends(split_sizes, x.shape[0], recipe)
+    c = linear_fprop(x, fc1_weight, split_sizes, recipe, offs)
+    h = registry().swiglu_fwd(c, fc1_probs(probs, recipe), interleave)
+    return linear_fprop(h, fc2_weight, split_sizes, recipe, offs), c
+
+
+def grouped_swiglu_mlp_backward(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    fc1_weight: torch.Tensor,
+    fc2_weight: torch.Tensor,
+    probs: torch.Tensor,
+    split_sizes: torch.Tensor,
+    c: torch.Tensor,
+    recipe: str,
+    interleave: int,
+    fc1_dy_amax_from_dglu: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx (T, H), dW1 (E, 2F, H), dW2 (E, H, F) bf16; dprobs (T,) fp32) from grad = dy (T, H).
+
+    ``h`` is recomputed from ``c`` (one SwiGLU kernel, the forward's bits) rather than kept alive from
+    forward to backward: (T, F) bf16 less per layer for one more read of ``c``."""
+    offs = _shared_group_ends(split_sizes, x.shape[0], recipe)
+    h = registry().swiglu_fwd(c, fc1_probs(probs, recipe), interleave)
+    dh, dfc2_weight = linear_backward(grad, h, fc2_weight, split_sizes, recipe, offs=offs)
+    del h
+    dc, dprobs, dc_amax = registry().dglu(dh, c, probs, split_sizes, interleave)
+    dx, dfc1_weight = linear_backward(
+        dc, x, fc1_weight, split_sizes, recipe, dc_amax if fc1_dy_amax_from_dglu else None, offs
+    )
+    return dx, dfc1_weight, dfc2_weight, dprobs

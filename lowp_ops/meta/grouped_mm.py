@@ -102,21 +102,35 @@ def grouped_linear_bwd_outputs(
     return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
-def grouped_fc1_swiglu_outputs(
+def grouped_swiglu_mlp_outputs(
     x: torch.Tensor,
     fc1_weight: torch.Tensor,
+    fc2_weight: torch.Tensor,
     probs: torch.Tensor,
     split_sizes: torch.Tensor,
     recipe: str,
     interleave: int,
     fc1_dy_amax_from_dglu: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h (T, F), c (T, 2F)) bf16 from x (T, H) and fc1_weight (E, 2F, H)."""
+    """(y (T, H), c (T, 2F)) bf16 from x (T, H), fc1_weight (E, 2F, H) and fc2_weight (E, H, F)."""
     check_grouped_linear(x, fc1_weight, split_sizes, recipe)
     c = x.new_empty((x.shape[0], fc1_weight.shape[1]))
     check_glu_inputs(c, probs, interleave)
+    _check_bf16_matrix(fc2_weight, "fc2_weight", 3)
+    require(
+        fc2_weight.shape[-1] % GEMM_ALIGNMENT == 0,
+        lambda: f"fc2_weight (E, H, F) needs F a multiple of {GEMM_ALIGNMENT}, got {fc2_weight.shape[-1]}",
+    )
+    expected_fc2 = (fc1_weight.shape[0], x.shape[1], fc1_weight.shape[1] // 2)
+    require(
+        tuple(fc2_weight.shape) == expected_fc2,
+        lambda: (
+            f"fc2_weight must have shape {expected_fc2} for fc1_weight {tuple(fc1_weight.shape)}, "
+            f"got {tuple(fc2_weight.shape)}"
+        ),
+    )
     require(
         not fc1_dy_amax_from_dglu or recipe == "nvfp4",
         lambda: f"fc1_dy_amax_from_dglu needs recipe='nvfp4' (it feeds the NVFP4 amaxes), got {recipe!r}",
     )
-    return x.new_empty((x.shape[0], fc1_weight.shape[1] // 2)), c
+    return x.new_empty(x.shape), c
