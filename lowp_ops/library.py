@@ -527,18 +527,29 @@ def _grouped_linear_backward(ctx, grad):
 def _grouped_swiglu_mlp_setup(ctx, inputs, output):
     x, fc1_weight, fc2_weight, probs, split_sizes, *config = inputs
     ctx.config = config  # recipe, interleave, fc1_dy_amax_from_dglu
-    # c, not h: the backward recomputes h (docs/grouped_mlp.md#memory).
-    ctx.save_for_backward(x, fc1_weight, fc2_weight, probs, split_sizes, output[1])
-    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(x, fc1_weight, fc2_weight, probs, split_sizes)
+    # c, not h (docs/grouped_mlp.md#memory); held in a list rather than saved, so that the backward can
+    # free it after the dGLU, before FC1's gradient GEMMs (save_for_backward keeps it to the end).
+    c = output[1]
+    ctx.c, ctx.c_version = [c], c._version
+    ctx.mark_non_differentiable(c)
     ctx.set_materialize_grads(False)  # no zero-filled (T, 2F) gradient of c
 
 
 def _grouped_swiglu_mlp_backward(ctx, grad_y, _grad_c):
     if grad_y is None:
         return (None,) * 8
-    x, fc1_weight, fc2_weight, probs, split_sizes, c = ctx.saved_tensors
+    if not ctx.c:
+        raise RuntimeError(
+            "lowp::grouped_swiglu_mlp: its backward ran already and freed its saved activation c; "
+            "a second backward through it (retain_graph=True) is not supported"
+        )
+    if not torch.compiler.is_compiling() and ctx.c[0]._version != ctx.c_version:
+        raise RuntimeError("lowp::grouped_swiglu_mlp: its output c was modified in place after the forward")
+    x, fc1_weight, fc2_weight, probs, split_sizes = ctx.saved_tensors
+    c_taken, ctx.c = ctx.c, []
     dx, dfc1_weight, dfc2_weight, dprobs = grouped_linear_impl.grouped_swiglu_mlp_backward(
-        grad_y, x, fc1_weight, fc2_weight, probs, split_sizes, c, *ctx.config
+        grad_y, x, fc1_weight, fc2_weight, probs, split_sizes, c_taken, *ctx.config
     )
     # dprobs stays fp32: autograd casts it once for bf16 probs.
     return dx, dfc1_weight, dfc2_weight, dprobs, None, None, None, None

@@ -8,6 +8,7 @@ runs ``torch._grouped_mm`` and the kernels on CUDA.
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import nvfp4_oracles
 import pytest
@@ -166,6 +167,11 @@ def test_fp32_probs_get_an_fp32_gradient_never_rounded_to_bf16(recipe):
     assert ((probs.grad.double() - expected).abs() < 0.01 * bf16_ulp(expected) + 1e-12).all()
 
 
+def grad_leaves(inputs) -> tuple[torch.Tensor, ...]:
+    """Fresh leaves (x, fc1_weight, fc2_weight, probs) that require gradients."""
+    return tuple(inputs[k].clone().requires_grad_() for k in ("x", "fc1_weight", "fc2_weight", "probs"))
+
+
 def saved_shapes(function, *args) -> list[tuple[int, ...]]:
     """Shapes of the tensors autograd saves for the backward while ``function(*args)`` runs."""
     shapes = []
@@ -181,16 +187,16 @@ def saved_shapes(function, *args) -> list[tuple[int, ...]]:
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_backward_keeps_c_and_recomputes_h(recipe):
-    """Saved for the backward: x, both weights, probs, split sizes and c (T, 2F), not h (T, F); the
-    gradients are those of FC1, SwiGLU and FC2 as three autograd nodes (h saved), bit for bit. The
-    probabilities are bf16 values, so mxfp8's rounding of them in the forward changes nothing."""
-    inputs = make_inputs([32, 0, 64], 64, 32, seed=4)
+    """Autograd saves x, both weights, probs and split sizes; the node keeps c (T, 2F) and frees it once
+    the dGLU has used it, before FC1's gradient GEMMs; h (T, F) is not kept. The gradients are those of
+    FC1, SwiGLU and FC2 as three autograd nodes (h saved), bit for bit. The probabilities are bf16
+    values, so mxfp8's rounding of them in the forward changes nothing."""
+    inputs = make_inputs([32, 0, 64], 64, 48, seed=4)
     inputs["probs"] = inputs["probs"].bfloat16().float()
     shapes = saved_shapes(run_mlp, inputs, recipe)
-    assert (96, 64) in shapes and (96, 32) not in shapes, shapes
+    assert (96, 64) in shapes and (96, 48) not in shapes and (96, 96) not in shapes, shapes
     got = run_mlp(inputs, recipe)
-    names = ("x", "fc1_weight", "fc2_weight", "probs")
-    x, w1, w2, probs = (inputs[k].clone().requires_grad_() for k in names)
+    x, w1, w2, probs = grad_leaves(inputs)
     splits = inputs["split_sizes"]
     c = torch.ops.lowp.grouped_linear(x, w1, splits, recipe)
     h = lowp_ops.swiglu(c, probs)
@@ -199,6 +205,37 @@ def test_backward_keeps_c_and_recomputes_h(recipe):
     expected = (y.detach(), x.grad, w1.grad, w2.grad, probs.grad)
     for name, g, e in zip(("y", "dx", "dW1", "dW2", "dprobs"), got, expected, strict=True):
         assert torch.equal(g, e), name
+
+
+def test_backward_frees_c_before_the_fc1_gradients(monkeypatch):
+    """c is alive when FC2's gradients are formed and gone when FC1's are."""
+    inputs = make_inputs([32, 0, 64], 64, 48, seed=4)
+    x, w1, w2, probs = grad_leaves(inputs)
+    y, c = torch.ops.lowp.grouped_swiglu_mlp(x, w1, w2, probs, inputs["split_sizes"], "bf16", 0, False)
+    c_alive, linear_backward = weakref.ref(c), grouped_linear.linear_backward
+    del c
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(c_alive() is not None)
+        return linear_backward(*args, **kwargs)
+
+    monkeypatch.setattr(grouped_linear, "linear_backward", spy)
+    y.backward(inputs["dy"])
+    assert seen == [True, False]
+
+
+def test_second_backward_and_modified_c_raise():
+    inputs = make_inputs([16, 16], 32, 16, seed=6)
+    x, w1, w2, probs = grad_leaves(inputs)
+    y, c = torch.ops.lowp.grouped_swiglu_mlp(x, w1, w2, probs, inputs["split_sizes"], "bf16", 0, False)
+    y.backward(inputs["dy"], retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran already"):
+        y.backward(inputs["dy"])
+    y, c = torch.ops.lowp.grouped_swiglu_mlp(x, w1, w2, probs, inputs["split_sizes"], "bf16", 0, False)
+    c.mul_(2)
+    with pytest.raises(RuntimeError, match="c was modified in place"):
+        y.backward(inputs["dy"])
 
 
 def test_compiled_mlp_saves_c_not_h():
@@ -218,14 +255,13 @@ def test_compiled_mlp_saves_c_not_h():
         bw_compiler=lambda graph_module, _: graph_module.forward,
         partition_fn=min_cut_rematerialization_partition,
     )
-    inputs = make_inputs([32, 0, 64], 64, 32, seed=4)
+    inputs = make_inputs([32, 0, 64], 64, 48, seed=4)
     mlp = torch.compile(lowp_ops.grouped_swiglu_mlp, backend=backend, fullgraph=True)
-    names = ("x", "fc1_weight", "fc2_weight", "probs")
-    x, w1, w2, probs = (inputs[k].clone().requires_grad_() for k in names)
+    x, w1, w2, probs = grad_leaves(inputs)
     mlp(x, w1, w2, inputs["split_sizes"], probs).float().sum().backward()
     (output,) = [node for node in forward_graphs[0].graph.nodes if node.op == "output"]
     saved = [tuple(node.meta["val"].shape) for node in output.args[0][1:] if "val" in node.meta]
-    assert (96, 64) in saved and (96, 32) not in saved, saved
+    assert (96, 96) in saved and (96, 48) not in saved, saved
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -158,20 +158,24 @@ def grouped_swiglu_mlp_backward(
     fc2_weight: torch.Tensor,
     probs: torch.Tensor,
     split_sizes: torch.Tensor,
-    c: torch.Tensor,
+    c_taken: list[torch.Tensor],
     recipe: str,
     interleave: int,
     fc1_dy_amax_from_dglu: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx (T, H), dW1 (E, 2F, H), dW2 (E, H, F) bf16; dprobs (T,) fp32) from grad = dy (T, H).
 
-    ``h`` is recomputed from ``c`` (one SwiGLU kernel, the forward's bits) rather than kept alive from
-    forward to backward: (T, F) bf16 less per layer for one more read of ``c``."""
+    ``c_taken`` is ``[c]``, emptied here so that ``c`` (T, 2F) is freed after the dGLU, before FC1's
+    gradient GEMMs allocate theirs. ``h`` is recomputed from ``c`` (one SwiGLU kernel, the forward's
+    bits) rather than kept alive from forward to backward: (T, F) bf16 less per layer for one more read
+    of ``c``."""
+    c = c_taken.pop()
     offs = _shared_group_ends(split_sizes, x.shape[0], recipe)
     h = registry().swiglu_fwd(c, fc1_probs(probs, recipe), interleave)
     dh, dfc2_weight = linear_backward(grad, h, fc2_weight, split_sizes, recipe, offs=offs)
     del h
     dc, dprobs, dc_amax = registry().dglu(dh, c, probs, split_sizes, interleave)
+    del dh, c
     dx, dfc1_weight = linear_backward(
         dc, x, fc1_weight, split_sizes, recipe, dc_amax if fc1_dy_amax_from_dglu else None, offs
     )

@@ -12,11 +12,13 @@ no host sync), fed only what it accepts, so that no input can trip its device-si
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
-from ..meta.grouped_mm import GEMM_ALIGNMENT, grouped_mm_output
+from ..meta.grouped_mm import GEMM_ALIGNMENT, grouped_mm_shape
 from .launch import cached_launch
 from .split_sizes import launch_valid_group_ends
 
@@ -78,13 +80,11 @@ def zero_rows_past(out: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
 
 def launch_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``lowp::grouped_mm`` on CUDA tensors (CPU tensors in the interpreter suite use the same call)."""
-    out = grouped_mm_output(a, b, offs)
-    if out.numel() == 0:
-        return out
+    shape = grouped_mm_shape(a, b, offs)  # torch._grouped_mm allocates the output itself
     rows_grouped = b.dim() == 3
-    if a.shape[1] == 0 or offs.shape[0] == 0:
+    if math.prod(shape) == 0 or a.shape[1] == 0 or offs.shape[0] == 0:
         # No contraction, or no group: torch._grouped_mm rejects a zero-width operand or zero groups.
-        return out.zero_()
+        return a.new_zeros(shape)
     ends = launch_valid_group_ends(offs, a.shape[0] if rows_grouped else a.shape[1])
     if rows_grouped:
         return zero_rows_past(torch._grouped_mm(_row_major(a), _gemm_ready(b), ends), ends)

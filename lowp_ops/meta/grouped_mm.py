@@ -24,8 +24,8 @@ def _check_bf16_matrix(t: torch.Tensor, name: str, dims: int) -> None:
     require(t.dtype == torch.bfloat16, lambda: f"{name} must be bfloat16, got {t.dtype}")
 
 
-def grouped_mm_output(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``lowp::grouped_mm`` outputs, bf16 contiguous: ``a`` (T, K) x ``b`` (E, K, N) -> (T, N);
+def grouped_mm_shape(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> tuple[int, ...]:
+    """The checked shape of ``lowp::grouped_mm``'s bf16 output: ``a`` (T, K) x ``b`` (E, K, N) -> (T, N);
     ``a`` (M, T) x ``b`` (T, N) -> (E, M, N) (groups along the contraction dim T). ``offs`` int32/int64
     (E,) group ends; on the host (CPU, or any device in mode "all", see ``meta.split_sizes``) they must
     be non-decreasing within [0, T]."""
@@ -52,9 +52,14 @@ def grouped_mm_output(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> t
             lambda: f"offs must have one entry per group of b ({b.shape[0]}), got {offs.shape[0]}",
         )
         check_group_end_values(offs, a.shape[0])
-        return a.new_empty((a.shape[0], b.shape[2]))
+        return (a.shape[0], b.shape[2])
     check_group_end_values(offs, a.shape[1])
-    return a.new_empty((offs.shape[0], a.shape[0], b.shape[1]))
+    return (offs.shape[0], a.shape[0], b.shape[1])
+
+
+def grouped_mm_output(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``lowp::grouped_mm``'s output, allocated (:func:`grouped_mm_shape`)."""
+    return a.new_empty(grouped_mm_shape(a, b, offs))
 
 
 def check_grouped_linear(
