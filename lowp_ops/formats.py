@@ -207,6 +207,7 @@ class NVFP4GroupedTensor:
       (``reference.nvfp4.group_col_scale_starts``); all other bytes are 0.
     - ``amax_rowwise``, ``amax_columnwise``: fp32 (E,), 0 for an empty expert.
     - A copy that was not asked for is ``None``.
+    - ``block_2d``: one scale per 16x16 tile within each expert (stacked expert weights), else 1x16.
     """
 
     row_data: torch.Tensor | None
@@ -218,9 +219,10 @@ class NVFP4GroupedTensor:
     split_sizes: torch.Tensor
     rht: bool
     shape: torch.Size
+    block_2d: bool = False
 
     def __repr__(self) -> str:
-        return container_repr(self, ("rht",), (*_NVFP4_TENSORS, "split_sizes"))
+        return container_repr(self, ("rht", "block_2d"), (*_NVFP4_TENSORS, "split_sizes"))
 
 
 def _flatten_mxfp8(t: MXFP8Tensor):
@@ -265,12 +267,12 @@ def round_up(a: int, b: int) -> int:
 
 def _flatten_nvfp4_grouped(t: NVFP4GroupedTensor):
     children = [t.row_data, t.row_scale, t.col_data, t.col_scale, t.amax_rowwise, t.amax_columnwise]
-    return [*children, t.split_sizes], (t.rht, tuple(t.shape))
+    return [*children, t.split_sizes], (t.rht, tuple(t.shape), t.block_2d)
 
 
 def _unflatten_nvfp4_grouped(children, context) -> NVFP4GroupedTensor:
-    rht, shape = context
-    return NVFP4GroupedTensor(*children, rht=rht, shape=torch.Size(shape))
+    rht, shape, block_2d = context
+    return NVFP4GroupedTensor(*children, rht=rht, shape=torch.Size(shape), block_2d=block_2d)
 
 
 pytree.register_pytree_node(

@@ -234,7 +234,8 @@ nvfp4_quantize = _define(
 nvfp4_group_quantize = _define(
     "nvfp4_group_quantize",
     "(Tensor x, Tensor split_sizes, bool rowwise, bool columnwise, bool rht, Tensor? amax_rowwise,"
-    " Tensor? amax_columnwise, Tensor? sr_seed=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    " Tensor? amax_columnwise, Tensor? sr_seed=None, bool block_2d=False)"
+    " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     nvfp4_ref.nvfp4_group_quantize,
     "nvfp4.launch_nvfp4_group_quantize",
     nvfp4_meta.nvfp4_group_quantize_outputs,

@@ -87,6 +87,7 @@ def nvfp4_group_quantize(
     amax_columnwise: torch.Tensor | None = None,
     stochastic_rounding: bool = False,
     sr_seed: torch.Tensor | None = None,
+    block_2d: bool = False,
 ) -> NVFP4GroupedTensor:
     """Quantize tokens ``x`` (T, K) grouped by expert: rows ``[row0_e, row0_e + m_e)`` (``split_sizes``,
     E int32/int64 on the device, may hold zeros) are quantized as ``nvfp4_quantize`` would quantize them
@@ -96,17 +97,23 @@ def nvfp4_group_quantize(
     :class:`~lowp_ops.formats.NVFP4GroupedTensor`). Preconditions: ``sum(m_e) == T``, every m_e even
     with ``columnwise`` and a multiple of 16 with ``rht`` (TE needs 128); checked on CPU (ValueError),
     on CUDA malformed sizes follow :mod:`lowp_ops.meta.split_sizes`'s effective-boundary rule (no host
-    sync; ``LOWP_OPS_CHECK_SPLIT_SIZES=1`` checks on the host). 1x16 blocks only.
+    sync; ``LOWP_OPS_CHECK_SPLIT_SIZES=1`` checks on the host). ``block_2d``: 16x16 blocks (each
+    expert's weight rows stacked, as the grouped MLP's NVFP4 recipe quantizes its weights in one call),
+    every m_e a multiple of 16, no RHT; otherwise 1x16 blocks.
     """
     sr_seed = _sr_seed(stochastic_rounding, sr_seed, x.device)
     check_group_quantize_args(
-        x, split_sizes, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, sr_seed
+        x, split_sizes, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, sr_seed, block_2d
     )
     outputs = library.nvfp4_group_quantize(
-        x, split_sizes, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, sr_seed
+        x, split_sizes, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, sr_seed, block_2d
     )
     return NVFP4GroupedTensor(
-        **_container_fields(outputs, rowwise, columnwise), split_sizes=split_sizes, rht=rht, shape=x.shape
+        **_container_fields(outputs, rowwise, columnwise),
+        split_sizes=split_sizes,
+        rht=rht,
+        shape=x.shape,
+        block_2d=block_2d,
     )
 
 

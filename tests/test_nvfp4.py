@@ -333,6 +333,35 @@ def test_compiles_to_one_graph_without_recompiles():
     assert not counters["graph_break"]
 
 
+@pytest.mark.parametrize("shape", [(0, 48), (48, 0)])
+def test_empty_input_with_16x16_blocks_and_both_copies(shape):
+    q = lowp_ops.nvfp4_quantize(torch.zeros(shape), columnwise=True, block_2d=True)
+    assert q.row_data.shape == (shape[0], shape[1] // 2) and q.col_data.shape == (shape[1], shape[0] // 2)
+    assert not q.row_scale.any() and not q.col_scale.any()
+
+
+def test_grouped_16x16_blocks_are_each_experts_own_quantization():
+    """block_2d: expert e's rows quantized alone in 16x16 blocks with its own amax (the row-wise copy:
+    data and the scale rows it uses); split sizes must be multiples of 16 and the RHT is refused."""
+    x = random_matrix(96, 48, seed=25)
+    sizes = [32, 0, 64]
+    got = lowp_ops.nvfp4_group_quantize(x, torch.tensor(sizes), block_2d=True)
+    assert got.block_2d
+    row0 = 0
+    for expert, size in enumerate(sizes):
+        alone = lowp_ops.nvfp4_quantize(x[row0 : row0 + size], block_2d=True)
+        assert torch.equal(got.row_data[row0 : row0 + size], alone.row_data), expert
+        assert torch.equal(got.row_scale[row0 : row0 + size], alone.row_scale[:size]), expert
+        assert torch.equal(got.amax_rowwise[expert : expert + 1], alone.amax_rowwise), expert
+        row0 += size
+    with pytest.raises(ValueError, match="block_2d: 16x16 blocks"):
+        lowp_ops.nvfp4_group_quantize(x, torch.tensor([40, 56]), block_2d=True)
+    with pytest.raises(ValueError, match="cannot be combined"):
+        lowp_ops.nvfp4_group_quantize(
+            x.bfloat16(), torch.tensor(sizes), block_2d=True, rht=True, columnwise=True
+        )
+
+
 def test_reprs_show_shapes_dtypes_and_flags_not_values():
     x = random_matrix(64, 32, seed=24)
     q = lowp_ops.nvfp4_quantize(x, columnwise=True, rht=True)
@@ -343,7 +372,7 @@ def test_reprs_show_shapes_dtypes_and_flags_not_values():
     )
     g = lowp_ops.nvfp4_group_quantize(x, torch.tensor([16, 48]), columnwise=False)
     assert repr(g) == (
-        "NVFP4GroupedTensor(shape=(64, 32), rht=False, row_data=uint8[64, 16], row_scale=uint8[128, 4], "
-        "col_data=None, col_scale=None, amax_rowwise=float32[2], amax_columnwise=float32[2], "
-        "split_sizes=int64[2])"
+        "NVFP4GroupedTensor(shape=(64, 32), rht=False, block_2d=False, row_data=uint8[64, 16], "
+        "row_scale=uint8[128, 4], col_data=None, col_scale=None, amax_rowwise=float32[2], "
+        "amax_columnwise=float32[2], split_sizes=int64[2])"
     )

@@ -277,7 +277,16 @@ def per_expert_outputs(grouped, split_sizes: list[int], hidden: int):
 
 
 def check_grouped_equals_per_expert(
-    x, split_sizes, device, rowwise, columnwise, rht, amax_source, sr_seed=None, split_full_tiles=None
+    x,
+    split_sizes,
+    device,
+    rowwise,
+    columnwise,
+    rht,
+    amax_source,
+    sr_seed=None,
+    split_full_tiles=None,
+    block_2d=False,
 ) -> None:
     experts = len(split_sizes)
     amax_rowwise = amax_columnwise = None
@@ -294,6 +303,7 @@ def check_grouped_equals_per_expert(
         rht,
         None if amax_rowwise is None else amax_rowwise.to(device),
         None if amax_columnwise is None else amax_columnwise.to(device),
+        block_2d=block_2d,
         split_full_tiles=split_full_tiles,
     )
     used_scale_cols = sum((size + 63) // 64 * 4 for size in split_sizes)
@@ -305,7 +315,7 @@ def check_grouped_equals_per_expert(
         given_row = None if amax_rowwise is None else amax_rowwise[expert : expert + 1]
         given_col = None if amax_columnwise is None else amax_columnwise[expert : expert + 1]
         alone = reference.nvfp4_quantize(
-            x[row0 : row0 + size], rowwise, columnwise, rht, given_row, given_col, False
+            x[row0 : row0 + size], rowwise, columnwise, rht, given_row, given_col, block_2d
         )
         row_data, row_scale, col_data, col_scale, amax_row, amax_col = alone
         expected = (
@@ -341,6 +351,19 @@ def test_grouped_equals_per_expert_quantization(suite, kernel_device, splits, co
     x = make_input(sum(split_sizes), 48, seed=len(splits), spread="element")
     rowwise = copies == "both"
     check_grouped_equals_per_expert(x, split_sizes, kernel_device, rowwise, True, rht, amax_source)
+
+
+@pytest.mark.parametrize("suite", SUITES)
+@pytest.mark.parametrize("splits", sorted(GROUPED_SPLITS))
+@pytest.mark.parametrize("amax_source", ["computed", "given"])
+def test_grouped_16x16_blocks_equal_per_expert_quantization(suite, kernel_device, splits, amax_source):
+    """block_2d: each expert's rows in 16x16 blocks with its own amax, as the grouped MLP's NVFP4
+    recipe quantizes its stacked expert weights."""
+    split_sizes = GROUPED_SPLITS[splits]
+    x = make_input(sum(split_sizes), 48, seed=len(splits) + 7, spread="element")
+    check_grouped_equals_per_expert(
+        x, split_sizes, kernel_device, True, True, False, amax_source, block_2d=True
+    )
 
 
 @pytest.mark.parametrize("suite", SUITES)

@@ -17,7 +17,7 @@ every op of the recipe sees the same boundaries whatever the sizes hold. Per-exp
 reductions (no host sync).
 
 The activations and gradients go through ``lowp::nvfp4_group_quantize`` (one read per operand, Triton on
-CUDA) and the weights through ``lowp::nvfp4_quantize`` (16x16 blocks, one call per expert); the local
+CUDA) and the weights through it too (16x16 blocks, the experts' rows stacked: one call); the local
 values are decoded from their codes and E4M3 scales by ``lowp::nvfp4_decode_rows`` and
 ``lowp::nvfp4_group_decode_columns`` (one read of codes and scales, one bf16 write).
 """
@@ -71,16 +71,16 @@ def columnwise_operand(t: torch.Tensor, split_sizes: torch.Tensor, amax: torch.T
 
 
 def weight_operand(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(local values (E, N, K), amax (E,)): each expert's 16x16-block quantization (one quantize per
-    expert: the grouped quantizer has 1x16 blocks only), decoded for all experts at once."""
+    """(local values (E, N, K), amax (E,)): each expert's 16x16-block quantization with its own amax,
+    all experts in one grouped call over the stacked (E * N, K) rows (N is a multiple of 16, so no
+    block straddles two experts), decoded at once."""
+    experts, out_features, in_features = weight.shape
     amax = weight.abs().amax(dim=(1, 2)).float()
-    copies = [
-        registry().nvfp4_quantize(weight[e], True, False, False, amax[e : e + 1], None, True)
-        for e in range(weight.shape[0])
-    ]
-    row_data = torch.stack([copy[0] for copy in copies])
-    row_scale = torch.stack([copy[1] for copy in copies])
-    return registry().nvfp4_decode_rows(row_data, row_scale), amax
+    rows_per_expert = torch.full((experts,), out_features, dtype=torch.int64, device=weight.device)
+    row_data, row_scale, *_ = registry().nvfp4_group_quantize(
+        weight.reshape(-1, in_features), rows_per_expert, True, False, False, amax, None, None, True
+    )
+    return registry().nvfp4_decode_rows(row_data, row_scale).view(weight.shape), amax
 
 
 def _scale_rows(out: torch.Tensor, alpha: tuple[torch.Tensor, torch.Tensor], split_sizes: torch.Tensor):

@@ -607,7 +607,7 @@ def _launch(
         "GRID_ALONG_ROWS": along_rows,
         "EVEN_COLS": cols % block_cols == 0,
         "EVEN": not grouped and rows % tile_rows == 0 and cols % block_cols == 0,
-        "SPLIT_MULTIPLE": group_split_multiple(columnwise, rht) if grouped else 1,
+        "SPLIT_MULTIPLE": group_split_multiple(columnwise, rht, block_2d) if grouped else 1,
         "num_warps": num_warps,
         **({"maxnreg": maxnreg} if maxnreg else {}),
         "enable_fp_fusion": False,
@@ -716,6 +716,7 @@ def launch_nvfp4_group_quantize(
     amax_rowwise: torch.Tensor | None,
     amax_columnwise: torch.Tensor | None,
     sr_seed: torch.Tensor | None = None,
+    block_2d: bool = False,
     config: tuple | None = None,
     split_full_tiles: bool | None = None,
 ) -> tuple[torch.Tensor, ...]:
@@ -725,7 +726,7 @@ def launch_nvfp4_group_quantize(
     (None: where GROUPED_RHT_MAX_REGISTERS says) quantizes the tiles wholly inside their expert in a
     launch of their own."""
     outputs = nvfp4_group_quantize_outputs(
-        x, split_sizes, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, sr_seed
+        x, split_sizes, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, sr_seed, block_2d
     )
     row_data, row_scale, col_data, col_scale, amax_row, amax_col = outputs
     rows, cols = x.shape
@@ -743,7 +744,7 @@ def launch_nvfp4_group_quantize(
         rowwise,
         columnwise,
         rht,
-        False,
+        block_2d,
         amax_row,
         amax_col,
         amax_rowwise,

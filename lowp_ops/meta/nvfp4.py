@@ -132,9 +132,11 @@ def group_col_scale_cols(tokens, experts) -> int:
     return tokens // NVFP4_BLOCK_SIZE + SCALE_TILE_COLS * experts
 
 
-def group_split_multiple(columnwise: bool, rht: bool) -> int:
-    """What every expert's row count must be a multiple of: 16 for the column-wise copy with the RHT
-    (16-row blocks), 2 for the column-wise copy (two E2M1 per byte along the rows), else 1."""
+def group_split_multiple(columnwise: bool, rht: bool, block_2d: bool = False) -> int:
+    """What every expert's row count must be a multiple of: 16 for 16x16 blocks or the column-wise copy
+    with the RHT (16-row blocks), 2 for the column-wise copy (two E2M1 per byte along the rows), else 1."""
+    if block_2d:
+        return NVFP4_BLOCK_SIZE
     if not columnwise:
         return 1
     return NVFP4_BLOCK_SIZE if rht else 2
@@ -157,15 +159,22 @@ def check_group_quantize_args(
     amax_rowwise: torch.Tensor | None,
     amax_columnwise: torch.Tensor | None,
     sr_seed: torch.Tensor | None = None,
+    block_2d: bool = False,
 ) -> None:
     check_split_sizes(split_sizes, device=x.device)
     require(x.dim() == 2, lambda: f"x must be 2-D (tokens, hidden), got {x.dim()}-D")
-    check_quantize_args(x, rowwise, columnwise, rht, None, None, False, sr_seed)
+    check_quantize_args(x, rowwise, columnwise, rht, None, None, block_2d, sr_seed)
     experts = split_sizes.shape[0]
     _check_group_amax(amax_rowwise, experts, "amax_rowwise")
     _check_group_amax(amax_columnwise, experts, "amax_columnwise")
-    multiple = group_split_multiple(columnwise, rht)
-    why = "columnwise with rht: 16-row blocks" if rht else "columnwise: two rows per byte"
+    multiple = group_split_multiple(columnwise, rht, block_2d)
+    why = (
+        "block_2d: 16x16 blocks"
+        if block_2d
+        else "columnwise with rht: 16-row blocks"
+        if rht
+        else "columnwise: two rows per byte"
+    )
     check_split_size_values(split_sizes, x.shape[0], multiple=multiple, why=why)
 
 
@@ -178,6 +187,7 @@ def nvfp4_group_quantize_outputs(
     amax_rowwise: torch.Tensor | None,
     amax_columnwise: torch.Tensor | None,
     sr_seed: torch.Tensor | None = None,
+    block_2d: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Outputs of ``lowp::nvfp4_group_quantize`` for x (T, K) and E experts; shapes depend on T, K, E only.
 
@@ -193,7 +203,7 @@ def nvfp4_group_quantize_outputs(
     their effective boundaries with that multiple, and the rows of no expert get row-wise scales 0
     (they decode to +-0; their data bytes, and the column-wise bytes past the experts, are unspecified)."""
     check_group_quantize_args(
-        x, split_sizes, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, sr_seed
+        x, split_sizes, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, sr_seed, block_2d
     )
     tokens, hidden = x.shape
     experts = split_sizes.shape[0]

@@ -187,7 +187,7 @@ def quantize_blocks(
     blocks = x.view(x.shape[0], x.shape[1] // _BLOCK, _BLOCK)
     vec_max = blocks.abs().amax(dim=2)
     if block_2d:
-        tiles = vec_max.view(-1, _BLOCK, vec_max.shape[1]).amax(dim=1, keepdim=True)
+        tiles = vec_max.view(x.shape[0] // _BLOCK, _BLOCK, vec_max.shape[1]).amax(dim=1, keepdim=True)
         vec_max = tiles.expand(-1, _BLOCK, -1).reshape(vec_max.shape)
     encode = global_encode_scale(amax)
     decode = 1.0 / encode
@@ -296,6 +296,7 @@ def nvfp4_group_quantize(
     amax_rowwise: torch.Tensor | None,
     amax_columnwise: torch.Tensor | None,
     sr_seed: torch.Tensor | None = None,
+    block_2d: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Reference of ``lowp::nvfp4_group_quantize`` (layout: ``meta.nvfp4.nvfp4_group_quantize_outputs``):
     expert e's rows ``x[row0_e : row0_e + m_e]`` quantized as :func:`nvfp4_quantize` would with the
@@ -305,11 +306,11 @@ def nvfp4_group_quantize(
     function); the experts' rows are the effective boundaries of ``meta.split_sizes`` with that multiple,
     and the rows of no expert get data and row-wise scales 0."""
     outputs = nvfp4_group_quantize_outputs(
-        x, split_sizes, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, sr_seed
+        x, split_sizes, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, sr_seed, block_2d
     )
     row_data, row_scale, col_data, col_scale, amax_row, amax_col = outputs
     tokens, hidden = x.shape
-    effective = effective_split_sizes(split_sizes, tokens, group_split_multiple(columnwise, rht))
+    effective = effective_split_sizes(split_sizes, tokens, group_split_multiple(columnwise, rht, block_2d))
     sizes = effective.tolist()
     scale_starts = group_col_scale_starts(effective).tolist()
     row0 = 0
@@ -317,9 +318,9 @@ def nvfp4_group_quantize(
         given_row = None if amax_rowwise is None else amax_rowwise[expert]
         given_col = None if amax_columnwise is None else amax_columnwise[expert]
         rows = x[row0 : row0 + size]
-        check_quantize_args(rows, rowwise, columnwise, rht, given_row, given_col, False)
+        check_quantize_args(rows, rowwise, columnwise, rht, given_row, given_col, block_2d)
         row_codes, row_scales, col_codes, col_scales, amax_r, amax_c = _quantize_copies(
-            rows, rowwise, columnwise, rht, given_row, given_col, False, sr_seed, row0, tokens
+            rows, rowwise, columnwise, rht, given_row, given_col, block_2d, sr_seed, row0, tokens
         )
         amax_row[expert] = amax_r[0]
         amax_col[expert] = amax_c[0]
