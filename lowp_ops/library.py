@@ -528,11 +528,12 @@ def _grouped_linear_backward(ctx, grad):
 def _grouped_swiglu_mlp_setup(ctx, inputs, output):
     x, fc1_weight, fc2_weight, probs, split_sizes, *config = inputs
     ctx.config = config  # recipe, interleave, fc1_dy_amax_from_dglu
-    ctx.save_for_backward(x, fc1_weight, fc2_weight, probs, split_sizes)
-    # c, not h (docs/grouped_mlp.md#memory); held in a list rather than saved, so that the backward can
-    # free it after the dGLU, before FC1's gradient GEMMs (save_for_backward keeps it to the end).
+    ctx.save_for_backward(fc1_weight, fc2_weight, probs, split_sizes)
+    # x and c (not h: docs/grouped_mlp.md#memory) in a list rather than saved, so that the backward can
+    # free each after its last use (save_for_backward keeps them to its end); their versions are
+    # checked by hand, as saved tensors' are.
     c = output[1]
-    ctx.c, ctx.c_version = [c], c._version
+    ctx.activations, ctx.versions = [x, c], (x._version, c._version)
     ctx.mark_non_differentiable(c)
     ctx.set_materialize_grads(False)  # no zero-filled (T, 2F) gradient of c
 
@@ -540,17 +541,20 @@ def _grouped_swiglu_mlp_setup(ctx, inputs, output):
 def _grouped_swiglu_mlp_backward(ctx, grad_y, _grad_c):
     if grad_y is None:
         return (None,) * 8
-    if not ctx.c:
+    if not ctx.activations:
         raise RuntimeError(
-            "lowp::grouped_swiglu_mlp: its backward ran already and freed its saved activation c; "
+            "lowp::grouped_swiglu_mlp: its backward ran already and freed its saved activations; "
             "a second backward through it (retain_graph=True) is not supported"
         )
-    if not torch.compiler.is_compiling() and ctx.c[0]._version != ctx.c_version:
-        raise RuntimeError("lowp::grouped_swiglu_mlp: its output c was modified in place after the forward")
-    x, fc1_weight, fc2_weight, probs, split_sizes = ctx.saved_tensors
-    c_taken, ctx.c = ctx.c, []
+    versions = tuple(t._version for t in ctx.activations)
+    if not torch.compiler.is_compiling() and versions != ctx.versions:
+        raise RuntimeError(
+            "lowp::grouped_swiglu_mlp: its input x or its output c was modified in place after the forward"
+        )
+    fc1_weight, fc2_weight, probs, split_sizes = ctx.saved_tensors
+    activations, ctx.activations = ctx.activations, []
     dx, dfc1_weight, dfc2_weight, dprobs = grouped_linear_impl.grouped_swiglu_mlp_backward(
-        grad_y, x, fc1_weight, fc2_weight, probs, split_sizes, c_taken, *ctx.config
+        grad_y, activations, fc1_weight, fc2_weight, probs, split_sizes, *ctx.config
     )
     # dprobs stays fp32: autograd casts it once for bf16 probs.
     return dx, dfc1_weight, dfc2_weight, dprobs, None, None, None, None

@@ -18,6 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import lowp_ops
+from lowp_ops import library
 from lowp_ops.composite import grouped_linear, grouped_nvfp4
 from lowp_ops.reference import grouped_mm as grouped_mm_ref
 from lowp_ops.reference import nvfp4 as nvfp4_ref
@@ -187,14 +188,14 @@ def saved_shapes(function, *args) -> list[tuple[int, ...]]:
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_backward_keeps_c_and_recomputes_h(recipe):
-    """Autograd saves x, both weights, probs and split sizes; the node keeps c (T, 2F) and frees it once
-    the dGLU has used it, before FC1's gradient GEMMs; h (T, F) is not kept. The gradients are those of
-    FC1, SwiGLU and FC2 as three autograd nodes (h saved), bit for bit. The probabilities are bf16
-    values, so mxfp8's rounding of them in the forward changes nothing."""
+    """Autograd saves both weights, probs and split sizes; the node keeps x and c (T, 2F) itself (freed as
+    it goes, test below); h (T, F) is not kept. The gradients are those of FC1, SwiGLU and FC2 as three
+    autograd nodes (h saved), bit for bit. The probabilities are bf16 values, so mxfp8's rounding of
+    them in the forward changes nothing."""
     inputs = make_inputs([32, 0, 64], 64, 48, seed=4)
     inputs["probs"] = inputs["probs"].bfloat16().float()
     shapes = saved_shapes(run_mlp, inputs, recipe)
-    assert (96, 64) in shapes and (96, 48) not in shapes and (96, 96) not in shapes, shapes
+    assert sorted(shapes) == [(3,), (3, 64, 48), (3, 96, 64), (96,)], shapes
     got = run_mlp(inputs, recipe)
     x, w1, w2, probs = grad_leaves(inputs)
     splits = inputs["split_sizes"]
@@ -207,25 +208,32 @@ def test_backward_keeps_c_and_recomputes_h(recipe):
         assert torch.equal(g, e), name
 
 
-def test_backward_frees_c_before_the_fc1_gradients(monkeypatch):
-    """c is alive when FC2's gradients are formed and gone when FC1's are."""
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_backward_frees_each_activation_after_its_last_use(monkeypatch, recipe):
+    """At each grouped GEMM of the backward (FC2 wgrad, FC2 dgrad, FC1 wgrad, FC1 dgrad): c is gone once
+    the dGLU has run, x (a non-leaf, as a MoE layer's gathered tokens) once FC1's weight gradient no
+    longer needs it (mxfp8 / nvfp4: once its column-wise copy exists)."""
     inputs = make_inputs([32, 0, 64], 64, 48, seed=4)
-    x, w1, w2, probs = grad_leaves(inputs)
-    y, c = torch.ops.lowp.grouped_swiglu_mlp(x, w1, w2, probs, inputs["split_sizes"], "bf16", 0, False)
-    c_alive, linear_backward = weakref.ref(c), grouped_linear.linear_backward
-    del c
+    leaf, w1, w2, probs = grad_leaves(inputs)
+    x = leaf * 1
+    y, c = torch.ops.lowp.grouped_swiglu_mlp(x, w1, w2, probs, inputs["split_sizes"], recipe, 0, False)
+    x_alive, c_alive = weakref.ref(x), weakref.ref(c)
+    del x, c
     seen = []
+    grouped_mm = library.grouped_mm
 
-    def spy(*args, **kwargs):
-        seen.append(c_alive() is not None)
-        return linear_backward(*args, **kwargs)
+    def spy(*args):
+        seen.append((c_alive() is not None, x_alive() is not None))
+        return grouped_mm(*args)
 
-    monkeypatch.setattr(grouped_linear, "linear_backward", spy)
+    monkeypatch.setattr(library, "grouped_mm", spy)
     y.backward(inputs["dy"])
-    assert seen == [True, False]
+    x_at_fc1_wgrad = recipe == "bf16"
+    assert seen == [(True, True), (True, True), (False, x_at_fc1_wgrad), (False, False)]
+    assert leaf.grad is not None
 
 
-def test_second_backward_and_modified_c_raise():
+def test_second_backward_and_modified_activations_raise():
     inputs = make_inputs([16, 16], 32, 16, seed=6)
     x, w1, w2, probs = grad_leaves(inputs)
     y, c = torch.ops.lowp.grouped_swiglu_mlp(x, w1, w2, probs, inputs["split_sizes"], "bf16", 0, False)
@@ -234,7 +242,12 @@ def test_second_backward_and_modified_c_raise():
         y.backward(inputs["dy"])
     y, c = torch.ops.lowp.grouped_swiglu_mlp(x, w1, w2, probs, inputs["split_sizes"], "bf16", 0, False)
     c.mul_(2)
-    with pytest.raises(RuntimeError, match="c was modified in place"):
+    with pytest.raises(RuntimeError, match="x or its output c was modified in place"):
+        y.backward(inputs["dy"])
+    y, _ = torch.ops.lowp.grouped_swiglu_mlp(x, w1, w2, probs, inputs["split_sizes"], "bf16", 0, False)
+    with torch.no_grad():
+        x.mul_(2)
+    with pytest.raises(RuntimeError, match="x or its output c was modified in place"):
         y.backward(inputs["dy"])
 
 

@@ -96,18 +96,26 @@ def linear_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx (T, K), dweight (E, N, K)) bf16 from grad = dy (T, N). ``grad_amax`` (E,) fp32: the per-expert
     amax of ``grad`` before its bf16 rounding (nvfp4 only; from the dGLU epilogue), so that no amax
-    pass over ``grad`` runs. ``offs`` as in :func:`linear_fprop`."""
+    pass over ``grad`` runs. ``offs`` as in :func:`linear_fprop`.
+
+    The weight gradient comes first and ``x`` is dropped before the input gradient's GEMM: a caller that
+    hands over its only reference (``linear_backward(g, taken.pop(), ...)``) frees ``x`` there."""
     if recipe == "nvfp4":
-        return nvfp4_backward(grad, x, weight, split_sizes, grad_amax)
+        handed = [x]
+        del x
+        return nvfp4_backward(grad, handed.pop(), weight, split_sizes, grad_amax)
     offs = group_ends(split_sizes, x.shape[0]) if offs is None else offs
     if recipe == "bf16":
-        dx = registry().grouped_mm(grad, weight, offs)
-        return dx, registry().grouped_mm(grad.t(), x, offs)
+        dweight = registry().grouped_mm(grad.t(), x, offs)
+        del x
+        return registry().grouped_mm(grad, weight, offs), dweight
     grad_row, grad_col = _mxfp8_both(grad)
-    w_col = _mxfp8_dequantized(_flat(weight), "columnwise").view(weight.shape)
     x_col = _mxfp8_dequantized(x, "columnwise")
-    dx = registry().grouped_mm(grad_row, w_col, offs)
-    return dx, registry().grouped_mm(grad_col.t(), x_col, offs)
+    del x
+    dweight = registry().grouped_mm(grad_col.t(), x_col, offs)
+    del grad_col, x_col
+    w_col = _mxfp8_dequantized(_flat(weight), "columnwise").view(weight.shape)
+    return registry().grouped_mm(grad_row, w_col, offs), dweight
 
 
 def grouped_linear(
@@ -153,30 +161,29 @@ def grouped_swiglu_mlp(
 
 def grouped_swiglu_mlp_backward(
     grad: torch.Tensor,
-    x: torch.Tensor,
+    activations: list[torch.Tensor],
     fc1_weight: torch.Tensor,
     fc2_weight: torch.Tensor,
     probs: torch.Tensor,
     split_sizes: torch.Tensor,
-    c_taken: list[torch.Tensor],
     recipe: str,
     interleave: int,
     fc1_dy_amax_from_dglu: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx (T, H), dW1 (E, 2F, H), dW2 (E, H, F) bf16; dprobs (T,) fp32) from grad = dy (T, H).
 
-    ``c_taken`` is ``[c]``, emptied here so that ``c`` (T, 2F) is freed after the dGLU, before FC1's
-    gradient GEMMs allocate theirs. ``h`` is recomputed from ``c`` (one SwiGLU kernel, the forward's
-    bits) rather than kept alive from forward to backward: (T, F) bf16 less per layer for one more read
-    of ``c``."""
-    c = c_taken.pop()
-    offs = _shared_group_ends(split_sizes, x.shape[0], recipe)
+    ``activations`` is ``[x, c]`` and is emptied here, so that each is freed after its last use: ``c``
+    (T, 2F) after the dGLU, ``x`` (T, H) after FC1's weight gradient, before the GEMMs that follow
+    allocate. ``h`` is recomputed from ``c`` (one SwiGLU kernel, the forward's bits) rather than kept
+    alive from forward to backward: (T, F) bf16 less per layer for one more read of ``c``."""
+    c = activations.pop()
+    offs = _shared_group_ends(split_sizes, c.shape[0], recipe)
     h = registry().swiglu_fwd(c, fc1_probs(probs, recipe), interleave)
-    dh, dfc2_weight = linear_backward(grad, h, fc2_weight, split_sizes, recipe, offs=offs)
-    del h
+    handed = [h]
+    del h  # linear_backward holds the only reference and drops it after FC2's weight gradient
+    dh, dfc2_weight = linear_backward(grad, handed.pop(), fc2_weight, split_sizes, recipe, offs=offs)
     dc, dprobs, dc_amax = registry().dglu(dh, c, probs, split_sizes, interleave)
     del dh, c
-    dx, dfc1_weight = linear_backward(
-        dc, x, fc1_weight, split_sizes, recipe, dc_amax if fc1_dy_amax_from_dglu else None, offs
-    )
+    amax = dc_amax if fc1_dy_amax_from_dglu else None
+    dx, dfc1_weight = linear_backward(dc, activations.pop(), fc1_weight, split_sizes, recipe, amax, offs)
     return dx, dfc1_weight, dfc2_weight, dprobs

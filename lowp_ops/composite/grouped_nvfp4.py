@@ -124,15 +124,19 @@ def nvfp4_backward(
     split_sizes: torch.Tensor,
     grad_amax: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx, dweight) bf16; ``grad_amax`` given: no amax pass over ``grad`` (see :func:`grad_amaxes`)."""
+    """(dx, dweight) bf16; ``grad_amax`` given: no amax pass over ``grad`` (see :func:`grad_amaxes`).
+    The weight gradient comes first, and ``x`` is dropped before the input gradient is formed."""
     split_sizes = effective_split_sizes(split_sizes, x.shape[0], NVFP4_SPLIT_MULTIPLE)
     offs = torch.cumsum(split_sizes, dim=0)
     amax_row, amax_col = grad_amaxes(grad_amax) if grad_amax is not None else (None, None)
+    x_col, amax_x_col = columnwise_operand(x, split_sizes)
+    del x
+    grad_col, amax_col = columnwise_operand(grad, split_sizes, amax_col)
+    dweight = registry().grouped_mm(grad_col, x_col.t(), offs)
+    del grad_col, x_col
+    first, second = _alpha(amax_col, amax_x_col)
+    dweight = (dweight.float() * first[:, None, None] * second[:, None, None]).to(torch.bfloat16)
     grad_row, amax_row = rowwise_operand(grad, split_sizes, amax_row)
     w_local, amax_w = weight_operand(weight)
     dx = _scale_rows(registry().grouped_mm(grad_row, w_local, offs), _alpha(amax_row, amax_w), split_sizes)
-    grad_col, amax_col = columnwise_operand(grad, split_sizes, amax_col)
-    x_col, amax_x_col = columnwise_operand(x, split_sizes)
-    dweight = registry().grouped_mm(grad_col, x_col.t(), offs)
-    first, second = _alpha(amax_col, amax_x_col)
-    return dx, (dweight.float() * first[:, None, None] * second[:, None, None]).to(torch.bfloat16)
+    return dx, dweight
