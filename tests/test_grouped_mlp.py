@@ -16,6 +16,7 @@ import torch
 from cudagraph_checks import same_bits, warm_up
 from hypothesis import given
 from hypothesis import strategies as st
+from partition_checks import shapes_saved_by_compiled_forward
 
 import lowp_ops
 from lowp_ops import library
@@ -254,26 +255,11 @@ def test_second_backward_and_modified_activations_raise():
 def test_compiled_mlp_saves_c_not_h():
     """Traced by Dynamo and split by Inductor's min-cut partitioner, the forward graph still saves c,
     not h (the backward formula's recomputation stays in the backward graph)."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-    forward_graphs = []
-
-    def keep_forward(graph_module, _):
-        forward_graphs.append(graph_module)
-        return graph_module.forward
-
-    backend = aot_autograd(
-        fw_compiler=keep_forward,
-        bw_compiler=lambda graph_module, _: graph_module.forward,
-        partition_fn=min_cut_rematerialization_partition,
-    )
     inputs = make_inputs([32, 0, 64], 64, 48, seed=4)
-    mlp = torch.compile(lowp_ops.grouped_swiglu_mlp, backend=backend, fullgraph=True)
     x, w1, w2, probs = grad_leaves(inputs)
-    mlp(x, w1, w2, inputs["split_sizes"], probs).float().sum().backward()
-    (output,) = [node for node in forward_graphs[0].graph.nodes if node.op == "output"]
-    saved = [tuple(node.meta["val"].shape) for node in output.args[0][1:] if "val" in node.meta]
+    saved = shapes_saved_by_compiled_forward(
+        lowp_ops.grouped_swiglu_mlp, x, w1, w2, inputs["split_sizes"], probs
+    )
     assert (96, 96) in saved and (96, 48) not in saved, saved
 
 

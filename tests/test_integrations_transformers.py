@@ -14,6 +14,7 @@ import torch
 transformers = pytest.importorskip(
     "transformers", minversion="5", reason="needs transformers>=5,<6 (pip install 'lowp_ops[transformers]')"
 )
+from partition_checks import shapes_saved_by_compiled_forward  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
@@ -529,26 +530,9 @@ def test_recomputed_activation_gives_the_gradients_of_the_plain_path():
 def test_compiled_mlp_saves_gate_and_up_not_the_activation():
     """Traced by Dynamo and split by the min-cut partitioner (Inductor's), the dense MLP's down
     projection still saves [gate | up] and the weight, not the (tokens, F) activation."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-    forward_graphs = []
-
-    def keep_forward(graph_module, _):
-        forward_graphs.append(graph_module)
-        return graph_module.forward
-
-    backend = aot_autograd(
-        fw_compiler=keep_forward,
-        bw_compiler=lambda graph_module, _: graph_module.forward,
-        partition_fn=min_cut_rematerialization_partition,
-    )
     c = torch.randn(64, 96, dtype=torch.bfloat16, requires_grad=True)
     weight = torch.randn(32, 48, dtype=torch.bfloat16, requires_grad=True)
-    step = torch.compile(integration.SwiGLUThenLinear.apply, backend=backend, fullgraph=True)
-    step(c, weight).float().sum().backward()
-    (output,) = [node for node in forward_graphs[0].graph.nodes if node.op == "output"]
-    saved = [tuple(node.meta["val"].shape) for node in output.args[0][1:]]
+    saved = shapes_saved_by_compiled_forward(integration.SwiGLUThenLinear.apply, c, weight)
     assert (64, 48) not in saved and (64, 96) in saved, saved
 
 

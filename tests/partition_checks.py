@@ -1,0 +1,28 @@
+"""What the forward graph saves for the backward when Dynamo traces a function and Inductor's min-cut
+partitioner splits the joint graph (no Inductor code generation: the graphs run as traced)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def shapes_saved_by_compiled_forward(fn, *args) -> list[tuple[int, ...]]:
+    """Compile ``fn`` (fullgraph), run ``fn(*args).float().sum().backward()`` and return the shapes of the
+    tensors the partitioned forward graph hands to the backward."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    forward_graphs = []
+
+    def keep_forward(graph_module, _):
+        forward_graphs.append(graph_module)
+        return graph_module.forward
+
+    backend = aot_autograd(
+        fw_compiler=keep_forward,
+        bw_compiler=lambda graph_module, _: graph_module.forward,
+        partition_fn=min_cut_rematerialization_partition,
+    )
+    torch.compile(fn, backend=backend, fullgraph=True)(*args).float().sum().backward()
+    (output,) = [node for node in forward_graphs[0].graph.nodes if node.op == "output"]
+    return [tuple(node.meta["val"].shape) for node in output.args[0][1:] if "val" in node.meta]
