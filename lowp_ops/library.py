@@ -219,6 +219,15 @@ mxfp8_dequantize = _define(
     mxfp8_meta.mxfp8_dequantize_output,
 )
 
+# The MXFP8 recipe's GEMM operands on GPUs without MXFP8 GEMMs: quantize and dequantize in one pass.
+mxfp8_round_trip = _define(
+    "mxfp8_round_trip",
+    "(Tensor x, str fp8_dtype, bool rowwise, bool columnwise) -> (Tensor, Tensor)",
+    mxfp8_ref.mxfp8_round_trip,
+    "mxfp8.launch_mxfp8_round_trip",
+    mxfp8_meta.mxfp8_round_trip_outputs,
+)
+
 # ----------------------------------------------------------------------------------------------- NVFP4
 # sr_seed: int64 [seed, offset] on the device (stochastic rounding, graph-safe), None for round-to-nearest.
 

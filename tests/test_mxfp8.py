@@ -880,3 +880,38 @@ def test_reduce_overhead_mxfp8_quantize_and_mxfp8_grad_never_skip_cudagraphs():
                 )
             torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-4)
     assert counters["inductor"]["cudagraph_skips"] == 0
+
+
+# ---------------------------------------------------------------------------------------- round trip
+
+
+@pytest.mark.parametrize("fp8_dtype", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_round_trip_is_idempotent_and_within_half_an_fp8_step(fp8_dtype, dtype):
+    """Values already on a block's MXFP8 grid come back unchanged (same amax, same scale), and one trip
+    moves each finite value by at most half a step of its block's grid: 2^(e - 127) * ulp_fp8 / 2."""
+    gen = torch.Generator().manual_seed(7)
+    magnitudes = torch.exp2(torch.randint(-20, 20, (97,), generator=gen).float())
+    x = (torch.randn(70, 97, generator=gen) * magnitudes).to(dtype)
+    row, col = torch.ops.lowp.mxfp8_round_trip(x, fp8_dtype, True, True)
+    assert row.dtype == dtype and row.shape == x.shape and col.shape == x.shape
+    assert torch.equal(torch.ops.lowp.mxfp8_round_trip(row, fp8_dtype, True, False)[0], row)
+    assert torch.equal(torch.ops.lowp.mxfp8_round_trip(col, fp8_dtype, False, True)[1], col)
+    mantissa_bits = 3 if fp8_dtype == "e4m3" else 2
+    for values, original in ((row.float(), x.float()), (col.float().t(), x.float().t())):
+        blocks = torch.nn.functional.pad(original.abs(), (0, -original.shape[1] % 32))
+        amax = blocks.view(original.shape[0], -1, 32).amax(dim=2).clamp_min(2**-120)
+        step = torch.exp2(torch.floor(torch.log2(amax)) - mantissa_bits)
+        bound = step.repeat_interleave(32, dim=1)[:, : original.shape[1]] / 2
+        assert ((values - original).abs() <= bound).all()
+
+
+def test_round_trip_op_checks_its_arguments_and_passes_opcheck():
+    x = torch.randn(40, 70)
+    with pytest.raises(ValueError, match="at least one of rowwise and columnwise"):
+        torch.ops.lowp.mxfp8_round_trip(x, "e4m3", False, False)
+    with pytest.raises(ValueError, match="fp8_dtype"):
+        torch.ops.lowp.mxfp8_round_trip(x, "e3m4", True, False)
+    row, col = torch.ops.lowp.mxfp8_round_trip(x, "e4m3", True, False)
+    assert row.shape == x.shape and col.numel() == 0
+    torch.library.opcheck(torch.ops.lowp.mxfp8_round_trip.default, (x.bfloat16(), "e5m2", True, True))

@@ -6,8 +6,9 @@ weight ``w[e]`` (N, K) in ``nn.Linear`` layout. Three GEMMs per layer, all group
 fprop ``y = x w^T``, dgrad ``dx = dy w``, wgrad ``dw = dy^T x`` (contraction over the expert's tokens).
 
 Recipes, emulated on GPUs without block-scaled GEMMs (Hopper): the operands are quantized with our ops,
-dequantized to bf16 and multiplied by a bf16 grouped GEMM with fp32 accumulation. Equal to TE's recipe
-up to the accumulation order, except where noted.
+dequantized to bf16 (MXFP8: both in one kernel, ``lowp::mxfp8_round_trip``) and multiplied by a bf16
+grouped GEMM with fp32 accumulation. Equal to TE's recipe up to the accumulation order, except where
+noted.
 
 - ``bf16``: no quantization.
 - ``mxfp8`` (E4M3 everywhere, as TE's MXFP8BlockScaling): each GEMM operand quantized along its
@@ -43,23 +44,15 @@ def group_ends(split_sizes: torch.Tensor, rows: int) -> torch.Tensor:
 
 def _mxfp8_dequantized(t: torch.Tensor, use: str) -> torch.Tensor:
     """``t`` (R, C) through MXFP8 E4M3 and back to bf16: 1x32 blocks along C (``rowwise``) or 32x1 along
-    R (``columnwise``)."""
+    R (``columnwise``), one kernel (``lowp::mxfp8_round_trip``)."""
     rowwise = use == "rowwise"
-    row_data, row_scale, col_data, col_scale = registry().mxfp8_quantize(
-        t, "e4m3", rowwise, not rowwise, "compact"
-    )
-    data, scale = (row_data, row_scale) if rowwise else (col_data, col_scale)
-    return registry().mxfp8_dequantize(data, scale, "e4m3", use, "compact", torch.bfloat16)
+    row, col = registry().mxfp8_round_trip(t, "e4m3", rowwise, not rowwise)
+    return row if rowwise else col
 
 
 def _mxfp8_both(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row-wise and column-wise MXFP8 round trips of ``t`` from one quantization pass."""
-    row_data, row_scale, col_data, col_scale = registry().mxfp8_quantize(t, "e4m3", True, True, "compact")
-    dequantize = registry().mxfp8_dequantize
-    return (
-        dequantize(row_data, row_scale, "e4m3", "rowwise", "compact", torch.bfloat16),
-        dequantize(col_data, col_scale, "e4m3", "columnwise", "compact", torch.bfloat16),
-    )
+    """Row-wise and column-wise MXFP8 round trips of ``t`` from one read."""
+    return registry().mxfp8_round_trip(t, "e4m3", True, True)
 
 
 def _flat(weight: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,12 @@ import triton
 import triton.language as tl
 
 from ..formats import FP8_DTYPES, FP8_MAX, FP8_MAX_RCP, MXFP8_BLOCK_SIZE
-from ..meta.mxfp8 import flat_2d_dims, mxfp8_dequantize_output, mxfp8_quantize_outputs
+from ..meta.mxfp8 import (
+    flat_2d_dims,
+    mxfp8_dequantize_output,
+    mxfp8_quantize_outputs,
+    mxfp8_round_trip_outputs,
+)
 from .bf16_pairs import to_dtype_rne
 from .launch import cached_launch
 
@@ -363,6 +368,52 @@ def mxfp8_dequantize_kernel(
     tl.store(out_ptr + offsets, to_dtype_rne(out, out_ptr.dtype.element_ty), mask=in_bounds)
 
 
+@cached_launch
+@triton.jit
+def mxfp8_round_trip_kernel(
+    x_ptr,
+    stride_row,
+    rows,
+    cols,
+    row_out_ptr,
+    col_out_ptr,
+    BLOCK_COLS: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MAX_RCP: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    ROWWISE: tl.constexpr,
+    COLWISE: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    """One program: a 32 x BLOCK_COLS tile read once, each requested copy quantized in registers as the
+    quantize kernel does and multiplied back by its scale as the dequantize kernel does (neither the
+    FP8 data nor the scales touch memory), stored in the output's dtype."""
+    row_block, col_tile = tile_coords(cols, BLOCK_COLS)
+    rows_idx = row_block * 32 + tl.arange(0, 32)
+    cols_idx = col_tile * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    ptrs = x_ptr + rows_idx[:, None].to(tl.int64) * stride_row + cols_idx[None, :]
+    if EVEN:
+        x = tl.load(ptrs).to(tl.float32)
+    else:
+        in_bounds = (rows_idx[:, None] < rows) & (cols_idx[None, :] < cols)
+        x = tl.load(ptrs, mask=in_bounds, other=0.0).to(tl.float32)
+    if ROWWISE:
+        N_BLOCKS: tl.constexpr = BLOCK_COLS // 32
+        blocks = tl.reshape(x, [32, N_BLOCKS, 32])
+        code = e8m0_from_amax(block_amax(blocks, 2), MAX_RCP)
+        data = cast_satfinite(blocks * quantize_multiplier(code)[:, :, None], FP8_MAX, OUT_DTYPE)
+        values = tl.reshape(data.to(tl.float32) * dequantize_multiplier(code)[:, :, None], [32, BLOCK_COLS])
+        values = to_dtype_rne(values, row_out_ptr.dtype.element_ty)
+        store_tile(row_out_ptr, rows_idx, cols_idx, rows, cols, values, EVEN)
+    if COLWISE:
+        code = e8m0_from_amax(block_amax(x, 0), MAX_RCP)
+        data = cast_satfinite(x * quantize_multiplier(code)[None, :], FP8_MAX, OUT_DTYPE)
+        values = to_dtype_rne(
+            data.to(tl.float32) * dequantize_multiplier(code)[None, :], col_out_ptr.dtype.element_ty
+        )
+        store_tile(col_out_ptr, rows_idx, cols_idx, rows, cols, values, EVEN)
+
+
 TRITON_FP8 = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
 
 
@@ -467,3 +518,35 @@ def launch_mxfp8_dequantize(
         num_warps=4,
     )
     return out
+
+
+def launch_mxfp8_round_trip(
+    x: torch.Tensor, fp8_dtype: str, rowwise: bool, columnwise: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lowp::mxfp8_round_trip`` on a CUDA (or interpreted CPU) tensor: one read of x, one write per
+    copy (the quantize kernel's tiles and configuration)."""
+    row_out, col_out = mxfp8_round_trip_outputs(x, fp8_dtype, rowwise, columnwise)
+    rows, cols = flat_2d_dims(x.shape)
+    if rows == 0 or cols == 0:
+        return row_out, col_out
+    x2d = x.reshape(rows, cols)
+    if x2d.stride(1) != 1:
+        x2d = x2d.contiguous()  # row-major tiles only, as launch_mxfp8_quantize
+    block_cols, num_warps = quantize_config(cols, rowwise, columnwise)
+    mxfp8_round_trip_kernel[(triton.cdiv(rows, TILE_ROWS) * triton.cdiv(cols, block_cols),)](
+        x2d,
+        x2d.stride(0),
+        rows,
+        cols,
+        row_out,
+        col_out,
+        BLOCK_COLS=block_cols,
+        FP8_MAX=FP8_MAX[fp8_dtype],
+        MAX_RCP=FP8_MAX_RCP[fp8_dtype],
+        OUT_DTYPE=TRITON_FP8[fp8_dtype],
+        ROWWISE=rowwise,
+        COLWISE=columnwise,
+        EVEN=rows % TILE_ROWS == 0 and cols % block_cols == 0,
+        num_warps=num_warps,
+    )
+    return row_out, col_out

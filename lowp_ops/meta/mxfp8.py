@@ -166,3 +166,13 @@ def mxfp8_dequantize_output(
         lambda: f"out must be a contiguous {dtype} tensor of shape {tuple(data.shape)}",
     )
     return out
+
+
+def mxfp8_round_trip_outputs(
+    x: torch.Tensor, fp8_dtype: str, rowwise: bool, columnwise: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(row_values, col_values)``: x's values through the row-wise (1x32 blocks) and the column-wise
+    (32x1 blocks) MXFP8 copy and back, in x's shape (contiguous) and dtype; a copy not asked for is a
+    0-element tensor."""
+    check_quantize_args(x, fp8_dtype, rowwise, columnwise, "compact")
+    return tuple(x.new_empty(x.shape if wanted else (0,)) for wanted in (rowwise, columnwise))

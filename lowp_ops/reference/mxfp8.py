@@ -22,7 +22,12 @@ from __future__ import annotations
 import torch
 
 from ..formats import FP8_DTYPES, FP8_MAX, FP8_MAX_RCP, MXFP8_BLOCK_SIZE
-from ..meta.mxfp8 import flat_2d_dims, mxfp8_dequantize_output, mxfp8_quantize_outputs
+from ..meta.mxfp8 import (
+    flat_2d_dims,
+    mxfp8_dequantize_output,
+    mxfp8_quantize_outputs,
+    mxfp8_round_trip_outputs,
+)
 
 _BLOCK = MXFP8_BLOCK_SIZE
 
@@ -172,3 +177,17 @@ def mxfp8_dequantize(
         multiplier = dequantize_multiplier(compact[:, :cols]).repeat_interleave(_BLOCK, dim=0)[:rows]
     out.copy_((values * multiplier).view(data.shape))
     return out
+
+
+def mxfp8_round_trip(
+    x: torch.Tensor, fp8_dtype: str, rowwise: bool, columnwise: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of ``lowp::mxfp8_round_trip``: :func:`mxfp8_dequantize` of each copy of
+    :func:`mxfp8_quantize`, to x's dtype (shapes: ``meta.mxfp8.mxfp8_round_trip_outputs``)."""
+    row_out, col_out = mxfp8_round_trip_outputs(x, fp8_dtype, rowwise, columnwise)
+    row_data, row_scale, col_data, col_scale = mxfp8_quantize(x, fp8_dtype, rowwise, columnwise, "compact")
+    if rowwise:
+        row_out.copy_(mxfp8_dequantize(row_data, row_scale, fp8_dtype, "rowwise", "compact", x.dtype))
+    if columnwise:
+        col_out.copy_(mxfp8_dequantize(col_data, col_scale, fp8_dtype, "columnwise", "compact", x.dtype))
+    return row_out, col_out
