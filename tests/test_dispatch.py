@@ -130,6 +130,9 @@ TRITON_LAUNCHES = {
     # end (1); then SwiGLU forward, its recomputation in the backward, and dGLU
     "grouped_swiglu_mlp bf16 fwd+bwd": 13,
     "nn.GroupedSwiGLUMLP bf16 fwd+bwd": 13,
+    # bf16's 13 and one MXFP8 round trip per GEMM operand pair: fprop x, w1, h, w2 (row-wise); FC2's
+    # dy (both copies), h and w2 (column-wise); the same three for FC1
+    "grouped_swiglu_mlp mxfp8 fwd+bwd": 23,
 }
 
 
@@ -218,6 +221,13 @@ def _launch_cases(device):
             lambda a, b, d, p: lowp_ops.grouped_swiglu_mlp(a, b, d, splits, p), xt, w1, w2, probs
         ),
         "nn.GroupedSwiGLUMLP bf16 fwd+bwd": fwd_bwd(lambda a, p: mlp(a, splits, p), xt, probs),
+        "grouped_swiglu_mlp mxfp8 fwd+bwd": fwd_bwd(
+            lambda a, b, d, p: lowp_ops.grouped_swiglu_mlp(a, b, d, splits, p, recipe="mxfp8"),
+            xt,
+            w1,
+            w2,
+            probs,
+        ),
     }
 
 
