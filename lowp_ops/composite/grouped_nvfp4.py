@@ -86,7 +86,7 @@ def weight_operand(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _scale_rows(out: torch.Tensor, alpha: tuple[torch.Tensor, torch.Tensor], split_sizes: torch.Tensor):
     """bf16 ``out * alpha_e`` per expert's rows, ``alpha`` as :func:`_alpha` returns it."""
     first, second = (_token_values(factor, split_sizes, out.shape[0])[:, None] for factor in alpha)
-    return (out.float() * first * second).to(torch.bfloat16)
+    return out.float().mul_(first).mul_(second).to(torch.bfloat16)  # in place: one fp32 temporary
 
 
 def _alpha(amax_a: torch.Tensor, amax_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,7 +135,7 @@ def nvfp4_backward(
     dweight = registry().grouped_mm(grad_col, x_col.t(), offs)
     del grad_col, x_col
     first, second = _alpha(amax_col, amax_x_col)
-    dweight = (dweight.float() * first[:, None, None] * second[:, None, None]).to(torch.bfloat16)
+    dweight = dweight.float().mul_(first[:, None, None]).mul_(second[:, None, None]).to(torch.bfloat16)
     grad_row, amax_row = rowwise_operand(grad, split_sizes, amax_row)
     w_local, amax_w = weight_operand(weight)
     dx = _scale_rows(registry().grouped_mm(grad_row, w_local, offs), _alpha(amax_row, amax_w), split_sizes)
