@@ -28,6 +28,8 @@ declare -A jobs=(
     [unaligned]="python3 benchmarks/probe_unaligned_rows.py && python3 benchmarks/bench_cross_entropy.py --shapes 8192x50257 --json $json/ce_unaligned.json"
     [rms_norm]="python3 benchmarks/bench_rms_norm.py --json $json/rms_norm.json"
     [transformers_vs_liger]="python3 benchmarks/bench_transformers.py --impls liger,lowp --modes eager,compiled --steps 6 --warmup 2 --budget-seconds ${TRANSFORMERS_SECONDS:-200} --json $json/transformers_vs_liger.json"
+    [transformers_qwen3moe]="python3 benchmarks/bench_transformers.py --models qwen3moe --impls lowp,liger,stock --modes eager,compiled --steps 6 --warmup 2 --case-timeout 250 --budget-seconds ${TRANSFORMERS_SECONDS:-560} --json $json/transformers_qwen3moe.json"
+    [probe_memory]="python3 benchmarks/probe_train_memory.py --model qwen3moe --impl lowp"
     [host_nvfp4_dequantize]="python3 benchmarks/bench_host_overhead.py --no-compile --only nvfp4_dequantize"
     [transformers]="python3 benchmarks/bench_transformers.py --impls liger,lowp,stock --steps 6 --warmup 2 --budget-seconds ${TRANSFORMERS_SECONDS:-200} --json $json/transformers.json"
 )
