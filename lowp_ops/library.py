@@ -534,34 +534,50 @@ def _grouped_linear_backward(ctx, grad):
     return dx, dweight, None, None
 
 
+def _saved_tensor_hooks_active() -> bool:
+    """True when ``torch.autograd.graph.saved_tensors_hooks`` are in effect (activation checkpointing,
+    CPU offload), or when this torch cannot say."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(True) is not None
+
+
 def _grouped_swiglu_mlp_setup(ctx, inputs, output):
     x, fc1_weight, fc2_weight, probs, split_sizes, *config = inputs
+    c = output[1]
     ctx.config = config  # recipe, interleave, fc1_dy_amax_from_dglu
-    ctx.save_for_backward(fc1_weight, fc2_weight, probs, split_sizes)
+    ctx.mark_non_differentiable(c)
+    ctx.set_materialize_grads(False)  # no zero-filled (T, 2F) gradient of c
+    if _saved_tensor_hooks_active():
+        # Checkpointing / offload hooks see every saved tensor (x and c included): no early freeing.
+        ctx.activations = None
+        ctx.save_for_backward(fc1_weight, fc2_weight, probs, split_sizes, x, c)
+        return
     # x and c (not h: docs/grouped_mlp.md#memory) in a list rather than saved, so that the backward can
     # free each after its last use (save_for_backward keeps them to its end); their versions are
     # checked by hand, as saved tensors' are.
-    c = output[1]
+    ctx.save_for_backward(fc1_weight, fc2_weight, probs, split_sizes)
     ctx.activations, ctx.versions = [x, c], (x._version, c._version)
-    ctx.mark_non_differentiable(c)
-    ctx.set_materialize_grads(False)  # no zero-filled (T, 2F) gradient of c
 
 
 def _grouped_swiglu_mlp_backward(ctx, grad_y, _grad_c):
     if grad_y is None:
         return (None,) * 8
-    if not ctx.activations:
-        raise RuntimeError(
-            "lowp::grouped_swiglu_mlp: its backward ran already and freed its saved activations; "
-            "a second backward through it (retain_graph=True) is not supported"
-        )
-    versions = tuple(t._version for t in ctx.activations)
-    if not torch.compiler.is_compiling() and versions != ctx.versions:
-        raise RuntimeError(
-            "lowp::grouped_swiglu_mlp: its input x or its output c was modified in place after the forward"
-        )
-    fc1_weight, fc2_weight, probs, split_sizes = ctx.saved_tensors
-    activations, ctx.activations = ctx.activations, []
+    if ctx.activations is None:
+        fc1_weight, fc2_weight, probs, split_sizes, *activations = ctx.saved_tensors
+    else:
+        if not ctx.activations:
+            raise RuntimeError(
+                "lowp::grouped_swiglu_mlp: its backward ran already and freed its saved activations; "
+                "a second backward through it (retain_graph=True) is not supported"
+            )
+        versions = tuple(t._version for t in ctx.activations)
+        if not torch.compiler.is_compiling() and versions != ctx.versions:
+            raise RuntimeError(
+                "lowp::grouped_swiglu_mlp: its input x or its output c was modified in place after the "
+                "forward"
+            )
+        fc1_weight, fc2_weight, probs, split_sizes = ctx.saved_tensors
+        activations, ctx.activations = ctx.activations, []
     dx, dfc1_weight, dfc2_weight, dprobs = grouped_linear_impl.grouped_swiglu_mlp_backward(
         grad_y, activations, fc1_weight, fc2_weight, probs, split_sizes, *ctx.config
     )

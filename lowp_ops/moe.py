@@ -48,7 +48,8 @@ def grouped_swiglu_mlp(
     both weights and probs; fp32 probs get an fp32 gradient that was never rounded to bf16, bf16 probs
     get ``bf16(fp32 dprobs)``. The backward keeps x and ``c = FC1(x)`` (not the FC2 input, which it
     recomputes) and frees each at its last use, so it runs once: a second backward through the same
-    call (``retain_graph=True``) raises (docs/grouped_mlp.md#memory).
+    call (``retain_graph=True``) raises; under saved-tensor hooks (checkpointing, CPU offload) they are
+    saved tensors as usual (docs/grouped_mlp.md#memory).
     """
     require(recipe in RECIPES, lambda: f"recipe must be one of {RECIPES}, got {recipe!r}")
     require_tensor(x, "x")

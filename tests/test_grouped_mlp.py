@@ -189,14 +189,14 @@ def saved_shapes(function, *args) -> list[tuple[int, ...]]:
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_backward_keeps_c_and_recomputes_h(recipe):
-    """Autograd saves both weights, probs and split sizes; the node keeps x and c (T, 2F) itself (freed as
-    it goes, test below); h (T, F) is not kept. The gradients are those of FC1, SwiGLU and FC2 as three
-    autograd nodes (h saved), bit for bit. The probabilities are bf16 values, so mxfp8's rounding of
-    them in the forward changes nothing."""
+    """Under saved-tensor hooks (checkpointing, offload) the op saves both weights, probs, split sizes, x
+    and c (T, 2F), never h (T, F); without hooks it keeps x and c itself and frees them as it goes (test
+    below). The gradients are those of FC1, SwiGLU and FC2 as three autograd nodes (h saved), bit for
+    bit. The probabilities are bf16 values, so mxfp8's rounding of them in the forward changes nothing."""
     inputs = make_inputs([32, 0, 64], 64, 48, seed=4)
     inputs["probs"] = inputs["probs"].bfloat16().float()
     shapes = saved_shapes(run_mlp, inputs, recipe)
-    assert sorted(shapes) == [(3,), (3, 64, 48), (3, 96, 64), (96,)], shapes
+    assert sorted(shapes) == [(3,), (3, 64, 48), (3, 96, 64), (96,), (96, 64), (96, 96)], shapes
     got = run_mlp(inputs, recipe)
     x, w1, w2, probs = grad_leaves(inputs)
     splits = inputs["split_sizes"]
@@ -232,6 +232,26 @@ def test_backward_frees_each_activation_after_its_last_use(monkeypatch, recipe):
     x_at_fc1_wgrad = recipe == "bf16"
     assert seen == [(True, True), (True, True), (False, x_at_fc1_wgrad), (False, False)]
     assert leaf.grad is not None
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    """Non-reentrant checkpointing (saved-tensor hooks: x and c go through them) around the MLP: the
+    gradients of the plain call, bit for bit."""
+    inputs = make_inputs([32, 0, 64], 64, 48, seed=8)
+    splits = inputs["split_sizes"]
+
+    def grads(checkpointed: bool):
+        x, w1, w2, probs = grad_leaves(inputs)
+
+        def mlp(a):
+            return lowp_ops.grouped_swiglu_mlp(a * 1, w1, w2, splits, probs)
+
+        y = torch.utils.checkpoint.checkpoint(mlp, x, use_reentrant=False) if checkpointed else mlp(x)
+        y.backward(inputs["dy"])
+        return y.detach(), x.grad, w1.grad, w2.grad, probs.grad
+
+    for got, expected in zip(grads(True), grads(False), strict=True):
+        assert torch.equal(got, expected)
 
 
 def test_second_backward_and_modified_activations_raise():
