@@ -21,6 +21,7 @@ from partition_checks import shapes_saved_by_compiled_forward
 import lowp_ops
 from lowp_ops import library
 from lowp_ops.composite import grouped_linear, grouped_nvfp4
+from lowp_ops.meta.split_sizes import expert_of_rows
 from lowp_ops.reference import grouped_mm as grouped_mm_ref
 from lowp_ops.reference import nvfp4 as nvfp4_ref
 
@@ -349,11 +350,11 @@ def test_nvfp4_operands_from_the_quantize_ops_equal_the_pure_pytorch_local_value
     gen = torch.Generator().manual_seed(10)
     t = (torch.randn(96, 48, generator=gen) * torch.logspace(-3, 3, 48)).bfloat16()
     local, amax = grouped_nvfp4.rowwise_operand(t, split_sizes)
-    token_amax = grouped_nvfp4._token_values(amax, split_sizes, 96)[:, None]
+    token_amax = grouped_nvfp4._token_values(amax, expert_of_rows(split_sizes, 96))[:, None]
     assert torch.equal(local, nvfp4_oracles.local_values(t, token_amax))
     local, amax = grouped_nvfp4.columnwise_operand(t, split_sizes)
     transformed = nvfp4_ref.apply_rht(t.t().contiguous())
-    block_amax = grouped_nvfp4._token_values(amax, split_sizes, 96)[::16][None, :]
+    block_amax = grouped_nvfp4._token_values(amax, expert_of_rows(split_sizes, 96))[::16][None, :]
     assert torch.equal(local, nvfp4_oracles.local_values(transformed, block_amax))
     expected_amax = grouped_nvfp4.per_expert_amax(transformed.abs().amax(dim=0), split_sizes, 96)
     assert torch.equal(amax, expected_amax)

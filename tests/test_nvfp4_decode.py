@@ -13,6 +13,7 @@ import torch
 from lowp_ops.composite import grouped_nvfp4
 from lowp_ops.formats import E2M1_MAGNITUDES
 from lowp_ops.kernels import nvfp4_decode as kernels
+from lowp_ops.meta.split_sizes import expert_of_rows
 from lowp_ops.reference import nvfp4 as nvfp4_ref
 from lowp_ops.reference import nvfp4_decode as reference
 
@@ -196,10 +197,10 @@ def test_recipe_operands_through_the_kernels_equal_the_pure_pytorch_local_values
     split_sizes = torch.tensor([32, 0, 48, 16])
     t = make_tokens(96, 48, seed=11)
     local, amax = grouped_nvfp4.rowwise_operand(t.to(kernel_device), split_sizes.to(kernel_device))
-    token_amax = grouped_nvfp4._token_values(amax.cpu(), split_sizes, 96)[:, None]
+    token_amax = grouped_nvfp4._token_values(amax.cpu(), expert_of_rows(split_sizes, 96))[:, None]
     assert_bits_equal(local, nvfp4_oracles.local_values(t, token_amax))
     local, amax = grouped_nvfp4.columnwise_operand(t.to(kernel_device), split_sizes.to(kernel_device))
-    block_amax = grouped_nvfp4._token_values(amax.cpu(), split_sizes, 96)[::16][None, :]
+    block_amax = grouped_nvfp4._token_values(amax.cpu(), expert_of_rows(split_sizes, 96))[::16][None, :]
     assert_bits_equal(local, nvfp4_oracles.local_values(nvfp4_ref.apply_rht(t.t().contiguous()), block_amax))
     weight = make_tokens(3 * 32, 48, seed=12).view(3, 32, 48)
     local, amax = grouped_nvfp4.weight_operand(weight.to(kernel_device))

@@ -24,6 +24,8 @@ values are decoded from their codes and E4M3 scales by ``lowp::nvfp4_decode_rows
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..formats import NVFP4_BLOCK_SIZE, NVFP4_GLOBAL_SCALE_NUMERATOR
@@ -35,25 +37,56 @@ from . import registry
 _GLOBAL_RCP = 1.0 / NVFP4_GLOBAL_SCALE_NUMERATOR
 
 
-def per_expert_amax(values_abs_max: torch.Tensor, split_sizes: torch.Tensor, axis_len: int) -> torch.Tensor:
-    """(E,) fp32 max of per-token ``values_abs_max`` (T,) over each expert's tokens; 0 when empty."""
+class ExpertRows(NamedTuple):
+    """One pass's view of the tokens' experts, computed once and shared by its GEMMs and scalings:
+    effective split sizes (E,) with multiple 16, their int64 prefix sums (the group ends), and the
+    expert of every token (T,), E for a token of no expert."""
+
+    split_sizes: torch.Tensor
+    ends: torch.Tensor
+    expert_of_row: torch.Tensor
+
+
+def expert_rows(split_sizes: torch.Tensor, tokens: int) -> ExpertRows:
+    sizes = effective_split_sizes(split_sizes, tokens, NVFP4_SPLIT_MULTIPLE)
+    ends = torch.cumsum(sizes, dim=0)
+    # The effective sizes are well formed: their prefix sums are the effective boundaries.
+    rows = torch.arange(tokens, device=split_sizes.device)
+    return ExpertRows(sizes, ends, torch.bucketize(rows, ends, right=True))
+
+
+def per_expert_amax(
+    values_abs_max: torch.Tensor,
+    split_sizes: torch.Tensor,
+    axis_len: int,
+    expert_of_row: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(E,) fp32 max of per-token ``values_abs_max`` (T,) over each expert's tokens; 0 when empty.
+    ``expert_of_row``: :class:`ExpertRows`'s, when the caller has it."""
     experts = split_sizes.shape[0]
+    if expert_of_row is None:
+        expert_of_row = expert_of_rows(split_sizes, axis_len)
     out = values_abs_max.new_zeros(experts + 1, dtype=torch.float32)
-    out.scatter_reduce_(0, expert_of_rows(split_sizes, axis_len), values_abs_max.float(), reduce="amax")
+    out.scatter_reduce_(0, expert_of_row, values_abs_max.float(), reduce="amax")
     return out[:experts]
 
 
-def _token_values(per_expert: torch.Tensor, split_sizes: torch.Tensor, tokens: int) -> torch.Tensor:
+def _token_values(per_expert: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
     """(T,) the value of each token's expert (0 past the last expert)."""
     padded = torch.cat((per_expert, per_expert.new_zeros(1)))
-    return padded[expert_of_rows(split_sizes, tokens)]
+    return padded[expert_of_row]
 
 
-def rowwise_operand(t: torch.Tensor, split_sizes: torch.Tensor, amax: torch.Tensor | None = None):
+def rowwise_operand(
+    t: torch.Tensor,
+    split_sizes: torch.Tensor,
+    amax: torch.Tensor | None = None,
+    expert_of_row: torch.Tensor | None = None,
+):
     """(local values (T, C), per-expert amax (E,)) of the row-wise copy of tokens ``t`` (T, C)."""
     tokens = t.shape[0]
     if amax is None:
-        amax = per_expert_amax(t.abs().amax(dim=1), split_sizes, tokens)
+        amax = per_expert_amax(t.abs().amax(dim=1), split_sizes, tokens, expert_of_row)
     row_data, row_scale, *_ = registry().nvfp4_group_quantize(t, split_sizes, True, False, False, amax, None)
     return registry().nvfp4_decode_rows(row_data, row_scale), amax
 
@@ -83,9 +116,9 @@ def weight_operand(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return registry().nvfp4_decode_rows(row_data, row_scale).view(weight.shape), amax
 
 
-def _scale_rows(out: torch.Tensor, alpha: tuple[torch.Tensor, torch.Tensor], split_sizes: torch.Tensor):
+def _scale_rows(out: torch.Tensor, alpha: tuple[torch.Tensor, torch.Tensor], expert_of_row: torch.Tensor):
     """bf16 ``out * alpha_e`` per expert's rows, ``alpha`` as :func:`_alpha` returns it."""
-    first, second = (_token_values(factor, split_sizes, out.shape[0])[:, None] for factor in alpha)
+    first, second = (_token_values(factor, expert_of_row)[:, None] for factor in alpha)
     return out.float().mul_(first).mul_(second).to(torch.bfloat16)  # in place: one fp32 temporary
 
 
@@ -101,12 +134,11 @@ def _alpha(amax_a: torch.Tensor, amax_b: torch.Tensor) -> tuple[torch.Tensor, to
 
 def nvfp4_fprop(x: torch.Tensor, weight: torch.Tensor, split_sizes: torch.Tensor) -> torch.Tensor:
     """y (T, N) bf16 of the NVFP4 recipe."""
-    split_sizes = effective_split_sizes(split_sizes, x.shape[0], NVFP4_SPLIT_MULTIPLE)
-    offs = torch.cumsum(split_sizes, dim=0)
-    x_local, amax_x = rowwise_operand(x, split_sizes)
+    plan = expert_rows(split_sizes, x.shape[0])
+    x_local, amax_x = rowwise_operand(x, plan.split_sizes, None, plan.expert_of_row)
     w_local, amax_w = weight_operand(weight)
-    y = registry().grouped_mm(x_local, w_local.transpose(1, 2), offs)
-    return _scale_rows(y, _alpha(amax_x, amax_w), split_sizes)
+    y = registry().grouped_mm(x_local, w_local.transpose(1, 2), plan.ends)
+    return _scale_rows(y, _alpha(amax_x, amax_w), plan.expert_of_row)
 
 
 def grad_amaxes(dglu_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,17 +158,18 @@ def nvfp4_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dweight) bf16; ``grad_amax`` given: no amax pass over ``grad`` (see :func:`grad_amaxes`).
     The weight gradient comes first, and ``x`` is dropped before the input gradient is formed."""
-    split_sizes = effective_split_sizes(split_sizes, x.shape[0], NVFP4_SPLIT_MULTIPLE)
-    offs = torch.cumsum(split_sizes, dim=0)
+    plan = expert_rows(split_sizes, x.shape[0])
+    split_sizes = plan.split_sizes
     amax_row, amax_col = grad_amaxes(grad_amax) if grad_amax is not None else (None, None)
     x_col, amax_x_col = columnwise_operand(x, split_sizes)
     del x
     grad_col, amax_col = columnwise_operand(grad, split_sizes, amax_col)
-    dweight = registry().grouped_mm(grad_col, x_col.t(), offs)
+    dweight = registry().grouped_mm(grad_col, x_col.t(), plan.ends)
     del grad_col, x_col
     first, second = _alpha(amax_col, amax_x_col)
     dweight = dweight.float().mul_(first[:, None, None]).mul_(second[:, None, None]).to(torch.bfloat16)
-    grad_row, amax_row = rowwise_operand(grad, split_sizes, amax_row)
+    grad_row, amax_row = rowwise_operand(grad, split_sizes, amax_row, plan.expert_of_row)
     w_local, amax_w = weight_operand(weight)
-    dx = _scale_rows(registry().grouped_mm(grad_row, w_local, offs), _alpha(amax_row, amax_w), split_sizes)
+    dx = registry().grouped_mm(grad_row, w_local, plan.ends)
+    dx = _scale_rows(dx, _alpha(amax_row, amax_w), plan.expert_of_row)
     return dx, dweight
