@@ -138,6 +138,37 @@ def store_tile(ptr, rows_idx, cols_idx, rows, cols, values, EVEN: tl.constexpr):
 
 
 @triton.jit
+def load_tile_fp32(
+    x_ptr, stride_row, rows_idx, cols_idx, rows, cols, EVEN: tl.constexpr, EVICTION: tl.constexpr
+):
+    """The [32, BLOCK_COLS] tile of x as fp32, out-of-bounds lanes 0 (EVEN: the tile is in bounds). The
+    upcast follows the load at once (bf16 math is wrong in the Triton interpreter)."""
+    ptrs = x_ptr + rows_idx[:, None].to(tl.int64) * stride_row + cols_idx[None, :]
+    if EVEN:
+        return tl.load(ptrs, eviction_policy=EVICTION).to(tl.float32)
+    in_bounds = (rows_idx[:, None] < rows) & (cols_idx[None, :] < cols)
+    return tl.load(ptrs, mask=in_bounds, other=0.0, eviction_policy=EVICTION).to(tl.float32)
+
+
+@triton.jit
+def quantize_rows(
+    x, BLOCK_COLS: tl.constexpr, FP8_MAX: tl.constexpr, MAX_RCP: tl.constexpr, OUT_DTYPE: tl.constexpr
+):
+    """(E8M0 codes [32, BLOCK_COLS/32] int32, FP8 data [32, BLOCK_COLS/32, 32]) of the fp32 tile ``x``
+    in 1x32 blocks, in registers (docs/mxfp8.md#quantization)."""
+    blocks = tl.reshape(x, [32, BLOCK_COLS // 32, 32])
+    code = e8m0_from_amax(block_amax(blocks, 2), MAX_RCP)
+    return code, cast_satfinite(blocks * quantize_multiplier(code)[:, :, None], FP8_MAX, OUT_DTYPE)
+
+
+@triton.jit
+def quantize_columns(x, FP8_MAX: tl.constexpr, MAX_RCP: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """(E8M0 codes [BLOCK_COLS] int32, FP8 data [32, BLOCK_COLS]) of the fp32 tile ``x`` in 32x1 blocks."""
+    code = e8m0_from_amax(block_amax(x, 0), MAX_RCP)
+    return code, cast_satfinite(x * quantize_multiplier(code)[None, :], FP8_MAX, OUT_DTYPE)
+
+
+@triton.jit
 def quantize_tile_rowwise(
     x,
     rows_idx,
@@ -159,11 +190,8 @@ def quantize_tile_rowwise(
     32-column boundary) in 1x32 blocks: data at ``data_ptr[row * cols + col]``, E8M0 codes at
     row-wise scale (row, col // 32)."""
     N_BLOCKS: tl.constexpr = BLOCK_COLS // 32
-    blocks = tl.reshape(x, [32, N_BLOCKS, 32])
-    code = e8m0_from_amax(block_amax(blocks, 2), MAX_RCP)
-    scaled = blocks * quantize_multiplier(code)[:, :, None]
-    data = tl.reshape(cast_satfinite(scaled, FP8_MAX, OUT_DTYPE), [32, BLOCK_COLS])
-    store_tile(data_ptr, rows_idx, cols_idx, rows, cols, data, EVEN)
+    code, data = quantize_rows(x, BLOCK_COLS, FP8_MAX, MAX_RCP, OUT_DTYPE)
+    store_tile(data_ptr, rows_idx, cols_idx, rows, cols, tl.reshape(data, [32, BLOCK_COLS]), EVEN)
     scale_row = rows_idx[:, None]
     scale_col = tile_col0 // 32 + tl.arange(0, N_BLOCKS)[None, :]
     if SWIZZLED:
@@ -194,8 +222,7 @@ def quantize_tile_columnwise(
 ):
     """Quantize an fp32 tile ``x`` [32, BLOCK_COLS] in 32x1 blocks (the tile is one block high): data
     (not transposed) at ``data_ptr[row * cols + col]``, E8M0 codes at column-wise scale (row_block, col)."""
-    code = e8m0_from_amax(block_amax(x, 0), MAX_RCP)
-    data = cast_satfinite(x * quantize_multiplier(code)[None, :], FP8_MAX, OUT_DTYPE)
+    code, data = quantize_columns(x, FP8_MAX, MAX_RCP, OUT_DTYPE)
     store_tile(data_ptr, rows_idx, cols_idx, rows, cols, data, EVEN)
     if SWIZZLED:
         # Column-wise scales are swizzled as their transpose: i = column, j = 32-row block.
@@ -299,14 +326,7 @@ def mxfp8_quantize_kernel(
     tile_col0 = col_tile * BLOCK_COLS
     rows_idx = row_block * 32 + tl.arange(0, 32)
     cols_idx = tile_col0 + tl.arange(0, BLOCK_COLS)
-    ptrs = x_ptr + rows_idx[:, None].to(tl.int64) * stride_row + cols_idx[None, :]
-    # Upcast right after the load (bf16 math is wrong in the Triton interpreter); padding lanes are 0.
-    if EVEN:
-        x = tl.load(ptrs, eviction_policy=X_EVICTION).to(tl.float32)
-    else:
-        in_bounds = (rows_idx[:, None] < rows) & (cols_idx[None, :] < cols)
-        x = tl.load(ptrs, mask=in_bounds, other=0.0, eviction_policy=X_EVICTION)
-        x = x.to(tl.float32)
+    x = load_tile_fp32(x_ptr, stride_row, rows_idx, cols_idx, rows, cols, EVEN, X_EVICTION)
     quantize_tile(
         x,
         rows_idx,
@@ -391,23 +411,14 @@ def mxfp8_round_trip_kernel(
     row_block, col_tile = tile_coords(cols, BLOCK_COLS)
     rows_idx = row_block * 32 + tl.arange(0, 32)
     cols_idx = col_tile * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    ptrs = x_ptr + rows_idx[:, None].to(tl.int64) * stride_row + cols_idx[None, :]
-    if EVEN:
-        x = tl.load(ptrs).to(tl.float32)
-    else:
-        in_bounds = (rows_idx[:, None] < rows) & (cols_idx[None, :] < cols)
-        x = tl.load(ptrs, mask=in_bounds, other=0.0).to(tl.float32)
+    x = load_tile_fp32(x_ptr, stride_row, rows_idx, cols_idx, rows, cols, EVEN, "")
     if ROWWISE:
-        N_BLOCKS: tl.constexpr = BLOCK_COLS // 32
-        blocks = tl.reshape(x, [32, N_BLOCKS, 32])
-        code = e8m0_from_amax(block_amax(blocks, 2), MAX_RCP)
-        data = cast_satfinite(blocks * quantize_multiplier(code)[:, :, None], FP8_MAX, OUT_DTYPE)
+        code, data = quantize_rows(x, BLOCK_COLS, FP8_MAX, MAX_RCP, OUT_DTYPE)
         values = tl.reshape(data.to(tl.float32) * dequantize_multiplier(code)[:, :, None], [32, BLOCK_COLS])
         values = to_dtype_rne(values, row_out_ptr.dtype.element_ty)
         store_tile(row_out_ptr, rows_idx, cols_idx, rows, cols, values, EVEN)
     if COLWISE:
-        code = e8m0_from_amax(block_amax(x, 0), MAX_RCP)
-        data = cast_satfinite(x * quantize_multiplier(code)[None, :], FP8_MAX, OUT_DTYPE)
+        code, data = quantize_columns(x, FP8_MAX, MAX_RCP, OUT_DTYPE)
         values = to_dtype_rne(
             data.to(tl.float32) * dequantize_multiplier(code)[None, :], col_out_ptr.dtype.element_ty
         )
