@@ -24,6 +24,7 @@ from .meta import mxfp8_gemm as mxfp8_gemm_meta
 from .meta import nvfp4 as nvfp4_meta
 from .meta import rms_norm as rms_norm_meta
 from .meta import softmax as softmax_meta
+from .meta import split_sizes as split_sizes_meta
 from .meta import swiglu as swiglu_meta
 from .meta import vocab_parallel as vocab_parallel_meta
 from .reference import cross_entropy as ce_ref
@@ -498,10 +499,20 @@ cross_entropy_scale_grad_ = _define(
 
 grouped_mm = _define(
     "grouped_mm",
-    "(Tensor a, Tensor b, Tensor offs) -> Tensor",
+    "(Tensor a, Tensor b, Tensor offs, bool ends_valid=False) -> Tensor",
     grouped_mm_ref.grouped_mm,
     "grouped_mm.launch_grouped_mm",
     grouped_mm_meta.grouped_mm_output,
+)
+
+# The effective group ends of split sizes, computed once per MLP pass and handed to its grouped GEMMs
+# with ends_valid=True (each GEMM would otherwise validate them again: one launch each).
+group_ends = _define(
+    "group_ends",
+    "(Tensor split_sizes, SymInt rows) -> Tensor",
+    grouped_mm_ref.group_ends,
+    "split_sizes.launch_group_ends",
+    split_sizes_meta.group_ends_output,
 )
 
 grouped_linear = _define(

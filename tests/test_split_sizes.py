@@ -20,7 +20,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lowp_ops
@@ -149,6 +149,32 @@ def test_kernel_helper_follows_the_documented_rule(sizes, rows, multiple):
     offs = torch.tensor(sizes, dtype=torch.int64).cumsum(0)
     expected = split_meta.valid_group_ends(offs, rows).tolist()
     assert split_kernels.launch_valid_group_ends(offs, rows).tolist() == expected
+
+
+@settings(max_examples=25, deadline=None)
+@given(sizes=SIZES, rows=st.integers(0, 64))
+def test_group_ends_op_reference_follows_the_documented_rule(sizes, rows):
+    """``lowp::group_ends`` (reference): int32 effective ends, valid ``offs`` of ``grouped_mm``."""
+    got = grouped_mm_ref.group_ends(int_tensor(sizes), rows)
+    assert got.dtype == torch.int32 and got.tolist() == oracle_ends(sizes, rows)
+
+
+@pytest.mark.parametrize("suite", SUITES)
+# kernel_device is a constant of the run: sharing it across examples is safe.
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=SIZES, rows=st.integers(0, 64))
+def test_group_ends_kernel_follows_the_documented_rule(suite, kernel_device, sizes, rows):
+    got = split_kernels.launch_group_ends(int_tensor(sizes, kernel_device), rows)
+    assert got.dtype == torch.int32 and got.device.type == torch.device(kernel_device).type
+    assert got.cpu().tolist() == oracle_ends(sizes, rows)
+
+
+def test_group_ends_op_checks_its_arguments():
+    with pytest.raises(ValueError, match="split_sizes must be 1-D int32/int64"):
+        lowp_ops.library.group_ends(torch.ones(3), 8)
+    with pytest.raises(ValueError, match="rows must be >= 0"):
+        lowp_ops.library.group_ends(torch.ones(3, dtype=torch.int32), -1)
+    torch.library.opcheck(torch.ops.lowp.group_ends.default, (torch.tensor([3, -1, 9], dtype=torch.int32), 8))
 
 
 @triton.jit
@@ -508,6 +534,35 @@ def test_grouped_mm_kernel_uses_the_valid_group_ends(suite, checks_off, kernel_d
     torch.testing.assert_close(got.cpu().double(), expected.double(), rtol=2**-7, atol=1e-2)
     if b.dim() == 3:
         assert (got.cpu()[expected.abs().sum(1) == 0] == 0).all()  # the rows of no group, exactly 0
+
+
+@pytest.mark.parametrize("suite", SUITES)
+@pytest.mark.parametrize("sizes", [s for _, s in MALFORMED] + [[20, 12, 32]], ids=[*MALFORMED_IDS, "valid"])
+@pytest.mark.parametrize("layout", ["rows", "tokens"])
+def test_grouped_mm_kernel_on_ends_from_group_ends_skips_nothing_it_needs(
+    suite, checks_off, kernel_device, monkeypatch, sizes, layout
+):
+    """``ends_valid=True`` with the int32 ends of ``group_ends``: no validating launch, the product of
+    the validated call; with int64 ends the flag is not trusted (the ends are validated)."""
+    from lowp_ops.kernels import grouped_mm as grouped_mm_kernels
+
+    a, b = (t.to(kernel_device) for t in grouped_mm_operands(layout))
+    sizes_t = int_tensor(sizes, kernel_device)
+    ends = split_kernels.launch_group_ends(sizes_t, T)
+    validations = []
+    real = grouped_mm_kernels.launch_valid_group_ends
+    monkeypatch.setattr(
+        grouped_mm_kernels, "launch_valid_group_ends", lambda *args: validations.append(1) or real(*args)
+    )
+    trusted = grouped_mm_kernels.launch_grouped_mm(a, b, ends, True)
+    assert validations == []
+    checked = grouped_mm_kernels.launch_grouped_mm(a, b, ends)
+    untrusted = grouped_mm_kernels.launch_grouped_mm(a, b, ends.long(), True)
+    assert len(validations) == 2
+    assert_exact(trusted, checked)
+    assert_exact(untrusted, checked)
+    raw_ends = split_meta.clamped_prefix_sums(sizes_t.cpu(), T)
+    assert_exact(checked, grouped_mm_kernels.launch_grouped_mm(a, b, raw_ends.to(kernel_device)))
 
 
 @pytest.mark.parametrize("suite", SUITES)

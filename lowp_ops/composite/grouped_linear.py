@@ -31,15 +31,14 @@ from __future__ import annotations
 import torch
 
 from ..meta.grouped_mm import grouped_linear_output, grouped_swiglu_mlp_outputs
-from ..meta.split_sizes import clamped_prefix_sums
 from . import registry
 from .grouped_nvfp4 import nvfp4_backward, nvfp4_fprop
 
 
 def group_ends(split_sizes: torch.Tensor, rows: int) -> torch.Tensor:
-    """int64 group ends for ``lowp::grouped_mm`` (on the device): the clamped prefix sums, whose valid
-    part ``grouped_mm`` takes are the effective boundaries of ``meta.split_sizes``."""
-    return clamped_prefix_sums(split_sizes, rows)
+    """int32 effective group ends (``meta.split_sizes``, on the device), valid ``offs`` for every
+    ``lowp::grouped_mm`` of the pass (passed with ``ends_valid=True``)."""
+    return registry().group_ends(split_sizes, rows)
 
 
 def _mxfp8_dequantized(t: torch.Tensor, use: str) -> torch.Tensor:
@@ -72,10 +71,10 @@ def linear_fprop(
         return nvfp4_fprop(x, weight, split_sizes)
     offs = group_ends(split_sizes, x.shape[0]) if offs is None else offs
     if recipe == "bf16":
-        return registry().grouped_mm(x, weight.transpose(1, 2), offs)
+        return registry().grouped_mm(x, weight.transpose(1, 2), offs, True)
     x_deq = _mxfp8_dequantized(x, "rowwise")
     w_deq = _mxfp8_dequantized(_flat(weight), "rowwise").view(weight.shape)
-    return registry().grouped_mm(x_deq, w_deq.transpose(1, 2), offs)
+    return registry().grouped_mm(x_deq, w_deq.transpose(1, 2), offs, True)
 
 
 def linear_backward(
@@ -99,16 +98,16 @@ def linear_backward(
         return nvfp4_backward(grad, handed.pop(), weight, split_sizes, grad_amax)
     offs = group_ends(split_sizes, x.shape[0]) if offs is None else offs
     if recipe == "bf16":
-        dweight = registry().grouped_mm(grad.t(), x, offs)
+        dweight = registry().grouped_mm(grad.t(), x, offs, True)
         del x
-        return registry().grouped_mm(grad, weight, offs), dweight
+        return registry().grouped_mm(grad, weight, offs, True), dweight
     grad_row, grad_col = _mxfp8_both(grad)
     x_col = _mxfp8_dequantized(x, "columnwise")
     del x
-    dweight = registry().grouped_mm(grad_col.t(), x_col, offs)
+    dweight = registry().grouped_mm(grad_col.t(), x_col, offs, True)
     del grad_col, x_col
     w_col = _mxfp8_dequantized(_flat(weight), "columnwise").view(weight.shape)
-    return registry().grouped_mm(grad_row, w_col, offs), dweight
+    return registry().grouped_mm(grad_row, w_col, offs, True), dweight
 
 
 def grouped_linear(

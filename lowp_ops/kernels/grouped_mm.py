@@ -78,14 +78,21 @@ def zero_rows_past(out: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def launch_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``lowp::grouped_mm`` on CUDA tensors (CPU tensors in the interpreter suite use the same call)."""
+def launch_grouped_mm(
+    a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, ends_valid: bool = False
+) -> torch.Tensor:
+    """``lowp::grouped_mm`` on CUDA tensors (CPU tensors in the interpreter suite use the same call).
+    ``ends_valid``: int32 ``offs`` from ``lowp::group_ends`` are used as they are (no validating launch);
+    other ``offs`` are always made valid first."""
     shape = grouped_mm_shape(a, b, offs)  # torch._grouped_mm allocates the output itself
     rows_grouped = b.dim() == 3
     if math.prod(shape) == 0 or a.shape[1] == 0 or offs.shape[0] == 0:
         # No contraction, or no group: torch._grouped_mm rejects a zero-width operand or zero groups.
         return a.new_zeros(shape)
-    ends = launch_valid_group_ends(offs, a.shape[0] if rows_grouped else a.shape[1])
+    if ends_valid and offs.dtype == torch.int32:
+        ends = offs
+    else:
+        ends = launch_valid_group_ends(offs, a.shape[0] if rows_grouped else a.shape[1])
     if rows_grouped:
         return zero_rows_past(torch._grouped_mm(_row_major(a), _gemm_ready(b), ends), ends)
     return torch._grouped_mm(_column_major(a), _row_major(b), ends)

@@ -100,9 +100,13 @@ class CachedLaunch:
             full_args.append(meta[name] if name in meta else self._defaults[name])
         grid_0, grid_1, grid_2 = (*grid, 1, 1)[:3]
         stream = torch._C._cuda_getCurrentRawStream(device)
-        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-        grid_3 = (grid_0, grid_1, grid_2)
-        metadata = None if enter is None else binary.launch_metadata(grid_3, stream, *full_args)
+        enter, leave = (
+            _active_hook(knobs.runtime.launch_enter_hook),
+            _active_hook(knobs.runtime.launch_exit_hook),
+        )
+        metadata = None
+        if enter is not None or leave is not None:
+            metadata = binary.launch_metadata((grid_0, grid_1, grid_2), stream, *full_args)
         run(
             grid_0,
             grid_1,
@@ -115,6 +119,13 @@ class CachedLaunch:
             leave,
             *full_args,
         )
+
+
+def _active_hook(hook):
+    """``hook``, or None when there is nothing to call: Triton's knobs hold a ``HookChain`` (always truthy,
+    possibly empty) where older releases held None or a function. With None the launch skips building
+    the launch metadata and the two hook calls (several microseconds a launch)."""
+    return None if hook is None or getattr(hook, "calls", True) == [] else hook
 
 
 def cached_launch(jit_function) -> CachedLaunch:

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..meta.split_sizes import group_ends_output
 from .launch import cached_launch
 
 
@@ -82,6 +83,23 @@ def valid_group_ends_kernel(offs_ptr, out_ptr, groups, rows, GROUPS_POW2: tl.con
     idx = tl.arange(0, GROUPS_POW2)
     raw = tl.load(offs_ptr + idx, mask=idx < groups, other=0).to(tl.int64)
     tl.store(out_ptr + idx, valid_group_ends(raw, rows).to(tl.int32), mask=idx < groups)
+
+
+@cached_launch
+@triton.jit
+def group_ends_kernel(split_ptr, out_ptr, experts, rows, EXPERTS_POW2: tl.constexpr):
+    """int32 effective group ends of the int32/int64 split sizes: one program."""
+    _, end = effective_bounds(split_ptr, experts, rows, EXPERTS_POW2, 1)
+    idx = tl.arange(0, EXPERTS_POW2)
+    tl.store(out_ptr + idx, end.to(tl.int32), mask=idx < experts)
+
+
+def launch_group_ends(split_sizes: torch.Tensor, rows: int) -> torch.Tensor:
+    """``lowp::group_ends`` on the device: int32 (E,) effective ends of ``split_sizes`` (one launch)."""
+    out = group_ends_output(split_sizes, rows)
+    pow2 = max(2, triton.next_power_of_2(split_sizes.shape[0]))
+    group_ends_kernel[(1,)](split_sizes.contiguous(), out, split_sizes.shape[0], rows, EXPERTS_POW2=pow2)
+    return out
 
 
 def launch_valid_group_ends(offs: torch.Tensor, rows: int) -> torch.Tensor:

@@ -57,8 +57,11 @@ def grouped_mm_shape(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> tu
     return (offs.shape[0], a.shape[0], b.shape[1])
 
 
-def grouped_mm_output(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``lowp::grouped_mm``'s output, allocated (:func:`grouped_mm_shape`)."""
+def grouped_mm_output(
+    a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, ends_valid: bool = False
+) -> torch.Tensor:
+    """``lowp::grouped_mm``'s output, allocated (:func:`grouped_mm_shape`); ``ends_valid`` changes no
+    shape."""
     return a.new_empty(grouped_mm_shape(a, b, offs))
 
 

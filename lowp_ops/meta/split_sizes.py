@@ -178,6 +178,14 @@ def group_ends(split_sizes: torch.Tensor, rows: int, multiple: int = 1) -> torch
     return valid_group_ends(clamped_prefix_sums(split_sizes, rows), rows, multiple)
 
 
+def group_ends_output(split_sizes: torch.Tensor, rows: int) -> torch.Tensor:
+    """``lowp::group_ends``'s int32 (E,) output, allocated, after the checks of :func:`check_split_sizes`
+    and ``rows >= 0``."""
+    check_split_sizes(split_sizes, of="split_sizes")
+    require(rows >= 0, lambda: f"rows must be >= 0, got {rows}")
+    return split_sizes.new_empty(split_sizes.shape, dtype=torch.int32)
+
+
 def effective_split_sizes(split_sizes: torch.Tensor, rows: int, multiple: int = 1) -> torch.Tensor:
     """int64 (E,) ``end_e - start_e``: well-formed sizes (>= 0, multiples of ``multiple``, sum <= rows)
     that every op maps to the same boundaries as ``split_sizes``."""

@@ -17,13 +17,24 @@ import itertools
 import torch
 
 from ..meta.grouped_mm import grouped_mm_output
-from ..meta.split_sizes import valid_group_ends
+from ..meta.split_sizes import group_ends as effective_group_ends
+from ..meta.split_sizes import group_ends_output, valid_group_ends
 
 
-def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def group_ends(split_sizes: torch.Tensor, rows: int) -> torch.Tensor:
+    """Reference of ``lowp::group_ends``: int32 (E,) effective group ends of ``split_sizes`` over ``rows``
+    rows (``meta.split_sizes``): non-decreasing, within [0, rows], valid ``offs`` of ``grouped_mm``."""
+    return group_ends_output(split_sizes, rows).copy_(effective_group_ends(split_sizes, rows))
+
+
+def grouped_mm(
+    a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, ends_valid: bool = False
+) -> torch.Tensor:
     """Reference of ``lowp::grouped_mm``: ``a`` (T, K) x ``b`` (E, K, N) -> (T, N), or ``a`` (M, T) x
-    ``b`` (T, N) -> (E, M, N) with the groups along T."""
-    out = grouped_mm_output(a, b, offs).zero_()
+    ``b`` (T, N) -> (E, M, N) with the groups along T. ``ends_valid`` (ends from ``lowp::group_ends``)
+    lets the CUDA kernel skip making the ends valid; valid ends are their own validation, so it changes
+    nothing here."""
+    out = grouped_mm_output(a, b, offs, ends_valid).zero_()
     grouped_len = a.shape[0] if b.dim() == 3 else a.shape[1]
     bounds = list(itertools.pairwise([0, *valid_group_ends(offs, grouped_len).tolist()]))
     for group, (start, end) in enumerate(bounds):
