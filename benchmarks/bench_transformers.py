@@ -279,6 +279,30 @@ def make_batch(vocab: int, batch: int, seq: int, device):
     return tokens, tokens.clone()
 
 
+def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
+    """The case a single-case probe builds (``probe_train_memory.py``, ``profile_train_step.py``)."""
+    parser.add_argument("--model", default="qwen3moe", choices=MODELS)
+    parser.add_argument("--impl", default="lowp", choices=IMPLS)
+    parser.add_argument("--compiled", action="store_true", help="regional torch.compile")
+    parser.add_argument("--top", type=int, default=25, help="rows of the report")
+
+
+def probe_case(args: argparse.Namespace, warmup: int):
+    """(model, optimizer, batch) of the probe's case on CUDA, batch 1 x 4096, after ``warmup`` steps."""
+    import torch
+
+    device = torch.device("cuda")
+    model = build_model(args.model, args.impl, False, device)
+    if args.compiled:
+        compile_model(model, "regional")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=True)
+    batch = make_batch(model.config.vocab_size, 1, 4096, device)
+    for _ in range(warmup):
+        train_step(model, optimizer, *batch)
+    torch.cuda.synchronize()
+    return model, optimizer, batch
+
+
 def train_step(model, optimizer, input_ids, labels):
     """Forward with labels, backward, optimizer step, zero_grad; the detached loss (no host sync)."""
     loss = model(input_ids=input_ids, labels=labels, use_cache=False).loss

@@ -51,20 +51,9 @@ def main() -> None:
     import torch
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="qwen3moe", choices=bench.MODELS)
-    parser.add_argument("--impl", default="lowp")
-    parser.add_argument("--compiled", action="store_true")
-    parser.add_argument("--top", type=int, default=25)
+    bench.add_probe_arguments(parser)
     args = parser.parse_args()
-    device = torch.device("cuda")
-    model = bench.build_model(args.model, args.impl, False, device)
-    if args.compiled:
-        bench.compile_model(model, "regional")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=bench.LEARNING_RATE, fused=True)
-    batch = bench.make_batch(model.config.vocab_size, 1, 4096, device)
-    for _ in range(2):
-        bench.train_step(model, optimizer, *batch)
-    torch.cuda.synchronize()
+    model, optimizer, batch = bench.probe_case(args, warmup=2)
     start = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")

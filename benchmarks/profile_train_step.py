@@ -28,10 +28,7 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="qwen3moe", choices=bench.MODELS)
-    parser.add_argument("--impl", default="lowp")
-    parser.add_argument("--compiled", action="store_true")
-    parser.add_argument("--top", type=int, default=25)
+    bench.add_probe_arguments(parser)
     parser.add_argument("--timed-steps", type=int, default=5, help="unprofiled steps timed after the warm-up")
     parser.add_argument(
         "--no-autograd-threads",
@@ -43,16 +40,8 @@ def main() -> None:
         "--sync-debug", action="store_true", help="print where the profiled step synchronizes with the host"
     )
     args = parser.parse_args()
-    device = torch.device("cuda")
-    model = bench.build_model(args.model, args.impl, False, device)
-    if args.compiled:
-        bench.compile_model(model, "regional")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=bench.LEARNING_RATE, fused=True)
-    batch = bench.make_batch(model.config.vocab_size, 1, 4096, device)
     torch.autograd.set_multithreading_enabled(not args.no_autograd_threads)
-    for _ in range(3):
-        bench.train_step(model, optimizer, *batch)
-    torch.cuda.synchronize()
+    model, optimizer, batch = bench.probe_case(args, warmup=3)
     start = time.perf_counter()
     for _ in range(args.timed_steps):
         bench.train_step(model, optimizer, *batch)
