@@ -31,6 +31,7 @@ declare -A jobs=(
     [transformers_qwen3moe]="python3 benchmarks/bench_transformers.py --models qwen3moe --impls lowp,liger,stock --modes eager,compiled --steps 6 --warmup 2 --case-timeout 250 --budget-seconds ${TRANSFORMERS_SECONDS:-560} --json $json/transformers_qwen3moe.json"
     [probe_memory]="python3 benchmarks/probe_train_memory.py --model qwen3moe --impl lowp"
     [host_eager]="python3 benchmarks/bench_host_overhead.py --no-compile --calls 100"
+    # three cases of ~50 s each: JOB_TIMEOUT=200
     [moe_steps]="for run in 'lowp --compiled' 'lowp-no-rms-norm --compiled' 'stock --compiled'; do
         python3 benchmarks/profile_train_step.py --model qwen3moe --top 3 --impl \$run; done"
     [host_nvfp4_dequantize]="python3 benchmarks/bench_host_overhead.py --no-compile --only nvfp4_dequantize"
