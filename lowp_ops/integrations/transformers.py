@@ -138,7 +138,9 @@ def apply_lowp_ops(
             experts module through :func:`lowp_ops.grouped_swiglu_mlp` with that recipe (the expert
             weights must be bf16 with hidden and intermediate sizes multiples of 8).
         softmax: with eager attention, the attention probabilities go through :func:`lowp_ops.softmax`.
-        rms_norm: every RMSNorm module runs through :func:`lowp_ops.rms_norm`.
+        rms_norm: every RMSNorm module runs through :func:`lowp_ops.rms_norm`. A model you compile may
+            run faster with False: Inductor fuses transformers' RMSNorm into the code around it, where
+            each lowp call costs a custom-op dispatch and Python launches (README, transformers models).
         mlp: every dense SwiGLU MLP computes its activation with :func:`lowp_ops.swiglu`.
         loss_options: passed through to :func:`lowp_ops.linear_cross_entropy` (e.g. ``chunk_size``,
             ``other_operand``, ``label_smoothing``; later loss features the same way).
