@@ -9,6 +9,16 @@ import torch
 def shapes_saved_by_compiled_forward(fn, *args) -> list[tuple[int, ...]]:
     """Compile ``fn`` (fullgraph), run ``fn(*args).float().sum().backward()`` and return the shapes of the
     tensors the partitioned forward graph hands to the backward."""
+    return [tuple(value.shape) for value in values_saved_by_compiled_forward(fn, *args)]
+
+
+def bytes_saved_by_compiled_forward(fn, *args) -> list[int]:
+    """The sizes in bytes of those tensors, smallest first."""
+    return sorted(v.numel() * v.element_size() for v in values_saved_by_compiled_forward(fn, *args))
+
+
+def values_saved_by_compiled_forward(fn, *args) -> list[torch.Tensor]:
+    """The fake values (shape, dtype) of the tensors the partitioned forward graph hands to the backward."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
@@ -25,4 +35,4 @@ def shapes_saved_by_compiled_forward(fn, *args) -> list[tuple[int, ...]]:
     )
     torch.compile(fn, backend=backend, fullgraph=True)(*args).float().sum().backward()
     (output,) = [node for node in forward_graphs[0].graph.nodes if node.op == "output"]
-    return [tuple(node.meta["val"].shape) for node in output.args[0][1:] if "val" in node.meta]
+    return [node.meta["val"] for node in output.args[0][1:] if "val" in node.meta]

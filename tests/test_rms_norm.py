@@ -214,3 +214,24 @@ def test_manual_capture_of_forward_backward_replays_like_eager():
         eager = step(*fresh)
         for got, want in zip(static_out, eager, strict=True):
             assert same_bits(got, want)
+
+
+def test_compiled_transformers_formula_saves_what_the_op_saves():
+    """The README's advice (``apply_lowp_ops(model, rms_norm=False)`` for compiled models) rests on this:
+    under Inductor's min-cut partitioner, transformers' RMSNorm between a residual add and a projection
+    hands the backward the same tensors as ``lowp_ops.rms_norm`` (bf16 x, fp32 rstd per row, the bf16
+    output for the projection's weight gradient, the weights), so leaving the norms to Inductor costs no
+    activation memory."""
+    from partition_checks import bytes_saved_by_compiled_forward
+
+    x, weight, _ = make((64, 256), torch.bfloat16, seed=4)
+    projection = torch.randn(256, 256).bfloat16()
+    xr = x.clone().requires_grad_()
+
+    def layer(norm):
+        return lambda v: torch.nn.functional.linear(norm(v * 2), projection)
+
+    theirs = bytes_saved_by_compiled_forward(layer(lambda v: transformers_formula(v, weight, 1e-6, True)), xr)
+    ours = bytes_saved_by_compiled_forward(layer(lambda v: lowp_ops.rms_norm(v, weight, 1e-6)), xr)
+    # weight (bf16), rstd (fp32), x (bf16), the projection (bf16)
+    assert theirs == ours == sorted([2 * 256, 4 * 64, 2 * 64 * 256, 2 * 256 * 256])
