@@ -68,14 +68,20 @@ class BoundLaunch(torch.autograd.Function):
         return out
 
 
-class Identity(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
+def identity_with_backward(body):
+    """``apply`` of an autograd Function whose forward is a view of its input and whose backward
+    returns ``body(grad)`` (a Python backward, run where autograd runs it)."""
 
-    @staticmethod
-    def backward(ctx, g):
-        return g
+    class ViewWithBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, v):
+            return v.view_as(v)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return body(grad)
+
+    return ViewWithBackward.apply
 
 
 x = torch.randn(256, 4096, device="cuda", requires_grad=True)
@@ -92,7 +98,7 @@ def step(fn):
 
 for name, fn in (
     ("torch.softmax", lambda v: torch.softmax(v, -1)),
-    ("identity backward", Identity.apply),
+    ("identity backward", identity_with_backward(lambda grad: grad)),
     ("launcher in backward", FullLauncher.apply),
     ("bound launch in backward", BoundLaunch.apply),
 ):
@@ -110,21 +116,15 @@ segments["launcher"] = lambda: library.softmax_bwd.launcher()(y, g, False)
 inside: dict[str, list[float]] = {name: [] for name in segments}
 
 
-class Timed(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, v):
-        return v.view_as(v)
-
-    @staticmethod
-    def backward(ctx, grad):
-        for name, piece in segments.items():
-            start = time.perf_counter()
-            piece()
-            inside[name].append(time.perf_counter() - start)
-        return grad
+def time_segments(grad):
+    for name, piece in segments.items():
+        start = time.perf_counter()
+        piece()
+        inside[name].append(time.perf_counter() - start)
+    return grad
 
 
-us(step(Timed.apply))
+us(step(identity_with_backward(time_segments)))
 for name, piece in segments.items():
     worker = sorted(inside[name])[len(inside[name]) // 2] * 1e6
     print(f"{name:28s} worker thread {worker:7.1f} us, main thread {us(piece):7.1f} us (medians / means)")
@@ -138,19 +138,13 @@ marks: dict[str, float] = {}
 
 
 def stamped(body):
-    class Stamped(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, v):
-            return v.view_as(v)
+    def with_marks(grad):
+        marks["begin"] = time.perf_counter()
+        out = body(grad)
+        marks["end"] = time.perf_counter()
+        return out
 
-        @staticmethod
-        def backward(ctx, grad):
-            marks["begin"] = time.perf_counter()
-            out = body(grad)
-            marks["end"] = time.perf_counter()
-            return out
-
-    return Stamped.apply
+    return identity_with_backward(with_marks)
 
 
 def gaps(fn, n=300) -> str:
