@@ -39,8 +39,8 @@ _GLOBAL_RCP = 1.0 / NVFP4_GLOBAL_SCALE_NUMERATOR
 
 class ExpertRows(NamedTuple):
     """One pass's view of the tokens' experts, computed once and shared by its GEMMs and scalings:
-    effective split sizes (E,) with multiple 16, their int64 prefix sums (the group ends), and the
-    expert of every token (T,), E for a token of no expert."""
+    effective split sizes (E,) with multiple 16, their int32 prefix sums (the group ends, valid ``offs``
+    of ``lowp::grouped_mm``), and the expert of every token (T,), E for a token of no expert."""
 
     split_sizes: torch.Tensor
     ends: torch.Tensor
@@ -49,8 +49,8 @@ class ExpertRows(NamedTuple):
 
 def expert_rows(split_sizes: torch.Tensor, tokens: int) -> ExpertRows:
     sizes = effective_split_sizes(split_sizes, tokens, NVFP4_SPLIT_MULTIPLE)
-    ends = torch.cumsum(sizes, dim=0)
-    # The effective sizes are well formed: their prefix sums are the effective boundaries.
+    # The effective sizes are well formed: their prefix sums are the effective boundaries, valid ends.
+    ends = torch.cumsum(sizes, dim=0, dtype=torch.int32)
     rows = torch.arange(tokens, device=split_sizes.device)
     return ExpertRows(sizes, ends, torch.bucketize(rows, ends, right=True))
 
@@ -137,7 +137,7 @@ def nvfp4_fprop(x: torch.Tensor, weight: torch.Tensor, split_sizes: torch.Tensor
     plan = expert_rows(split_sizes, x.shape[0])
     x_local, amax_x = rowwise_operand(x, plan.split_sizes, None, plan.expert_of_row)
     w_local, amax_w = weight_operand(weight)
-    y = registry().grouped_mm(x_local, w_local.transpose(1, 2), plan.ends)
+    y = registry().grouped_mm(x_local, w_local.transpose(1, 2), plan.ends, True)
     return _scale_rows(y, _alpha(amax_x, amax_w), plan.expert_of_row)
 
 
@@ -164,12 +164,12 @@ def nvfp4_backward(
     x_col, amax_x_col = columnwise_operand(x, split_sizes)
     del x
     grad_col, amax_col = columnwise_operand(grad, split_sizes, amax_col)
-    dweight = registry().grouped_mm(grad_col, x_col.t(), plan.ends)
+    dweight = registry().grouped_mm(grad_col, x_col.t(), plan.ends, True)
     del grad_col, x_col
     first, second = _alpha(amax_col, amax_x_col)
     dweight = dweight.float().mul_(first[:, None, None]).mul_(second[:, None, None]).to(torch.bfloat16)
     grad_row, amax_row = rowwise_operand(grad, split_sizes, amax_row, plan.expert_of_row)
     w_local, amax_w = weight_operand(weight)
-    dx = registry().grouped_mm(grad_row, w_local, plan.ends)
+    dx = registry().grouped_mm(grad_row, w_local, plan.ends, True)
     dx = _scale_rows(dx, _alpha(amax_row, amax_w), plan.expert_of_row)
     return dx, dweight

@@ -83,7 +83,7 @@ class CachedLaunch:
         self._key_of = [_value_key if p.name in constexpr else _arg_key for p in params]
         # Positional arguments before the first constexpr are all run-time ones (the fast key).
         self._run_time_prefix = next((i for i, p in enumerate(params) if p.name in constexpr), len(params))
-        self._meta_key_of = {name: _arg_key for name in self._names if name not in constexpr}
+        self._meta_run_time = frozenset(name for name in self._names if name not in constexpr)
 
     def __getattr__(self, name):
         return getattr(self.jit_function, name)
@@ -96,17 +96,23 @@ class CachedLaunch:
         if INTERPRETING:
             self.jit_function[grid](*args, **meta)
             return
-        device = torch.cuda.current_device()
-        key_of, meta_key_of = self._key_of, self._meta_key_of
+        device = torch._C._cuda_getDevice()  # CUDA is initialized: the arguments are CUDA tensors
         if len(args) <= self._run_time_prefix:
             args_key = _run_time_args_key(args)
         else:
-            args_key = tuple(key_of[i](value) for i, value in enumerate(args))
-        key = (
-            device,
-            args_key,
-            tuple((name, meta_key_of.get(name, _value_key)(value)) for name, value in meta.items()),
+            key_of = self._key_of
+            args_key = tuple([key_of[i](value) for i, value in enumerate(args)])
+        run_time = self._meta_run_time
+        # A constexpr or launch option is its own key (no call per keyword: most launches pass 5-12).
+        meta_key = tuple(
+            [
+                (name, _arg_key(value))
+                if name in run_time
+                else (name, value.value if type(value) is tl.constexpr else value)
+                for name, value in meta.items()
+            ]
         )
+        key = (device, args_key, meta_key)
         entry = self._binaries.get(key)
         if entry is None:
             # Triton compiles (or finds) the binary, launches it and returns it.
