@@ -6,12 +6,17 @@ forward and backward, and the forward and backward with autograd's multithreadin
 the calling thread, not autograd's CUDA worker thread). Method as ``bench_host_overhead.py`` (calls back
 to back, one synchronize at the end, median of loops).
 
-    python benchmarks/probe_host_phases.py [--calls 200] [--repeats 7]
+    python benchmarks/probe_host_phases.py [--calls 200] [--repeats 7] [--one-core]
+
+``--one-core`` runs every thread on one CPU core: if the backward's cost on autograd's worker thread
+falls to the caller-thread figure there, what it pays is the hand-off between cores (caches, wake-ups),
+not the work.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +61,13 @@ def main() -> None:
     )
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--one-core", action="store_true", help="pin the process (autograd's worker thread too) to one core"
+    )
     args = parser.parse_args()
+    if args.one_core:
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+        print(f"pinned to core {min(os.sched_getaffinity(0))}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=device).manual_seed(0)
     logits = torch.randn(512, 32000, device=device, generator=gen).bfloat16().requires_grad_()

@@ -4,8 +4,9 @@
 - router probabilities: ``lowp_ops.softmax`` over the experts, top-k routing;
 - experts: ``lowp_ops.nn.GroupedSwiGLUMLP`` (grouped GEMMs, fused dGLU backward, recipe bf16 / mxfp8 /
   nvfp4; the fp32 router probabilities get an fp32 gradient);
-- LM head + loss: ``lowp_ops.linear_cross_entropy`` with the logits gradient written as MXFP8 and fed
-  to the dgrad / wgrad GEMMs.
+- LM head + loss: ``lowp_ops.linear_cross_entropy``; with the mxfp8 and nvfp4 recipes the logits
+  gradient is written as MXFP8 and fed to the dgrad / wgrad GEMMs (bf16 recipe: a bf16 gradient, so
+  that the bf16 model has no FP8 anywhere, as the baseline).
 
 ``--baseline`` trains the same model (same parameters and initialization) in plain PyTorch instead:
 ``torch.softmax``, bf16 experts on two ``torch._grouped_mm`` with ``silu(gate) * linear * probs`` between
@@ -196,6 +197,7 @@ class TinyMoELM(torch.nn.Module):
     ):
         super().__init__()
         self.baseline = baseline
+        self.head_grad_format = None if recipe == "bf16" else "mxfp8_e4m3"
         # Token and position embeddings as one-hot matmuls: deterministic backward on every device.
         self.embed = torch.nn.Parameter(torch.randn(VOCAB, dim) * 0.02)
         self.position = torch.nn.Parameter(torch.randn(seq, dim) * 0.02)
@@ -213,7 +215,9 @@ class TinyMoELM(torch.nn.Module):
         hidden = self.norm(x).to(torch.bfloat16).reshape(-1, x.shape[-1])
         if self.baseline:
             return F.cross_entropy(F.linear(hidden, self.head).float(), targets.reshape(-1))
-        return lowp_ops.linear_cross_entropy(hidden, self.head, targets.reshape(-1), grad_format="mxfp8_e4m3")
+        return lowp_ops.linear_cross_entropy(
+            hidden, self.head, targets.reshape(-1), grad_format=self.head_grad_format
+        )
 
 
 # -------------------------------------------------------------------------------------------- training

@@ -260,6 +260,12 @@ def ceil_div(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
+def next_power_of_2(n: int) -> int:
+    """The least power of two ``>= n`` for ``n >= 1`` (0 for 0), as ``triton.next_power_of_2``, which is a
+    ``constexpr_function`` in Triton >= 3.5: a host call through it costs several microseconds."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def round_up(a: int, b: int) -> int:
     """The least multiple of ``b`` that is ``>= a`` (``a >= 0``, ``b > 0``): padded sizes of scale tiles."""
     return ceil_div(a, b) * b

@@ -142,7 +142,7 @@ def check_schedule(
 
 DEFAULT_OUTSIDE = lce_kernels.LOGITS_OUTSIDE_ROWS
 SCHEDULE_CASES = [
-    (40, 64, 5000, torch.bfloat16, "mean", 0.1, True, 1000),  # N < H, two pieces, four wgrad GEMMs
+    (40, 64, 5000, torch.bfloat16, "mean", 0.1, True, 1000),  # N < H, two pieces, 2 + 1 wgrad GEMMs
     (64, 64, 4100, torch.bfloat16, "sum", 0.0, True, 1000),  # N == H: the logits fill dweight exactly
     (64, 64, 4100, torch.bfloat16, "mean", 0.0, True, DEFAULT_OUTSIDE),
     (30, 64, 1000, torch.bfloat16, "mean", 0.0, False, DEFAULT_OUTSIDE),  # V <= R: nothing inside; no dhidden
@@ -178,6 +178,38 @@ def test_schedule_matches_float64_and_chunks_gpu(
 ):
     args = (n_tokens, hidden, vocab, dtype, reduction, label_smoothing, hidden_grad, outside)
     check_schedule("cuda", *args, monkeypatch)
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize(
+    ("n_tokens", "hidden", "vocab", "outside", "inside_pieces"),
+    [
+        (40, 64, 5000, 1000, [2500, 1500]),
+        (64, 64, 4100, 1000, [1000, 1000, 1000, 100]),
+        (32, 64, 900, 1000, []),
+    ],
+)
+def test_weight_gradient_pieces_grow_when_tokens_are_fewer_than_hidden_interp(
+    n_tokens, hidden, vocab, outside, inside_pieces, monkeypatch
+):
+    """The weight-gradient GEMMs over the logits inside ``dweight``: as large as the overlap rule allows
+    (pieces of R rows only at N == H), then one for the last R rows; the result checked against float64
+    by the schedule tests above."""
+    monkeypatch.setattr(lce_kernels, "LOGITS_OUTSIDE_ROWS", outside)
+    rows_per_mm = []
+    real_mm = torch.mm
+
+    h, w, target = make_inputs(n_tokens, hidden, vocab, torch.float32, device="cpu")
+
+    def recording_mm(a, b, *, out=None):
+        if b is h:  # a weight-gradient GEMM: dlogits rows @ hidden
+            rows_per_mm.append(a.shape[0])
+        return real_mm(a, b, out=out) if out is not None else real_mm(a, b)
+
+    monkeypatch.setattr(torch, "mm", recording_mm)
+    row_weight = torch.full((n_tokens,), 1.0 / n_tokens)
+    lce_kernels.fwd_bwd_in_gradient_buffer(h, w, target, row_weight, 0.0, -100, True)
+    assert rows_per_mm == [*inside_pieces, min(vocab, outside)]
 
 
 def test_schedule_applies_only_where_the_logits_fit():

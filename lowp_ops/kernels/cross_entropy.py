@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import FP8_DTYPES, FP8_MAX, FP8_MAX_RCP, round_to_fp32
+from ..formats import FP8_DTYPES, FP8_MAX, FP8_MAX_RCP, ceil_div, next_power_of_2, round_to_fp32
 from ..meta.checks import require
 from ..meta.cross_entropy import (
     LOG_SUM,
@@ -52,7 +52,7 @@ FWD_BLOCK = 8192
 def fwd_config(n_cols: int) -> tuple[int, int]:
     """(BLOCK, num_warps) of a one-row-per-program online pass: one warp per 2048 elements of a row
     block, 92-93% of copy at 4096 x 129280 on the H200."""
-    block = min(FWD_BLOCK, triton.next_power_of_2(n_cols))
+    block = min(FWD_BLOCK, next_power_of_2(n_cols))
     return block, max(1, block // 2048)
 
 
@@ -387,7 +387,7 @@ def _fwd_feature_args(z_loss: float, softcap: float) -> dict:
 
 def _bwd_grid(rows: int, n_cols: int, block_cols: int) -> tuple[int]:
     """1-D grid of 32-row x ``block_cols`` tiles, walked along the rows (``mxfp8.tile_coords``)."""
-    return (triton.cdiv(rows, TILE_ROWS) * triton.cdiv(n_cols, block_cols),)
+    return (ceil_div(rows, TILE_ROWS) * ceil_div(n_cols, block_cols),)
 
 
 ROWS_BLOCK = 4096
@@ -535,7 +535,7 @@ def launch_cross_entropy_bwd(
     }
     if by_row if by_row is not None else aligned_row_programs(logits):
         require(logits.is_contiguous(), lambda: "the row-segment kernel reads contiguous logits only")
-        cross_entropy_bwd_rows_kernel[(rows, triton.cdiv(n_cols, ROWS_BLOCK))](
+        cross_entropy_bwd_rows_kernel[(rows, ceil_div(n_cols, ROWS_BLOCK))](
             logits, *row_args, BLOCK=ROWS_BLOCK, ALIGN=16 // logits.element_size(), **features
         )
         return dlogits

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..formats import ceil_div
 from ..meta.cross_entropy import LOG_SUM, SHIFT, row_loss_and_stats_outputs
 from .bf16_pairs import to_dtype_rne
 from .cross_entropy import _bwd_scalars, stats_rows
@@ -266,7 +267,7 @@ def rows_per_slice(n_vocab: int, token_blocks: int) -> int:
     partial array (maximum and sum of exponentials; label smoothing adds the shifted sums) takes at most
     about ``4 · STATS_PROGRAMS · STATS_BLOCK_T`` bytes (1 MiB) whatever the shape."""
     want = max(1, STATS_PROGRAMS // max(token_blocks, 1))
-    return triton.cdiv(triton.cdiv(n_vocab, want), STATS_BLOCK_V) * STATS_BLOCK_V
+    return ceil_div(ceil_div(n_vocab, want), STATS_BLOCK_V) * STATS_BLOCK_V
 
 
 def column_cross_entropy_fwd(
@@ -282,9 +283,9 @@ def column_cross_entropy_fwd(
     loss, stats = row_loss_and_stats_outputs(target, n_tokens)
     if n_tokens == 0:
         return loss, stats
-    token_blocks = triton.cdiv(n_tokens, STATS_BLOCK_T)
+    token_blocks = ceil_div(n_tokens, STATS_BLOCK_T)
     slice_rows = rows_per_slice(n_vocab, token_blocks)
-    counts = [triton.cdiv(p.shape[0], slice_rows) for p in pieces]
+    counts = [ceil_div(p.shape[0], slice_rows) for p in pieces]
     n_slices = sum(counts)
     partials = torch.empty(
         (3 if label_smoothing > 0 else 2, n_slices, n_tokens), dtype=torch.float32, device=target.device
@@ -308,7 +309,7 @@ def column_cross_entropy_fwd(
         EVEN_T=n_tokens % STATS_BLOCK_T == 0,
         num_warps=1,
     )
-    column_combine_kernel[(triton.cdiv(n_tokens, COMBINE_BLOCK_T),)](
+    column_combine_kernel[(ceil_div(n_tokens, COMBINE_BLOCK_T),)](
         partial_max,
         partial_d,
         partial_sum,
@@ -353,7 +354,7 @@ def column_cross_entropy_bwd_in_place(
     vocab_start = 0
     for piece in pieces:
         if piece.shape[0] > 0 and n_tokens > 0:
-            grid = (triton.cdiv(piece.shape[0], GRAD_BLOCK_V), triton.cdiv(n_tokens, GRAD_BLOCK_T))
+            grid = (ceil_div(piece.shape[0], GRAD_BLOCK_V), ceil_div(n_tokens, GRAD_BLOCK_T))
             column_grad_in_place_kernel[grid](
                 piece,
                 piece.shape[0],

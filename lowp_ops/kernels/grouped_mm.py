@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..formats import ceil_div, next_power_of_2
 from ..meta.grouped_mm import GEMM_ALIGNMENT, grouped_mm_shape
 from .launch import cached_launch
 from .split_sizes import launch_valid_group_ends
@@ -70,8 +71,8 @@ def zero_rows_past(out: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """``out`` (T, N) with the rows at or past ``ends[-1]`` (device int32) set to 0, in place."""
     rows, cols = out.shape
     block_rows = 16
-    block_cols = max(16, min(256, triton.next_power_of_2(cols)))
-    grid = (triton.cdiv(rows, block_rows),)
+    block_cols = max(16, min(256, next_power_of_2(cols)))
+    grid = (ceil_div(rows, block_rows),)
     zero_rows_past_kernel[grid](
         out, ends, ends.shape[0] - 1, rows, cols, out.stride(0), BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols
     )

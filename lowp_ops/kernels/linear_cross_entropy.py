@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..formats import ceil_div
 from ..meta.linear_cross_entropy import check_scale_by_args
 from ..reference.linear_cross_entropy import Steps, backward_chunks, forward_chunks, fwd_bwd_chunks, scale_by_
 from .bf16_pairs import to_dtype_rne
@@ -142,11 +143,12 @@ def fwd_bwd_in_gradient_buffer(
     in a buffer of their own, the first ``V - R`` at the end of ``dweight``'s storage, contiguous with row
     stride ``N``. The cross entropy reads them along tokens (:mod:`.cross_entropy_columns`) and writes
     dlogits over them; ``dhidden = dlogits @ W`` reads both pieces (two GEMMs, one rounding each); then
-    ``dweight`` rows ``[a, a + R)`` are computed from dlogits rows ``[a, a + R)``. Those rows sit at
-    element ``V·H - (V-R)·N + a·N`` onwards, past the written range ``[0, (a + R)·H)`` whenever
-    ``N <= H``, so no GEMM overwrites logits it or a later GEMM still reads. ``dweight`` is rounded
-    once. Peak memory beyond the gradients: ``R·N`` elements, plus at most 2 MiB of partial row statistics
-    (3 MiB with label smoothing) during the forward (before ``dhidden`` exists)."""
+    ``dweight`` rows ``[a, b)`` are computed from dlogits rows ``[a, b)``, ``b`` as large as leaves the
+    written range ``[0, b·H)`` short of logits row ``a`` (at element ``V·H - (V-R)·N + a·N``): ``b - a
+    >= R`` whenever ``N <= H`` (``= R`` at ``N = H``; with ``N = H / 2`` three GEMMs for 28928 rows where
+    pieces of ``R`` took ten), so no GEMM overwrites logits it or a later GEMM still reads. ``dweight``
+    is rounded once. Peak memory beyond the gradients: ``R·N`` elements, plus at most 2 MiB of partial
+    row statistics (3 MiB with label smoothing) during the forward (before ``dhidden`` exists)."""
     n_tokens, n_hidden = hidden.shape
     n_vocab = weight.shape[0]
     outside = min(n_vocab, LOGITS_OUTSIDE_ROWS)
@@ -166,9 +168,13 @@ def fwd_bwd_in_gradient_buffer(
         dhidden = torch.mm(logits_outside.t(), weight[inside:])
         if inside > 0:
             dhidden.addmm_(logits_inside.t(), weight[:inside])
-    for start in range(0, inside, outside):
-        end = min(start + outside, inside)
+    start = 0
+    while start < inside:
+        # Rows [start, end) of dweight cover elements [start·H, end·H), where only logits rows below
+        # `start` (read already) may lie: end·H <= offset + start·N. With N < H the pieces grow.
+        end = min(inside, (offset + start * n_tokens) // n_hidden)
         torch.mm(logits_inside[start:end], hidden, out=dweight[start:end])
+        start = end
     torch.mm(logits_outside, hidden, out=dweight[inside:])
     return (loss_rows * row_weight).sum(), dhidden, dweight, stats
 
@@ -205,6 +211,4 @@ def launch_scale_by_(x: torch.Tensor, scale: torch.Tensor) -> None:
     check_scale_by_args(x, scale)
     if x.numel() == 0:
         return
-    scale_by_kernel[(triton.cdiv(x.numel(), SCALE_BLOCK),)](
-        x, scale, x.numel(), BLOCK=SCALE_BLOCK, num_warps=4
-    )
+    scale_by_kernel[(ceil_div(x.numel(), SCALE_BLOCK),)](x, scale, x.numel(), BLOCK=SCALE_BLOCK, num_warps=4)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import FP8_DTYPES, FP8_MAX, FP8_MAX_RCP, MXFP8_BLOCK_SIZE
+from ..formats import FP8_DTYPES, FP8_MAX, FP8_MAX_RCP, MXFP8_BLOCK_SIZE, ceil_div, next_power_of_2
 from ..meta.mxfp8 import (
     flat_2d_dims,
     mxfp8_dequantize_output,
@@ -430,7 +430,7 @@ TRITON_FP8 = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
 
 def tile_cols(cols: int, widest: int = 128) -> int:
     """Tile width: ``widest`` columns, narrower (a power of two >= 32) for thin inputs."""
-    return max(32, min(widest, triton.next_power_of_2(cols)))
+    return max(32, min(widest, next_power_of_2(cols)))
 
 
 def quantize_config(cols: int, rowwise: bool = True, columnwise: bool = True) -> tuple[int, int]:
@@ -471,7 +471,7 @@ def launch_mxfp8_quantize(
         x2d = x2d.contiguous()
     default_cols, default_warps = quantize_config(cols, rowwise, columnwise)
     block_cols, num_warps = block_cols or default_cols, num_warps or default_warps
-    grid = (triton.cdiv(rows, TILE_ROWS) * triton.cdiv(cols, block_cols),)
+    grid = (ceil_div(rows, TILE_ROWS) * ceil_div(cols, block_cols),)
     mxfp8_quantize_kernel[grid](
         x2d,
         x2d.stride(0),
@@ -514,7 +514,7 @@ def launch_mxfp8_dequantize(
     if rows == 0 or cols == 0:
         return out
     block_cols = tile_cols(cols)
-    grid = (triton.cdiv(rows, TILE_ROWS), triton.cdiv(cols, block_cols))
+    grid = (ceil_div(rows, TILE_ROWS), ceil_div(cols, block_cols))
     mxfp8_dequantize_kernel[grid](
         data.contiguous().view(FP8_DTYPES[fp8_dtype]),
         scale.contiguous(),
@@ -544,7 +544,7 @@ def launch_mxfp8_round_trip(
     if x2d.stride(1) != 1:
         x2d = x2d.contiguous()  # row-major tiles only, as launch_mxfp8_quantize
     block_cols, num_warps = quantize_config(cols, rowwise, columnwise)
-    mxfp8_round_trip_kernel[(triton.cdiv(rows, TILE_ROWS) * triton.cdiv(cols, block_cols),)](
+    mxfp8_round_trip_kernel[(ceil_div(rows, TILE_ROWS) * ceil_div(cols, block_cols),)](
         x2d,
         x2d.stride(0),
         rows,

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import FP8_DTYPES
+from ..formats import FP8_DTYPES, ceil_div, next_power_of_2
 from ..meta.mxfp8_gemm import gemm_dims, mxfp8_gemm_output
 from ..reference.mxfp8 import swizzle_scales
 from .bf16_pairs import to_dtype_rne
@@ -150,7 +150,7 @@ def gemm_config(m: int, n: int, k: int) -> dict:
     """Fixed launch configuration (no autotuning: CUDA-graph capture). Under the interpreter the tiles
     shrink to the problem (fewer, larger numpy steps)."""
     if INTERPRET:
-        clamp = lambda size, low, high: max(low, min(high, triton.next_power_of_2(size)))
+        clamp = lambda size, low, high: max(low, min(high, next_power_of_2(size)))
         return dict(BLOCK_M=clamp(m, 16, 64), BLOCK_N=clamp(n, 16, 64), BLOCK_K=clamp(k, 32, 64), GROUP_M=8)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
 
@@ -224,7 +224,7 @@ def mxfp8_gemm_into(
     stride_am, stride_ak, stride_asm, stride_ask = _operand_strides(a_data, a_scale, a_use)
     config = config or gemm_config(m, n, k)
     dot_dtype = _dot_dtype(b, b_is_mxfp8)
-    grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
+    grid = (ceil_div(m, config["BLOCK_M"]) * ceil_div(n, config["BLOCK_N"]),)
     mxfp8_gemm_kernel[grid](
         a_data.view(FP8_DTYPES[a_fp8_dtype]),
         stride_am,

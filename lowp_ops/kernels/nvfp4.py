@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..formats import ceil_div, next_power_of_2
 from ..meta.mxfp8 import flat_2d_dims
 from ..meta.nvfp4 import group_split_multiple, nvfp4_group_quantize_outputs, nvfp4_quantize_outputs
 from .launch import INTERPRETING_CONSTEXPR as INTERPRETING
@@ -565,10 +566,10 @@ def quantize_config(rows: int, cols: int, columnwise: bool = True) -> tuple[int,
     sectors. H200, 16384 x 16384 bf16 with RHT, % of copy: row+col 64 x 64 on 2 warps 36.6 (16 x 128 on
     1 warp 26.8, 32 x 128 / 2 34.4, 64 x 128 / 4 35.2); col only 64 x 64 / 2 54.1 (64 x 32 / 1 54.6,
     16 x 128 / 1 24.6). Row only keeps 16 x 128 on 1 warp (64% of copy), the fewest instructions."""
-    block_cols = max(16, min(128, triton.next_power_of_2(cols)))
+    block_cols = max(16, min(128, next_power_of_2(cols)))
     if not columnwise:
         return 16, block_cols, 1, True
-    return max(16, min(64, triton.next_power_of_2(rows))), min(64, block_cols), 2, False
+    return max(16, min(64, next_power_of_2(rows))), min(64, block_cols), 2, False
 
 
 def _launch(
@@ -603,7 +604,7 @@ def _launch(
         "TILE_ROWS": tile_rows,
         "BLOCK_COLS": block_cols,
         "GROUPED": grouped,
-        "EXPERTS_POW2": max(2, triton.next_power_of_2(experts)),
+        "EXPERTS_POW2": max(2, next_power_of_2(experts)),
         "GRID_ALONG_ROWS": along_rows,
         "EVEN_COLS": cols % block_cols == 0,
         "EVEN": not grouped and rows % tile_rows == 0 and cols % block_cols == 0,
@@ -612,7 +613,7 @@ def _launch(
         **({"maxnreg": maxnreg} if maxnreg else {}),
         "enable_fp_fusion": False,
     }
-    n_col_tiles = triton.cdiv(cols, block_cols)
+    n_col_tiles = ceil_div(cols, block_cols)
     grid = (n_tiles * n_col_tiles,) if along_rows else (n_tiles, n_col_tiles)
     source = (x2d, x2d.stride(0), rows, cols, split_sizes, experts)  # both kernels' first arguments
     if need_abs or need_rht:
@@ -690,7 +691,7 @@ def launch_nvfp4_quantize(
     _launch(
         x2d,
         amax_row,  # unused pointer when not grouped
-        triton.cdiv(rows, config[0]),
+        ceil_div(rows, config[0]),
         rowwise,
         columnwise,
         rht,

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import NVFP4_GLOBAL_SCALE_NUMERATOR, SCALE_TILE_COLS
+from ..formats import NVFP4_GLOBAL_SCALE_NUMERATOR, SCALE_TILE_COLS, ceil_div, next_power_of_2
 from ..meta.nvfp4 import nvfp4_dequantize_output
 from ..meta.nvfp4_decode import (
     DECODE_SPLIT_MULTIPLE,
@@ -291,7 +291,7 @@ def nvfp4_group_decode_columns_kernel(
 def decode_config(cols: int) -> tuple[int, int, int]:
     """(BLOCK_ROWS, BLOCK_COLS, num_warps): 16 x 256 tiles, 4 warps (32 values per thread); narrower
     (a power of two >= 16) for thin matrices. Not tuned on a GPU yet."""
-    return 16, max(16, min(256, triton.next_power_of_2(cols))), 4
+    return 16, max(16, min(256, next_power_of_2(cols))), 4
 
 
 def launch_nvfp4_decode_rows(
@@ -309,7 +309,7 @@ def launch_nvfp4_decode_rows(
         data3 = data3.contiguous()
     scale3 = scale.reshape(-1, *scale.shape[-2:])
     block_rows, block_cols, num_warps = config or decode_config(cols)
-    grid = (triton.cdiv(rows, block_rows), triton.cdiv(cols, block_cols), batch)
+    grid = (ceil_div(rows, block_rows), ceil_div(cols, block_cols), batch)
     nvfp4_decode_rows_kernel[grid](
         data3,
         scale3,
@@ -338,7 +338,7 @@ def launch_nvfp4_dequantize(
     if out.numel() == 0:
         return out
     block_rows, block_cols, num_warps = decode_config(cols)
-    nvfp4_dequantize_kernel[(triton.cdiv(rows, block_rows), triton.cdiv(cols, block_cols))](
+    nvfp4_dequantize_kernel[(ceil_div(rows, block_rows), ceil_div(cols, block_cols))](
         data.contiguous(),
         scale,
         amax.reshape(1),
@@ -372,7 +372,7 @@ def launch_nvfp4_group_decode_columns(
     experts = split_sizes.shape[0]
     block_rows, block_tokens, num_warps = config or (32, 128, 4)
     token_tiles = (tokens + (experts + 1) * (block_tokens - 1)) // block_tokens
-    grid = (token_tiles, triton.cdiv(hidden, block_rows))
+    grid = (token_tiles, ceil_div(hidden, block_rows))
     nvfp4_group_decode_columns_kernel[grid](
         col_data.contiguous(),
         col_scale,
@@ -385,7 +385,7 @@ def launch_nvfp4_group_decode_columns(
         col_scale.stride(1),
         BLOCK_ROWS=block_rows,
         BLOCK_TOKENS=block_tokens,
-        EXPERTS_POW2=max(2, triton.next_power_of_2(experts)),
+        EXPERTS_POW2=max(2, next_power_of_2(experts)),
         num_warps=num_warps,
     )
     return out

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..formats import ceil_div, next_power_of_2
 from ..meta.rms_norm import rms_norm_bwd_outputs, rms_norm_fwd_outputs
 from .bf16_pairs import to_dtype_rne
 from .launch import INTERPRETING, cached_launch, rows_with_unit_stride
@@ -120,7 +121,7 @@ def sum_partials_kernel(partial_ptr, out_ptr, programs, hidden, BLOCK_P: tl.cons
 
 def row_config(hidden: int) -> tuple[int, int, int]:
     """(BLOCK_ROWS, BLOCK_H, num_warps): whole rows, about ELEMENTS_PER_PROGRAM elements a program."""
-    block_h = triton.next_power_of_2(hidden)
+    block_h = next_power_of_2(hidden)
     block_rows = max(1, ELEMENTS_PER_PROGRAM // block_h)
     num_warps = min(16, max(4, block_rows * block_h // 512))
     return block_rows, block_h, num_warps
@@ -136,7 +137,7 @@ def bwd_config(hidden: int) -> tuple[int, int, int, int]:
     H200, bf16, CUDA-graph GPU time of this kernel and the partial sums, 2026-12-01 (``python
     benchmarks/bench_rms_norm.py --sweep``): 16384 x 4096 0.1067 ms, 88.5% of copy (two programs per SM
     without pipelining: 83.6%); 4096 x 2048 0.0239 ms, 49.3% (too few rows to fill the GPU for long)."""
-    block_h = triton.next_power_of_2(hidden)
+    block_h = next_power_of_2(hidden)
     block_rows = max(1, BWD_ELEMENTS_PER_ITERATION // block_h)
     pipelined = block_rows * block_h <= BWD_ELEMENTS_PER_ITERATION
     return block_rows, 8 if pipelined else 16, 1, 3 if pipelined else 1
@@ -160,7 +161,7 @@ def launch_rms_norm_fwd(
         return y, rstd
     x = rows_with_unit_stride(x)
     block_rows, block_h, num_warps = row_config(hidden)
-    rms_norm_fwd_kernel[(triton.cdiv(rows, block_rows),)](
+    rms_norm_fwd_kernel[(ceil_div(rows, block_rows),)](
         x,
         weight.contiguous(),
         y,
@@ -193,8 +194,8 @@ def launch_rms_norm_bwd(
         return dx, dweight.zero_()
     grad, x = rows_with_unit_stride(grad), rows_with_unit_stride(x)
     block_rows, num_warps, programs_per_sm, num_stages = config or bwd_config(hidden)
-    block_h = triton.next_power_of_2(hidden)
-    programs = min(triton.cdiv(rows, block_rows), programs_per_sm * _multiprocessors(x.device.index or 0))
+    block_h = next_power_of_2(hidden)
+    programs = min(ceil_div(rows, block_rows), programs_per_sm * _multiprocessors(x.device.index or 0))
     partial = torch.empty((programs, hidden), dtype=torch.float32, device=x.device)
     rms_norm_bwd_kernel[(programs,)](
         grad,
@@ -214,7 +215,7 @@ def launch_rms_norm_bwd(
         num_warps=num_warps,
     )
     block_cols = min(256, block_h)
-    sum_partials_kernel[(triton.cdiv(hidden, block_cols),)](
+    sum_partials_kernel[(ceil_div(hidden, block_cols),)](
         partial, dweight, programs, hidden, BLOCK_P=32, BLOCK_H=block_cols, num_warps=4
     )
     return dx, dweight

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..formats import next_power_of_2
 from ..meta.softmax import logsumexp_output, softmax_bwd_output, softmax_fwd_output
 from .bf16_pairs import to_dtype_rne
 from .launch import cached_launch, rows_with_unit_stride
@@ -210,7 +211,7 @@ def softmax_bwd_kernel(out_ptr, grad_ptr, dx_ptr, n_cols, BLOCK: tl.constexpr, L
 
 
 def row_block(n_cols: int) -> int:
-    return min(MAX_BLOCK, triton.next_power_of_2(max(n_cols, 1)))
+    return min(MAX_BLOCK, next_power_of_2(max(n_cols, 1)))
 
 
 def _num_warps(block: int) -> int:

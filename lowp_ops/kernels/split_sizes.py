@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..formats import next_power_of_2
 from ..meta.split_sizes import group_ends_output
 from .launch import cached_launch
 
@@ -97,7 +98,7 @@ def group_ends_kernel(split_ptr, out_ptr, experts, rows, EXPERTS_POW2: tl.conste
 def launch_group_ends(split_sizes: torch.Tensor, rows: int) -> torch.Tensor:
     """``lowp::group_ends`` on the device: int32 (E,) effective ends of ``split_sizes`` (one launch)."""
     out = group_ends_output(split_sizes, rows)
-    pow2 = max(2, triton.next_power_of_2(split_sizes.shape[0]))
+    pow2 = max(2, next_power_of_2(split_sizes.shape[0]))
     group_ends_kernel[(1,)](split_sizes.contiguous(), out, split_sizes.shape[0], rows, EXPERTS_POW2=pow2)
     return out
 
@@ -107,6 +108,6 @@ def launch_valid_group_ends(offs: torch.Tensor, rows: int) -> torch.Tensor:
     groups = offs.shape[0]
     out = torch.empty(groups, dtype=torch.int32, device=offs.device)
     if groups:
-        pow2 = max(2, triton.next_power_of_2(groups))
+        pow2 = max(2, next_power_of_2(groups))
         valid_group_ends_kernel[(1,)](offs.contiguous(), out, groups, rows, GROUPS_POW2=pow2)
     return out

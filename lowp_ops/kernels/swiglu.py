@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from ..formats import ceil_div, next_power_of_2
 from ..meta.swiglu import dglu_outputs, swiglu_fwd_output
 from .bf16_pairs import to_dtype_rne
 from .launch import INTERPRETING_CONSTEXPR as INTERPRETING
@@ -178,7 +179,7 @@ def dglu_kernel(
 
 
 def _block_cols(ffn: int, widest: int) -> int:
-    return max(32, min(widest, triton.next_power_of_2(ffn)))
+    return max(32, min(widest, next_power_of_2(ffn)))
 
 
 def launch_swiglu_fwd(
@@ -196,7 +197,7 @@ def launch_swiglu_fwd(
         return out
     c = rows_with_unit_stride(c)
     block_cols = block_cols or _block_cols(ffn, 256)
-    grid = (triton.cdiv(tokens, block_rows), triton.cdiv(ffn, block_cols))
+    grid = (ceil_div(tokens, block_rows), ceil_div(ffn, block_cols))
     swiglu_fwd_kernel[grid](
         c,
         probs.contiguous(),
@@ -239,7 +240,7 @@ def launch_dglu(
     block_rows, block_cols, num_warps = config or dglu_config(tokens, ffn)
     grad, c = rows_with_unit_stride(grad), rows_with_unit_stride(c)
     experts = split_sizes.shape[0]
-    dglu_kernel[(triton.cdiv(tokens, block_rows),)](
+    dglu_kernel[(ceil_div(tokens, block_rows),)](
         grad,
         c,
         probs.contiguous(),
@@ -254,7 +255,7 @@ def launch_dglu(
         c.stride(0),
         BLOCK_T=block_rows,
         BLOCK_F=block_cols,
-        EXPERTS_POW2=max(2, triton.next_power_of_2(experts)),
+        EXPERTS_POW2=max(2, next_power_of_2(experts)),
         INTERLEAVE=interleave,
         EVEN=tokens % block_rows == 0 and ffn % block_cols == 0,
         num_warps=num_warps,

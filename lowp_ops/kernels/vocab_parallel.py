@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import round_to_fp32
+from ..formats import ceil_div, round_to_fp32
 from ..meta.cross_entropy import LOG_SUM, SHIFT
 from ..meta.vocab_parallel import (
     SHARD_LOG_SUM,
@@ -235,7 +235,7 @@ def launch_vocab_parallel_ce_merge(
     vocab_total = n_ranks * shard_width
     eps = round_to_fp32(label_smoothing / vocab_total)
     # Widths and vocab_total go in as fp32 scalars too (an int argument equal to 1 becomes a constexpr).
-    vocab_parallel_ce_merge_kernel[(triton.cdiv(rows, MERGE_BLOCK_ROWS),)](
+    vocab_parallel_ce_merge_kernel[(ceil_div(rows, MERGE_BLOCK_ROWS),)](
         gathered.contiguous(),
         target.contiguous(),
         loss,
