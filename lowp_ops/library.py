@@ -483,26 +483,6 @@ cross_entropy_bwd_ = _define(
     mutates_args=("logits",),
 )
 
-# The forward that also writes the gradient over the logits: in one read of them where it can
-# (kernels/cross_entropy_single_pass.py), else the forward then cross_entropy_bwd_.
-cross_entropy_fwd_grad_ = _define(
-    "cross_entropy_fwd_grad_",
-    "(Tensor(a!) logits, Tensor target, Tensor grad_rows, float label_smoothing, SymInt ignore_index,"
-    " Tensor? weight=None, float z_loss=0.0, float softcap=0.0) -> (Tensor, Tensor)",
-    ce_ref.cross_entropy_fwd_grad_,
-    "cross_entropy_single_pass.launch_cross_entropy_fwd_grad_",
-    ce_meta.cross_entropy_fwd_grad_outputs,
-    mutates_args=("logits",),
-)
-
-cross_entropy_grad_scale = _define(
-    "cross_entropy_grad_scale",
-    "(Tensor target, SymInt ignore_index, bool mean, Tensor? weight=None) -> Tensor",
-    ce_ref.cross_entropy_grad_scale,
-    "cross_entropy.launch_cross_entropy_grad_scale",
-    ce_meta.cross_entropy_grad_scale_output,
-)
-
 cross_entropy_scale_grad_ = _define(
     "cross_entropy_scale_grad_",
     "(Tensor(a!) dlogits, Tensor grad_rows) -> ()",
@@ -843,26 +823,25 @@ class _CrossEntropyLoss(torch.autograd.Function):
 
 class _CrossEntropyOverwrite(torch.autograd.Function):
     """The cross entropy whose forward writes the logits' gradient (for ``grad_loss = 1``) over the logits:
-    the reduction's ``grad_scale`` from the targets (``cross_entropy_grad_scale``; mean, sum), then
-    ``cross_entropy_fwd_grad_`` (one read of the logits where it can) and ``cross_entropy_reduce``: the
-    scalars and bytes of the default path; the backward returns that buffer, rescaled in place by
-    ``grad_loss`` where it is not 1."""
+    ``cross_entropy_fwd``, (mean, sum) ``cross_entropy_reduce``, then ``cross_entropy_bwd_`` with the
+    reduction's ``grad_scale``: the kernels and scalars of the default path, so the same bytes; the
+    backward returns that buffer, rescaled in place by ``grad_loss`` where it is not 1."""
 
     @staticmethod
     def forward(ctx, logits, target, label_smoothing, ignore_index, weight, z_loss, softcap, reduction):
         refuse_weight_grad(weight)
         rows = logits.shape[0]
+        loss, stats = cross_entropy_fwd(
+            logits, target, label_smoothing, ignore_index, weight, z_loss, softcap
+        )
         if reduction == "none":
             grad_rows = torch.ones((), dtype=torch.float32, device=logits.device).expand(rows)
         else:
-            grad_rows = cross_entropy_grad_scale(target, ignore_index, reduction == "mean", weight).expand(
-                rows
-            )
-        loss, stats = cross_entropy_fwd_grad_(
-            logits, target, grad_rows, label_smoothing, ignore_index, weight, z_loss, softcap
+            loss, grad_scale = cross_entropy_reduce(loss, target, ignore_index, reduction == "mean", weight)
+            grad_rows = grad_scale.expand(rows)
+        cross_entropy_bwd_(
+            logits, target, stats, grad_rows, label_smoothing, ignore_index, weight, z_loss, softcap
         )
-        if reduction != "none":
-            loss = cross_entropy_reduce(loss, target, ignore_index, reduction == "mean", weight)[0]
         ctx.save_for_backward(logits)  # after the forward wrote the gradient into it
         ctx.mark_non_differentiable(stats)
         ctx.set_materialize_grads(False)

@@ -103,8 +103,7 @@ TRITON_LAUNCHES = {
     "cross_entropy fwd+bwd": 3,  # row forward, reduction, backward
     "cross_entropy fwd+bwd, z_loss and softcap": 3,  # the same kernels, the features inside them
     "nn.CrossEntropyLoss fwd+bwd": 3,
-    # the reduction's gradient scale, the single pass (loss and gradient over the logits), the reduction;
-    # in the backward the in-place scaling
+    # row forward, reduction, backward over the logits; in the backward the in-place scaling
     "cross_entropy fwd+bwd, overwrite_logits": 4,
     "cross_entropy_with_mxfp8_grad": 3,  # row forward, reduction, fused MXFP8 backward
     "softmax fwd+bwd": 2,

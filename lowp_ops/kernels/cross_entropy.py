@@ -25,7 +25,6 @@ from ..meta.cross_entropy import (
     cross_entropy_bwd_output,
     cross_entropy_bwd_overwrite_output,
     cross_entropy_fwd_outputs,
-    cross_entropy_grad_scale_output,
     cross_entropy_reduce_outputs,
     cross_entropy_scale_grad_output,
 )
@@ -684,20 +683,18 @@ def cross_entropy_reduce_kernel(
     MEAN: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
-    HAS_LOSS: tl.constexpr = True,
 ):
     """One program: the fp32 sum of the row losses (fixed order: deterministic) and, for the mean, the
     non-ignored count (with class weights: the sum of those rows' target weights, NaN for a target
     outside ``[0, n_classes)``), then ``loss`` (NaN when the count is 0) and ``grad_scale`` with IEEE
-    divisions. Without ``HAS_LOSS`` only ``grad_scale`` (which needs the targets alone)."""
+    divisions."""
     total = tl.zeros([BLOCK], tl.float32)
     count = tl.zeros([BLOCK], tl.int32)
     weight_sum = tl.zeros([BLOCK], tl.float32)
     for start in range(0, n_rows, BLOCK):
         idx = start + tl.arange(0, BLOCK)
         in_bounds = idx < n_rows
-        if HAS_LOSS:
-            total += tl.load(loss_rows_ptr + idx, mask=in_bounds, other=0.0)
+        total += tl.load(loss_rows_ptr + idx, mask=in_bounds, other=0.0)
         if MEAN:
             target = tl.load(target_ptr + idx, mask=in_bounds, other=ignore_index).to(tl.int64)
             valid = target != ignore_index
@@ -713,8 +710,7 @@ def cross_entropy_reduce_kernel(
         rows = tl.sum(weight_sum, 0) if HAS_WEIGHT else tl.sum(count, 0).to(tl.float32)
         loss = tl.where(rows == 0, float("nan"), tl.math.div_rn(loss, rows))
         scale = tl.math.div_rn(1.0, rows)
-    if HAS_LOSS:
-        tl.store(loss_ptr, loss)
+    tl.store(loss_ptr, loss)
     tl.store(grad_scale_ptr, scale)
 
 
@@ -745,25 +741,6 @@ def launch_cross_entropy_reduce(
         num_warps=8,
     )
     return loss, grad_scale
-
-
-def launch_cross_entropy_grad_scale(
-    target: torch.Tensor, ignore_index: int, mean: bool, weight: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``lowp::cross_entropy_grad_scale``: ``cross_entropy_reduce``'s ``grad_scale`` from the targets alone
-    (its kernel without the loss), for a forward that forms the gradient before the loss is reduced."""
-    grad_scale = cross_entropy_grad_scale_output(target, ignore_index, mean, weight)
-    rows = target.shape[0]
-    if rows > REDUCE_MAX_ROWS:
-        loss_rows = target.new_zeros(rows, dtype=torch.float32)
-        return cross_entropy_reduce(loss_rows, target, ignore_index, mean, weight)[1]
-    class_weights = grad_scale if weight is None else weight.float().contiguous()
-    cross_entropy_reduce_kernel[(1,)](
-        grad_scale, target.contiguous(), rows, ignore_index, grad_scale, grad_scale, class_weights,
-        0 if weight is None else weight.shape[0], MEAN=mean, BLOCK=REDUCE_BLOCK,
-        HAS_WEIGHT=weight is not None, HAS_LOSS=False, num_warps=8,
-    )  # fmt: skip
-    return grad_scale
 
 
 def launch_cross_entropy_bwd_(

@@ -5,9 +5,6 @@ A row's statistics are its running maximum ``m`` and ``d = Σ exp(x - shift(m))`
 ``x - shift`` first and subtracts ``log d`` from that (never ``x - lse`` with a rounded ``lse``), so the
 digits survive at any magnitude. Each element costs one FSUB, one FMUL and one ``ex2``.
 
-A row is read in blocks: each block's own statistics (relative to its own shift) are merged into the
-running ones, both sums rescaled to the new shift (``merge_stats``), in block order.
-
 Masked-safe (docs/cross_entropy.md): the running sum is rescaled by ``exp(m_old - s)`` with the
 shift ``s = 0`` while the maximum is infinite, so a row whose first blocks are all ``-inf`` keeps
 ``d = 0`` instead of turning NaN (``exp(-inf - -inf)``), and a row holding ``+inf`` has ``d = inf``
@@ -74,48 +71,24 @@ def row_stats_and_shifted_sum(row_ptr, n_cols, BLOCK: tl.constexpr, WITH_SUM: tl
 
 
 @triton.jit
-def block_stats(block, valid, WITH_SUM: tl.constexpr, MASKED: tl.constexpr):
-    """One fp32 block's own statistics (masked lanes -inf): its maximum ``m_b``, ``Σ exp(x - shift(m_b))``
-    and, ``WITH_SUM``, ``Σ (x - shift(m_b))`` over the ``valid`` lanes (all of them unless ``MASKED``)."""
-    m_b = tl.max(block, 0)
-    shifted = block - masked_safe_shift(m_b)
-    d_b = tl.sum(tl.exp2(shifted * LOG2E), 0)
-    total_b = 0.0
-    if WITH_SUM:
-        total_b = tl.sum(tl.where(valid, shifted, 0.0), 0) if MASKED else tl.sum(shifted, 0)
-    return m_b, d_b, total_b
-
-
-@triton.jit
-def merge_stats(m, d, total, seen, m_b, d_b, total_b, count_b, WITH_SUM: tl.constexpr):
-    """The statistics ``(m, d, total)`` of ``seen`` elements merged with a block's own (``block_stats``
-    of ``count_b`` elements), both rescaled to the new shift. A row's blocks merged in order from
-    ``(-inf, 0, 0)`` give its statistics; the single-pass cross entropy merges the same blocks' published
-    statistics in the same order, which is what makes its bytes equal the forward's."""
-    m_new = tl.maximum(m, m_b)
-    shift = masked_safe_shift(m_new)
-    d = d * tl.exp(m - shift) + d_b * tl.exp(m_b - shift)
-    if WITH_SUM:
-        total = rebase_shifted_sum(total, seen, m, m_new) + rebase_shifted_sum(total_b, count_b, m_b, m_new)
-    return m_new, d, total
-
-
-@triton.jit
 def fold_row_blocks(row_ptr, n_cols, m, d, total, seen, BLOCK: tl.constexpr, WITH_SUM: tl.constexpr):
     """:func:`row_stats_and_shifted_sum` of ``n_cols`` elements at ``row_ptr``, continued from the state
-    ``(m, d, total)`` of ``seen`` earlier elements of the row: each block's own statistics
-    (:func:`block_stats`) merged in order (:func:`merge_stats`)."""
+    ``(m, d, total)`` of ``seen`` earlier elements of the row."""
     n_whole = n_cols - n_cols % BLOCK
     for start in range(0, n_whole, BLOCK):
         block = tl.load(row_ptr + start + tl.arange(0, BLOCK)).to(tl.float32)
-        m_b, d_b, total_b = block_stats(block, True, WITH_SUM, False)
-        m, d, total = merge_stats(m, d, total, (seen + start) * 1.0, m_b, d_b, total_b, BLOCK * 1.0, WITH_SUM)
+        m_old = m
+        m, d, shifted = online_softmax_update(m, d, block)
+        if WITH_SUM:
+            total = rebase_shifted_sum(total, (seen + start) * 1.0, m_old, m) + tl.sum(shifted, 0)
     if n_whole < n_cols:
         cols = n_whole + tl.arange(0, BLOCK)
         block = tl.load(row_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-        m_b, d_b, total_b = block_stats(block, cols < n_cols, WITH_SUM, True)
-        count_b = (n_cols - n_whole) * 1.0
-        m, d, total = merge_stats(m, d, total, (seen + n_whole) * 1.0, m_b, d_b, total_b, count_b, WITH_SUM)
+        m_old = m
+        m, d, shifted = online_softmax_update(m, d, block)
+        if WITH_SUM:
+            total = rebase_shifted_sum(total, (seen + n_whole) * 1.0, m_old, m)
+            total += tl.sum(tl.where(cols < n_cols, shifted, 0.0), 0)
     return m, d, total
 
 
@@ -140,9 +113,12 @@ def row_stats_peeled(
     ragged = tl.where(lane < ALIGN, lane, head + body_end + lane - ALIGN)
     ragged_ok = tl.where(lane < ALIGN, lane < head, ragged < n_cols)
     block = tl.load(x_ptr + row_start + ragged, mask=ragged_ok, other=float("-inf")).to(tl.float32)
-    m_b, d_b, total_b = block_stats(block, ragged_ok, WITH_SUM, True)
-    count_b = (n_cols - body_end) * 1.0
-    return merge_stats(m, d, total, body_end * 1.0, m_b, d_b, total_b, count_b, WITH_SUM)
+    m_old = m
+    m, d, shifted = online_softmax_update(m, d, block)
+    if WITH_SUM:
+        total = rebase_shifted_sum(total, body_end * 1.0, m_old, m)
+        total += tl.sum(tl.where(ragged_ok, shifted, 0.0), 0)
+    return m, d, total
 
 
 @cached_launch

@@ -270,40 +270,6 @@ def cross_entropy_reduce_outputs(
     return loss_rows.new_empty(()), loss_rows.new_empty(())
 
 
-def cross_entropy_grad_scale_output(
-    target: torch.Tensor, ignore_index: int, mean: bool, weight: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``grad_scale``: a 0-d float32 tensor on the targets' device; ``target`` (N,) int64/int32,
-    ``weight`` optional class weights (C,)."""
-    require(target.dtype in TARGET_DTYPES, lambda: f"target must be int64 or int32, got {target.dtype}")
-    require(target.dim() == 1, lambda: f"target must be 1-D (N,), got {tuple(target.shape)}")
-    if weight is not None:
-        require(weight.dim() == 1, lambda: f"weight must be 1-D (C,), got {tuple(weight.shape)}")
-        check_class_weight(weight, weight.shape[0], target)
-    return target.new_empty((), dtype=torch.float32)
-
-
-def cross_entropy_fwd_grad_outputs(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    grad_rows: torch.Tensor,
-    label_smoothing: float,
-    ignore_index: int,
-    weight: torch.Tensor | None = None,
-    z_loss: float = 0.0,
-    softcap: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(loss (N,) fp32, row_stats (2, N) fp32)`` of ``lowp::cross_entropy_fwd_grad_``: the forward's
-    checks and outputs, ``grad_rows`` (N,) float32 (any stride), and contiguous logits, which receive the
-    gradient."""
-    outputs = cross_entropy_fwd_outputs(
-        logits, target, label_smoothing, ignore_index, weight, z_loss, softcap
-    )
-    _check_grad_rows(grad_rows, logits.shape[0])
-    require(logits.is_contiguous(), lambda: "logits must be contiguous to receive the gradient in place")
-    return outputs
-
-
 def _check_grad_rows(grad_rows: torch.Tensor, rows: int) -> None:
     require(
         grad_rows.dtype == torch.float32 and grad_rows.shape == (rows,),

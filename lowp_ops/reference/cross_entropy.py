@@ -51,9 +51,7 @@ from ..meta.cross_entropy import (
     SHIFT,
     cross_entropy_bwd_output,
     cross_entropy_bwd_overwrite_output,
-    cross_entropy_fwd_grad_outputs,
     cross_entropy_fwd_outputs,
-    cross_entropy_grad_scale_output,
     cross_entropy_reduce_outputs,
     cross_entropy_scale_grad_output,
 )
@@ -338,39 +336,6 @@ def cross_entropy_bwd_(
             logits, target, stats, grad_rows, label_smoothing, ignore_index, 0, 0, weight, z_loss, softcap
         )
     )
-
-
-def cross_entropy_grad_scale(
-    target: torch.Tensor, ignore_index: int, mean: bool, weight: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Reference of ``lowp::cross_entropy_grad_scale``: :func:`cross_entropy_reduce`'s ``grad_scale``,
-    which depends on the targets (and class weights) alone."""
-    cross_entropy_grad_scale_output(target, ignore_index, mean, weight)
-    loss_rows = torch.zeros(target.shape, dtype=torch.float32, device=target.device)
-    return cross_entropy_reduce(loss_rows, target, ignore_index, mean, weight)[1]
-
-
-def cross_entropy_fwd_grad_(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    grad_rows: torch.Tensor,
-    label_smoothing: float,
-    ignore_index: int,
-    weight: torch.Tensor | None = None,
-    z_loss: float = 0.0,
-    softcap: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference of ``lowp::cross_entropy_fwd_grad_``: :func:`cross_entropy_fwd`'s ``(loss rows, row
-    statistics)``, then the logits replaced by their gradient for ``grad_rows``
-    (:func:`cross_entropy_bwd_`)."""
-    cross_entropy_fwd_grad_outputs(
-        logits, target, grad_rows, label_smoothing, ignore_index, weight, z_loss, softcap
-    )
-    loss, stats = cross_entropy_fwd(logits, target, label_smoothing, ignore_index, weight, z_loss, softcap)
-    cross_entropy_bwd_(
-        logits, target, stats, grad_rows, label_smoothing, ignore_index, weight, z_loss, softcap
-    )
-    return loss, stats
 
 
 def cross_entropy_scale_grad_(dlogits: torch.Tensor, grad_rows: torch.Tensor) -> None:

@@ -52,7 +52,6 @@ class Steps:
     ce_fwd: Callable  # lowp::cross_entropy_fwd
     ce_bwd: Callable  # lowp::cross_entropy_bwd; may write dlogits over its (chunk's own) logits
     ce_bwd_mxfp8: Callable  # lowp::cross_entropy_bwd_mxfp8
-    ce_fwd_grad: Callable  # lowp::cross_entropy_fwd_grad_: the forward writing dlogits over the logits
     matmul_into: Callable  # (out, a, b, accumulate): out = dtype(a @ b [+ out])
     mxfp8_gemm_into: Callable  # (out, *lowp::mxfp8_gemm args without out_dtype, accumulate, scratch=)
     quantize_columnwise: Callable  # (x, fp8_dtype) -> (col_data uint8, col_scale)
@@ -86,7 +85,6 @@ REFERENCE_STEPS = Steps(
     ce_fwd=ce_ref.cross_entropy_fwd,
     ce_bwd=ce_ref.cross_entropy_bwd,
     ce_bwd_mxfp8=ce_ref.cross_entropy_bwd_mxfp8,
-    ce_fwd_grad=ce_ref.cross_entropy_fwd_grad_,
     matmul_into=_matmul_into,
     mxfp8_gemm_into=_mxfp8_gemm_into,
     quantize_columnwise=_quantize_columnwise,
@@ -125,7 +123,10 @@ class GradientWriter:
         args = (logits_c, target_c, stats_c, grad_rows_c, self.label_smoothing, self.ignore_index)
         features = (*self.vocab, self.ce_weight, self.z_loss, self.softcap)
         if self.grad_format == "none":
-            self.write_dlogits(start, end, hidden_c, self.steps.ce_bwd(*args, *features))
+            dlogits = self.steps.ce_bwd(*args, *features)
+            if self.on_dlogits is not None:
+                self.on_dlogits(start, end, dlogits)
+            self._bf16_gemms(start, end, hidden_c, dlogits)
         else:
             fp8_dtype = fp8_dtype_of(self.grad_format)
             payload = self.steps.ce_bwd_mxfp8(
@@ -135,18 +136,6 @@ class GradientWriter:
                 self.on_dlogits(start, end, payload)
             # The logits are dead once the payload exists: the GEMMs may dequantize into their buffer.
             self._mxfp8_gemms(start, end, hidden_c, fp8_dtype, *payload, scratch=logits_c)
-
-    @property
-    def forward_writes_dlogits(self) -> bool:
-        """Whether a fused forward forms the bf16 dlogits itself (``lowp::cross_entropy_fwd_grad_``, one
-        read of the logits where it can): a bf16 gradient of the whole vocabulary."""
-        return self.grad_format == "none" and self.vocab == (0, 0)
-
-    def write_dlogits(self, start: int, end: int, hidden_c, dlogits) -> None:
-        """The chunk's bf16 ``dlogits`` (rows ``[start, end)``) into ``dhidden`` and ``dweight``."""
-        if self.on_dlogits is not None:
-            self.on_dlogits(start, end, dlogits)
-        self._bf16_gemms(start, end, hidden_c, dlogits)
 
     def _bf16_gemms(self, start, end, hidden_c, dlogits) -> None:
         if self.compute_dhidden:
@@ -241,16 +230,6 @@ def gradient_chunks(
     for start, end in chunk_bounds(hidden.shape[0], weight.shape[0], chunk_size):
         hidden_c, target_c = hidden[start:end], target[start:end]
         logits_c = writer.steps.logits(hidden_c, weight)
-        if stats is None and writer.forward_writes_dlogits:
-            loss_c, stats_c = writer.steps.ce_fwd_grad(
-                logits_c, target_c, per_row[start:end], writer.label_smoothing, writer.ignore_index,
-                writer.ce_weight, writer.z_loss, writer.softcap,
-            )  # fmt: skip
-            loss_rows[start:end] = loss_c
-            stats_out[:, start:end] = stats_c
-            writer.write_dlogits(start, end, hidden_c, logits_c)
-            del logits_c
-            continue
         if stats is None:
             loss_c, stats_c = writer.steps.ce_fwd(
                 logits_c, target_c, writer.label_smoothing, writer.ignore_index, writer.ce_weight,
