@@ -113,6 +113,7 @@ TRITON_LAUNCHES = {
     "mxfp8_quantize": 1,
     "mxfp8_dequantize": 1,
     "nvfp4_quantize row+col RHT, given amaxes": 1,
+    "nvfp4_quantize row+col RHT, given amaxes, scales without padding": 1,
     "nvfp4_quantize row+col RHT, computed amaxes, SR": 2,  # amax, quantize
     "nvfp4_group_quantize row+col RHT": 2,  # per-expert amaxes, quantize
     "nvfp4_dequantize": 1,
@@ -143,6 +144,7 @@ def _launch_cases(device):
     x = torch.randn(8, 64, generator=gen).to(device)
     x16 = torch.randn(16, 64, generator=gen).bfloat16().to(device)
     amax = x16.float().abs().amax().reshape(1)
+    x128 = torch.randn(128, 128, generator=gen).bfloat16().to(device)  # scales without padding
     q = lowp_ops.mxfp8_quantize(x)
     q4 = lowp_ops.nvfp4_quantize(x, rowwise=True, columnwise=False)
     tokens, hidden, ffn = 64, 32, 32
@@ -195,6 +197,9 @@ def _launch_cases(device):
         "mxfp8_dequantize": lambda: lowp_ops.mxfp8_dequantize(q),
         "nvfp4_quantize row+col RHT, given amaxes": lambda: lowp_ops.nvfp4_quantize(
             x16, columnwise=True, rht=True, amax_rowwise=amax, amax_columnwise=amax
+        ),
+        "nvfp4_quantize row+col RHT, given amaxes, scales without padding": lambda: lowp_ops.nvfp4_quantize(
+            x128, columnwise=True, rht=True, amax_rowwise=amax, amax_columnwise=amax
         ),
         "nvfp4_quantize row+col RHT, computed amaxes, SR": lambda: lowp_ops.nvfp4_quantize(
             x16, columnwise=True, rht=True, stochastic_rounding=True, sr_seed=torch.tensor([1, 2]).to(device)
@@ -254,6 +259,11 @@ CUDA_KERNELS = {
     "mxfp8_quantize": 3,  # 2 scale-padding fills (8 rows pad to 128), the kernel
     "mxfp8_dequantize": 1,
     "nvfp4_dequantize": 1,
+    # the kernel, which also writes the given amaxes to the outputs, and the 2 scale-padding fills
+    "nvfp4_quantize row+col RHT, given amaxes": 3,
+    "nvfp4_quantize row+col RHT, given amaxes, scales without padding": 1,
+    # the 2 amax accumulators' fills, the amax kernel, the quantize kernel, the 2 scale-padding fills
+    "nvfp4_quantize row+col RHT, computed amaxes, SR": 6,
 }
 
 

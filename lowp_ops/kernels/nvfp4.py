@@ -482,6 +482,8 @@ def nvfp4_quantize_kernel(
     experts,
     amax_row_ptr,
     amax_col_ptr,
+    amax_row_out_ptr,
+    amax_col_out_ptr,
     row_data_ptr,
     row_scale_ptr,
     row_scale_cols,
@@ -505,6 +507,8 @@ def nvfp4_quantize_kernel(
     PARTIAL_TILES: tl.constexpr = True,
     TAIL_TILES: tl.constexpr = False,
     SPLIT_MULTIPLE: tl.constexpr = 1,
+    COPY_AMAX_ROW: tl.constexpr = False,
+    COPY_AMAX_COL: tl.constexpr = False,
 ):
     """One program: a TILE_ROWS x BLOCK_COLS tile of one expert, read once; both copies from registers.
     Column-wise data of expert e is its own (cols, n_rows / 2) matrix starting at byte
@@ -513,7 +517,16 @@ def nvfp4_quantize_kernel(
     multiple of BLOCK_COLS) takes the maskless path, chosen at run time. FULL_TILES / PARTIAL_TILES:
     whether this launch quantizes such tiles / the others (a launch of one kind compiles one path);
     TAIL_TILES: the grid's rows are the experts, each program its expert's last, partial, tile (the
-    only partial ones, so a launch for them needs E rows of programs, not the whole grid's)."""
+    only partial ones, so a launch for them needs E rows of programs, not the whole grid's).
+    COPY_AMAX_ROW / COPY_AMAX_COL: the first program also copies the (given) amaxes read at
+    ``amax_*_ptr`` to the op's amax outputs at ``amax_*_out_ptr`` (no copy launch of their own)."""
+    if COPY_AMAX_ROW or COPY_AMAX_COL:  # noqa: SIM102 (a compile-time switch, then a run-time test)
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            e = tl.arange(0, EXPERTS_POW2)
+            if COPY_AMAX_ROW:
+                tl.store(amax_row_out_ptr + e, tl.load(amax_row_ptr + e, mask=e < experts), mask=e < experts)
+            if COPY_AMAX_COL:
+                tl.store(amax_col_out_ptr + e, tl.load(amax_col_ptr + e, mask=e < experts), mask=e < experts)
     tile, col_tile = program_tile(cols, BLOCK_COLS, GRID_ALONG_ROWS)
     expert, n_rows, row0, local_row0, scale_col0 = tile_coordinates(
         split_ptr, experts, rows, tile, TILE_ROWS, EXPERTS_POW2, GROUPED, TAIL_TILES, SPLIT_MULTIPLE
@@ -629,25 +642,33 @@ def _launch(
                 RHT_AMAX=need_rht,
                 **common,
             )
-    if given_row is not None:
-        amax_row.copy_(given_row.reshape(experts))
-    if columnwise:
-        if given_col is not None:
-            amax_col.copy_(given_col.reshape(experts))
-        elif not rht:
-            amax_col.copy_(abs_amax)
+    # Where the kernel reads each amax from: a given one, or the one the amax kernel computed. The
+    # op's amax outputs get the values the kernel read (copied by its first program where they differ).
+    source_row = amax_row if given_row is None else given_row.reshape(experts)
+    if not columnwise:
+        source_col = source_row
+    elif given_col is not None:
+        source_col = given_col.reshape(experts)
     else:
-        amax_col.copy_(amax_row)
+        source_col = amax_col if rht else abs_amax
+    copies = {"COPY_AMAX_ROW": source_row is not amax_row, "COPY_AMAX_COL": source_col is not amax_col}
     if rows == 0 or cols == 0:
+        amax_row.copy_(source_row)
+        amax_col.copy_(source_col)
         return
-    launches = [(grid, {})]
+    launches = [(grid, copies)]
     if split_full_tiles and common["EVEN_COLS"]:  # otherwise no tile takes the maskless path
         tails = (experts * n_col_tiles,) if along_rows else (experts, n_col_tiles)
-        launches = [(grid, {"PARTIAL_TILES": False}), (tails, {"FULL_TILES": False, "TAIL_TILES": True})]
+        launches = [
+            (grid, {"PARTIAL_TILES": False, **copies}),
+            (tails, {"FULL_TILES": False, "TAIL_TILES": True}),
+        ]
     sr_state = amax_row if sr_seed is None else sr_seed.reshape(2).contiguous()  # unused without SR
     for launch_grid, tiles in launches:
         nvfp4_quantize_kernel[launch_grid](
             *source,
+            source_row,
+            source_col,
             amax_row,
             amax_col,
             row_data,
