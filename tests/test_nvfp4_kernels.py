@@ -131,6 +131,7 @@ def test_quantize_kernel_matches_reference(
         ((48, 80), False, True),
         ((2, 6), False, False),
         ((64, 144), True, False),  # more than one tile in both directions
+        ((128, 128), True, False),  # scales without padding: no zero fill, every scale written
     ],
     ids=str,
 )
