@@ -652,9 +652,10 @@ def _launch(
     else:
         source_col = amax_col if rht else abs_amax
     copies = {"COPY_AMAX_ROW": source_row is not amax_row, "COPY_AMAX_COL": source_col is not amax_col}
-    if rows == 0 or cols == 0:
-        amax_row.copy_(source_row)
-        amax_col.copy_(source_col)
+    if rows == 0 or cols == 0:  # no quantize launch to copy them
+        for out, source in ((amax_row, source_row), (amax_col, source_col)):
+            if source is not out:
+                out.copy_(source)
         return
     launches = [(grid, copies)]
     if split_full_tiles and common["EVEN_COLS"]:  # otherwise no tile takes the maskless path
