@@ -249,3 +249,85 @@ def test_cudagraph_overwrite_replays_with_grad_loss_one_and_not_one():
             assert same_bits(static_grad, want_grad)
         else:
             torch.testing.assert_close(static_grad.float(), want_grad.float(), rtol=2**-7, atol=0)
+
+
+# ------------------------------------------------------------- the one-pass kernel against the two passes
+def two_passes(logits, target, reduction, options):
+    """``cross_entropy_fwd``, (mean, sum) ``cross_entropy_reduce``, ``cross_entropy_bwd_``, one launcher
+    after another: (loss, stats), the gradient written over ``logits``."""
+    from lowp_ops.kernels import cross_entropy as ce
+
+    args = (options.get("label_smoothing", 0.0), IGNORE)
+    features = (options.get("weight"), options.get("z_loss", 0.0), options.get("softcap", 0.0))
+    loss, stats = ce.launch_cross_entropy_fwd(logits, target, *args, *features)
+    if reduction == "none":
+        grad_rows = torch.ones((), device=logits.device).expand(logits.shape[0])
+    else:
+        loss, grad_scale = ce.launch_cross_entropy_reduce(
+            loss, target, IGNORE, reduction == "mean", features[0]
+        )
+        grad_rows = grad_scale.expand(logits.shape[0])
+    ce.launch_cross_entropy_bwd_(logits, target, stats, grad_rows, *args, *features)
+    return loss, stats
+
+
+def _check_one_pass(device, rows, cols, options, programs=None, grad_block=4096, reverse=True, dtype=None):
+    from lowp_ops.kernels import cross_entropy_overwrite as ow
+
+    logits, target = inputs(rows, cols, device, dtype or torch.bfloat16)
+    options = _options(options, cols, device)
+    reduction = options.get("reduction", "mean")
+    want_logits = logits.clone()
+    want_loss, want_stats = two_passes(want_logits, target, reduction, options)
+    kwargs = {k: v for k, v in options.items() if k != "reduction"}
+    got_loss, got_stats = ow.launch_cross_entropy_overwrite_(
+        logits, target, kwargs.pop("label_smoothing", 0.0), IGNORE, reduction, kwargs.pop("weight", None),
+        kwargs.pop("z_loss", 0.0), kwargs.pop("softcap", 0.0),
+        programs=programs, grad_block=grad_block, reverse=reverse,
+    )  # fmt: skip
+    assert torch.equal(bits(got_loss), bits(want_loss)), options
+    assert torch.equal(bits(got_stats), bits(want_stats)), options
+    assert torch.equal(bits(logits), bits(want_logits)), options
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("options", OPTIONS)
+@pytest.mark.parametrize(
+    "cols, programs, grad_block, reverse",
+    [(300, 5, 64, True), (256, 3, 128, False), (37, 37, 16, True), (1030, 1, 256, True)],
+)
+def test_interp_one_pass_kernel_equals_the_two_passes(options, cols, programs, grad_block, reverse):
+    """Rows strided over fewer programs than rows, either direction, blocks that do and do not divide the
+    row, rows that are and are not 16-byte aligned: the bytes of the forward, reduction and backward."""
+    _check_one_pass("cpu", 13, cols, options, programs, grad_block, reverse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", OPTIONS)
+@pytest.mark.parametrize(
+    "shape, programs, grad_block, reverse",
+    [((1000, 50257), 7, 4096, True), ((300, 32000), None, 2048, False), ((64, 262144), None, 4096, True)],
+)
+def test_gpu_one_pass_kernel_equals_the_two_passes(options, shape, programs, grad_block, reverse):
+    _check_one_pass("cuda", *shape, options, programs, grad_block, reverse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gpu_one_pass_kernel_other_dtypes(dtype):
+    _check_one_pass("cuda", 257, 5000, {"reduction": "mean", "label_smoothing": 0.1}, dtype=dtype)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_opcheck_cross_entropy_overwrite_(reduction):
+    logits, target = inputs(8, 40, dtype=torch.float32)
+    logits = logits.nan_to_num(neginf=-30.0)  # finite: opcheck compares with NaN != NaN
+    torch.library.opcheck(
+        torch.ops.lowp.cross_entropy_overwrite_.default, (logits, target, 0.1, IGNORE, reduction)
+    )
+
+
+def test_bad_reduction_of_the_overwrite_op_raises():
+    logits, target = inputs(8, 40)
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        library.cross_entropy_overwrite_(logits, target, 0.0, IGNORE, "max")
