@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..meta.cross_entropy import overwrite_row_outputs
+from ..meta.cross_entropy import overwrite_row_outputs, row_loss_and_stats_outputs
 from .cross_entropy import (
     LOG_SUM,
     ROWS_BLOCK,
@@ -150,47 +150,91 @@ def launch_cross_entropy_overwrite_(
     loss_rows, stats = overwrite_row_outputs(
         logits, target, label_smoothing, ignore_index, reduction, weight, z_loss, softcap
     )
-    rows, n_cols = logits.shape
+    rows = logits.shape[0]
     mean = reduction == "mean"
     if mean:
         grad_rows = launch_mean_grad_scale(target, ignore_index, weight).expand(rows)
     else:
         grad_rows = torch.ones((), dtype=torch.float32, device=logits.device).expand(rows)
-    if rows > 0:
-        block, num_warps = fwd_config(n_cols)
-        eps, target_weight = _bwd_scalars(label_smoothing, n_cols)  # eps: the forward's too
-        class_weights, smooth_total = class_weight_args(weight, eps, loss_rows)
-        features = _fwd_feature_args(z_loss, softcap)
-        cross_entropy_overwrite_kernel[(programs or overwrite_programs(logits),)](
-            logits,
-            n_cols,
-            target.contiguous(),
-            loss_rows,
-            stats[SHIFT],
-            stats[LOG_SUM],
-            grad_rows,
-            grad_rows.stride(0),
-            rows,
-            n_cols,
-            ignore_index,
-            label_smoothing,
-            class_weights,
-            smooth_total,
-            eps,
-            target_weight,
-            z_loss,
-            feature_args(z_loss, softcap)["z_loss2"],
-            **features,
-            BLOCK=block,
-            GRAD_BLOCK=grad_block,
-            ALIGN=peel_align(logits),
-            GRAD_ALIGN=16 // logits.element_size(),
-            HAS_SMOOTHING=label_smoothing > 0,
-            HAS_WEIGHT=weight is not None,
-            REVERSE=reverse,
-            num_warps=num_warps,
-        )
+    one_pass_into(
+        loss_rows, stats, logits, target, grad_rows, label_smoothing, ignore_index, weight, z_loss, softcap,
+        programs=programs, grad_block=grad_block, reverse=reverse,
+    )  # fmt: skip
     if reduction == "none":
         return loss_rows, stats
     loss, _ = launch_cross_entropy_reduce(loss_rows, target, ignore_index, mean, weight)
     return loss, stats
+
+
+def launch_cross_entropy_fwd_bwd_(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    grad_rows: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cross_entropy_fwd`` then ``cross_entropy_bwd_`` with ``grad_rows`` (N,) fp32 known up front, in
+    one pass: ``(loss (N,), row_stats (2, N))``, the gradient written over the contiguous ``logits``
+    (the LM-head loss's chunks, whose arguments its op checked)."""
+    loss_rows, stats = row_loss_and_stats_outputs(logits, logits.shape[0])
+    one_pass_into(
+        loss_rows, stats, logits, target, grad_rows, label_smoothing, ignore_index, weight, z_loss, softcap
+    )
+    return loss_rows, stats
+
+
+def one_pass_into(
+    loss_rows: torch.Tensor,
+    stats: torch.Tensor,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    grad_rows: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    weight: torch.Tensor | None,
+    z_loss: float,
+    softcap: float,
+    *,
+    programs: int | None = None,
+    grad_block: int = ROWS_BLOCK,
+    reverse: bool = True,
+) -> None:
+    """Launch :func:`cross_entropy_overwrite_kernel` over checked arguments and allocated outputs."""
+    rows, n_cols = logits.shape
+    if rows == 0:
+        return
+    block, num_warps = fwd_config(n_cols)
+    eps, target_weight = _bwd_scalars(label_smoothing, n_cols)  # eps: the forward's too
+    class_weights, smooth_total = class_weight_args(weight, eps, loss_rows)
+    cross_entropy_overwrite_kernel[(programs or overwrite_programs(logits),)](
+        logits,
+        n_cols,
+        target.contiguous(),
+        loss_rows,
+        stats[SHIFT],
+        stats[LOG_SUM],
+        grad_rows,
+        grad_rows.stride(0),
+        rows,
+        n_cols,
+        ignore_index,
+        label_smoothing,
+        class_weights,
+        smooth_total,
+        eps,
+        target_weight,
+        z_loss,
+        feature_args(z_loss, softcap)["z_loss2"],
+        **_fwd_feature_args(z_loss, softcap),
+        BLOCK=block,
+        GRAD_BLOCK=grad_block,
+        ALIGN=peel_align(logits),
+        GRAD_ALIGN=16 // logits.element_size(),
+        HAS_SMOOTHING=label_smoothing > 0,
+        HAS_WEIGHT=weight is not None,
+        REVERSE=reverse,
+        num_warps=num_warps,
+    )
