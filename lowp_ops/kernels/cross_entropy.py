@@ -468,29 +468,29 @@ def cross_entropy_bwd_rows_kernel(
     32-row tile's cannot be; the row's first program also does the up to ``2 (ALIGN - 1)`` ragged
     elements at its two ends. The same op sequence as the tile kernel (``grad_of_logits``): the same bytes."""
     row = tl.program_id(0).to(tl.int64)
-    terms = row_terms(
+    shift, log2_sum, target, row_scale, ignored, class_weight, alpha, factor = row_terms(
         target_ptr, shift_ptr, log_sum_ptr, grad_ptr, grad_stride, weight_ptr, smooth_total_ptr, row, rows,
         n_cols, ignore_index, vocab_start, vocab_total, target_weight, z_loss2, HAS_WEIGHT, HAS_Z_LOSS,
     )  # fmt: skip
     store_row_segment_grad(
-        logits_ptr, dlogits_ptr, row * n_cols, n_cols, tl.program_id(1), terms, weight_ptr + vocab_start,
-        smoothing_eps, target_weight, softcap, softcap_rcp, BLOCK, ALIGN, HAS_SMOOTHING, HAS_WEIGHT,
-        HAS_Z_LOSS, HAS_SOFTCAP,
+        logits_ptr, dlogits_ptr, row * n_cols, n_cols, tl.program_id(1), shift, log2_sum, target, row_scale,
+        ignored, class_weight, alpha, factor, weight_ptr + vocab_start, smoothing_eps, target_weight,
+        softcap, softcap_rcp, BLOCK, ALIGN, HAS_SMOOTHING, HAS_WEIGHT, HAS_Z_LOSS, HAS_SOFTCAP,
     )  # fmt: skip
 
 
 @triton.jit
 def store_row_segment_grad(
-    logits_ptr, dlogits_ptr, row_start, n_cols, chunk, terms, class_weight_ptr, smoothing_eps,
-    target_weight, softcap, softcap_rcp, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
+    logits_ptr, dlogits_ptr, row_start, n_cols, chunk, shift, log2_sum, target, row_scale, ignored,
+    class_weight, alpha, factor, class_weight_ptr, smoothing_eps, target_weight, softcap, softcap_rcp,
+    BLOCK: tl.constexpr, ALIGN: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """The gradient of segment ``chunk`` (``BLOCK`` columns) of the aligned body of the contiguous row at
-    element ``row_start``, from its ``row_terms``; segment 0 also does the row's ragged ends (see
-    :func:`cross_entropy_bwd_rows_kernel`). ``dlogits_ptr`` may be ``logits_ptr``: every element is read
-    before the same thread writes it."""
-    shift, log2_sum, target, row_scale, ignored, class_weight, alpha, factor = terms
+    element ``row_start``, from its ``row_terms`` (``shift`` to ``factor``); segment 0 also does the
+    row's ragged ends (see :func:`cross_entropy_bwd_rows_kernel`). ``dlogits_ptr`` may be
+    ``logits_ptr``: every element is read before the same thread writes it."""
     head = tl.minimum((ALIGN - row_start % ALIGN) % ALIGN, n_cols).to(tl.int32)
     body = tl.multiple_of(row_start + head, ALIGN)
     body_len = n_cols - head

@@ -100,16 +100,16 @@ def cross_entropy_overwrite_kernel(
         # stores above visible to every thread of the program, and keeps every read of the row's
         # logits by the forward pass before the first gradient store.
         tl.debug_barrier()
-        terms = row_terms(
+        shift, log2_sum, target, row_scale, ignored, class_weight, alpha, factor = row_terms(
             target_ptr, shift_ptr, log_sum_ptr, grad_ptr, grad_stride, weight_ptr, smooth_total_ptr, row,
             rows, n_cols, ignore_index, 0, n_cols, target_weight, z_loss2, HAS_WEIGHT, HAS_Z_LOSS,
         )  # fmt: skip
         for step in range(0, n_chunks):
             chunk = n_chunks - 1 - step if REVERSE else step
             store_row_segment_grad(
-                logits_ptr, logits_ptr, row * n_cols, n_cols, chunk, terms, weight_ptr, smoothing_eps,
-                target_weight, softcap, softcap_rcp, GRAD_BLOCK, GRAD_ALIGN, HAS_SMOOTHING, HAS_WEIGHT,
-                HAS_Z_LOSS, HAS_SOFTCAP,
+                logits_ptr, logits_ptr, row * n_cols, n_cols, chunk, shift, log2_sum, target, row_scale,
+                ignored, class_weight, alpha, factor, weight_ptr, smoothing_eps, target_weight, softcap,
+                softcap_rcp, GRAD_BLOCK, GRAD_ALIGN, HAS_SMOOTHING, HAS_WEIGHT, HAS_Z_LOSS, HAS_SOFTCAP,
             )  # fmt: skip
         # The next row's statistics stores must not pass this row's last re-reads (same program).
         tl.debug_barrier()
