@@ -2,8 +2,9 @@
 replaces (``cross_entropy_fwd``, ``cross_entropy_reduce``, ``cross_entropy_bwd_``), GPU time in CUDA-graph
 replays over rotating logits copies, as a ratio to a same-run device copy at the one-pass byte floor
 (4 B/element: read the logits, write the gradient; the two passes move 6). Sweeps the persistent grid
-(programs per SM, or one program per row), the gradient pass's direction and block; checks that every
-variant's bytes equal the two passes'.
+(programs per SM, or one program per row), the gradient pass's direction and block, the warps (the
+forward's bytes depend on them: only the forward kernel's count, 4 at these widths, gives its bytes;
+the forward alone is timed at each count); checks every variant's bytes against the two passes'.
 
     PYTHONPATH=. python3 benchmarks/tune_overwrite_logits.py [--shapes 4096x129280,8192x32768]
 """
@@ -55,11 +56,18 @@ def sweep(rows: int, vocab: int, copy_tbs: float, sms: int) -> None:
         print(f"{rows}x{vocab} {name}: {ms:.4f} ms, {pct:.1f}% of copy at {floor_bytes} B/elem", flush=True)
 
     report("two passes (fwd, reduce, bwd_)", lambda x: two_passes(x, target), 6)
-    variants = [(p, True, 4096) for p in (1, 2, 3, 4, 6, 8, 0)]
-    variants += [(2, False, 4096), (1, False, 4096), (2, True, 2048), (2, True, 8192), (1, True, 8192)]
-    for per_sm, reverse, block in variants:
+    for warps in (4, 8, 16):
+        report(
+            f"forward alone, {warps} warps",
+            lambda x, w=warps: ce.launch_cross_entropy_fwd(x, target, 0.0, -100, num_warps=w),
+            2,
+        )
+    variants = [(p, True, 4096, 4) for p in (1, 2, 3, 4, 6, 8, 0)]
+    variants += [(2, False, 4096, 4), (1, False, 4096, 4), (2, True, 2048, 4), (2, True, 8192, 4)]
+    variants += [(p, True, 4096, 8) for p in (1, 2, 4)] + [(p, True, 4096, 16) for p in (1, 2)]
+    for per_sm, reverse, block, warps in variants:
         programs = min(rows, per_sm * sms) if per_sm else rows
-        kwargs = {"programs": programs, "reverse": reverse, "grad_block": block}
+        kwargs = {"programs": programs, "reverse": reverse, "grad_block": block, "num_warps": warps}
         out = base.clone()
         loss, stats = ow.launch_cross_entropy_overwrite_(out, target, 0.0, -100, "mean", **kwargs)
         same = (
@@ -68,6 +76,7 @@ def sweep(rows: int, vocab: int, copy_tbs: float, sms: int) -> None:
             and torch.equal(stats.view(torch.int32), ref_stats.view(torch.int32))
         )
         name = f"one pass, {per_sm or 'row'} per SM, {'reverse' if reverse else 'forward'}, block {block}"
+        name += f", {warps} warps"
         report(
             f"{name} (bytes equal: {same})",
             lambda x, kw=kwargs: ow.launch_cross_entropy_overwrite_(x, target, 0.0, -100, "mean", **kw),

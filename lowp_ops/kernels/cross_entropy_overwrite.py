@@ -142,11 +142,13 @@ def launch_cross_entropy_overwrite_(
     programs: int | None = None,
     grad_block: int = ROWS_BLOCK,
     reverse: bool = True,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``lowp::cross_entropy_overwrite_``: ``(loss, row_stats)`` with the gradient (for ``grad_loss = 1``)
     written over the contiguous ``logits``. Launches: the mean's ``grad_scale`` (mean only), the row
     kernel, the reduction (mean and sum). ``programs`` / ``grad_block`` / ``reverse``: the persistent
-    grid's size, the gradient pass's block and direction (for tuning; the bytes do not depend on them)."""
+    grid's size, the gradient pass's block and direction (for tuning; the bytes do not depend on them);
+    ``num_warps``: for tuning only (the forward kernel's count gives the forward's bytes)."""
     loss_rows, stats = overwrite_row_outputs(
         logits, target, label_smoothing, ignore_index, reduction, weight, z_loss, softcap
     )
@@ -158,7 +160,7 @@ def launch_cross_entropy_overwrite_(
         grad_rows = torch.ones((), dtype=torch.float32, device=logits.device).expand(rows)
     one_pass_into(
         loss_rows, stats, logits, target, grad_rows, label_smoothing, ignore_index, weight, z_loss, softcap,
-        programs=programs, grad_block=grad_block, reverse=reverse,
+        programs=programs, grad_block=grad_block, reverse=reverse, num_warps=num_warps,
     )  # fmt: skip
     if reduction == "none":
         return loss_rows, stats
@@ -201,12 +203,13 @@ def one_pass_into(
     programs: int | None = None,
     grad_block: int = ROWS_BLOCK,
     reverse: bool = True,
+    num_warps: int | None = None,
 ) -> None:
     """Launch :func:`cross_entropy_overwrite_kernel` over checked arguments and allocated outputs."""
     rows, n_cols = logits.shape
     if rows == 0:
         return
-    block, num_warps = fwd_config(n_cols)
+    block, fwd_warps = fwd_config(n_cols)
     eps, target_weight = _bwd_scalars(label_smoothing, n_cols)  # eps: the forward's too
     class_weights, smooth_total = class_weight_args(weight, eps, loss_rows)
     cross_entropy_overwrite_kernel[(programs or overwrite_programs(logits),)](
@@ -236,5 +239,5 @@ def one_pass_into(
         HAS_SMOOTHING=label_smoothing > 0,
         HAS_WEIGHT=weight is not None,
         REVERSE=reverse,
-        num_warps=num_warps,
+        num_warps=num_warps or fwd_warps,
     )
