@@ -762,22 +762,7 @@ def launch_cross_entropy_reduce(
     if loss_rows.shape[0] > REDUCE_MAX_ROWS:
         return cross_entropy_reduce(loss_rows, target, ignore_index, mean, weight)
     loss, grad_scale = cross_entropy_reduce_outputs(loss_rows, target, ignore_index, mean, weight)
-    class_weights = loss_rows if weight is None else weight.float().contiguous()
-    cross_entropy_reduce_kernel[(1,)](
-        loss_rows.contiguous(),
-        target.contiguous(),
-        loss_rows.shape[0],
-        ignore_index,
-        loss,
-        grad_scale,
-        class_weights,
-        0 if weight is None else weight.shape[0],
-        MEAN=mean,
-        BLOCK=REDUCE_BLOCK,
-        HAS_WEIGHT=weight is not None,
-        WITH_LOSS=True,
-        num_warps=8,
-    )
+    _reduce(loss_rows.contiguous(), target, ignore_index, mean, weight, loss, grad_scale)
     return loss, grad_scale
 
 
@@ -787,27 +772,32 @@ def launch_mean_grad_scale(
     """The ``grad_scale`` (0-d fp32) that ``lowp::cross_entropy_reduce`` returns for the mean, from the
     targets (and class weights) alone, before any loss exists: the same kernel without its loss sum, so
     the same bits."""
-    rows = target.shape[0]
-    if rows > REDUCE_MAX_ROWS:
+    if target.shape[0] > REDUCE_MAX_ROWS:
         return 1.0 / reduce_denominator(target, ignore_index, weight)
     grad_scale = torch.empty((), dtype=torch.float32, device=target.device)
-    class_weights = grad_scale if weight is None else weight.float().contiguous()
+    _reduce(None, target, ignore_index, True, weight, None, grad_scale)
+    return grad_scale
+
+
+def _reduce(loss_rows, target, ignore_index, mean, weight, loss, grad_scale) -> None:
+    """One program of :func:`cross_entropy_reduce_kernel`; without ``loss_rows`` (and ``loss``) only the
+    grad scale."""
+    placeholder = grad_scale  # never read or written where a pointer is unused
     cross_entropy_reduce_kernel[(1,)](
-        grad_scale,
+        placeholder if loss_rows is None else loss_rows,
         target.contiguous(),
-        rows,
+        target.shape[0],
         ignore_index,
+        placeholder if loss is None else loss,
         grad_scale,
-        grad_scale,
-        class_weights,
+        placeholder if weight is None else weight.float().contiguous(),
         0 if weight is None else weight.shape[0],
-        MEAN=True,
+        MEAN=mean,
         BLOCK=REDUCE_BLOCK,
         HAS_WEIGHT=weight is not None,
-        WITH_LOSS=False,
+        WITH_LOSS=loss_rows is not None,
         num_warps=8,
     )
-    return grad_scale
 
 
 def launch_cross_entropy_bwd_(
