@@ -85,6 +85,14 @@ def eager_cases(device: str) -> list[tuple[str, object, str, object]]:
             torch_ce,
         )
     )
+    cases.append(
+        (
+            "cross_entropy fwd+bwd, overwrite_logits 512x32000",
+            fwd_bwd(lambda: lowp_ops.cross_entropy(logits * 1, target, overwrite_logits=True), logits),
+            "F.cross_entropy fwd+bwd of logits * 1",
+            fwd_bwd(lambda: F.cross_entropy(logits * 1, target), logits),
+        )
+    )
     plain = logits.detach()
     cases.append(
         (
