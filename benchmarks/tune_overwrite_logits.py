@@ -62,14 +62,12 @@ def sweep(rows: int, vocab: int, copy_tbs: float, sms: int) -> None:
             lambda x, w=warps: ce.launch_cross_entropy_fwd(x, target, 0.0, -100, num_warps=w),
             2,
         )
-    variants = [(p, True, 4096, 4, False) for p in (1, 2, 3, 4, 6, 8, 0)]
-    variants += [(2, False, 4096, 4, False), (1, False, 4096, 4, False), (2, True, 2048, 4, False)]
-    variants += [(2, True, 8192, 4, False)] + [(p, True, 4096, 4, True) for p in (1, 2, 4, 8)]
-    variants += [(p, True, 4096, 8, False) for p in (1, 2, 4)] + [(p, True, 4096, 16, False) for p in (1, 2)]
-    for per_sm, reverse, block, warps, hints in variants:
+    variants = [(p, True, 4096, 4) for p in (1, 2, 3, 4, 6, 8, 0)]
+    variants += [(2, False, 4096, 4), (1, False, 4096, 4), (2, True, 2048, 4), (2, True, 8192, 4)]
+    variants += [(p, True, 4096, 8) for p in (1, 2, 4)] + [(p, True, 4096, 16) for p in (1, 2)]
+    for per_sm, reverse, block, warps in variants:
         programs = min(rows, per_sm * sms) if per_sm else rows
         kwargs = {"programs": programs, "reverse": reverse, "grad_block": block, "num_warps": warps}
-        kwargs["l2_hints"] = hints
         out = base.clone()
         loss, stats = ow.launch_cross_entropy_overwrite_(out, target, 0.0, -100, "mean", **kwargs)
         same = (
@@ -78,7 +76,7 @@ def sweep(rows: int, vocab: int, copy_tbs: float, sms: int) -> None:
             and torch.equal(stats.view(torch.int32), ref_stats.view(torch.int32))
         )
         name = f"one pass, {per_sm or 'row'} per SM, {'reverse' if reverse else 'forward'}, block {block}"
-        name += f", {warps} warps" + (", L2 hints" if hints else "")
+        name += f", {warps} warps"
         report(
             f"{name} (bytes equal: {same})",
             lambda x, kw=kwargs: ow.launch_cross_entropy_overwrite_(x, target, 0.0, -100, "mean", **kw),

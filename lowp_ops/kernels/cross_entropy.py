@@ -65,11 +65,10 @@ def row_loss_and_stats(
     logits_ptr, stride_row, target_ptr, row, n_cols, ignore_index, label_smoothing, weight_ptr,
     smooth_total_ptr, smoothing_eps, z_loss, softcap, softcap_rcp, BLOCK: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, ALIGN: tl.constexpr, EVICT: tl.constexpr = "",
+    HAS_SOFTCAP: tl.constexpr, ALIGN: tl.constexpr,
 ):  # fmt: skip
     """(loss, shift, log_sum) of int64 ``row``: one online pass over its logits (peeled when ``ALIGN``),
-    then the row's loss with the enabled features. The forward kernels' whole per-row computation.
-    ``EVICT``: the L2 eviction policy of the pass's loads (aligned rows without features)."""
+    then the row's loss with the enabled features. The forward kernels' whole per-row computation."""
     row_ptr = logits_ptr + row * stride_row
     if HAS_SOFTCAP or (HAS_WEIGHT and HAS_SMOOTHING):  # only smoothing needs every class's weight
         m, d, shifted_sum = row_stats_weighted_or_capped(
@@ -79,7 +78,7 @@ def row_loss_and_stats(
         row_start = row * stride_row
         m, d, shifted_sum = row_stats_peeled(logits_ptr, row_start, n_cols, BLOCK, HAS_SMOOTHING, ALIGN)
     else:
-        m, d, shifted_sum = row_stats_and_shifted_sum(row_ptr, n_cols, BLOCK, HAS_SMOOTHING, EVICT)
+        m, d, shifted_sum = row_stats_and_shifted_sum(row_ptr, n_cols, BLOCK, HAS_SMOOTHING)
     shift = masked_safe_shift(m)
     log_sum = finish_log_sum(d)
 
@@ -416,7 +415,7 @@ def store_row_grad(
     row_ptr, grad_row_ptr, offsets, cols, mask, any_special, class_weight_ptr, shift, log2_sum, target,
     row_scale, ignored, class_weight, alpha, factor, smoothing_eps, target_weight, softcap, softcap_rcp,
     HAS_SMOOTHING: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, EVICT: tl.constexpr = "",
+    HAS_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """The gradient of one row's elements ``row_ptr[offsets]`` (columns ``cols`` of the vocabulary shard,
     ``mask``ed), stored at ``grad_row_ptr[offsets]`` in its dtype: ``grad_of_logits`` with the row's terms
@@ -425,7 +424,7 @@ def store_row_grad(
     column_eps = 0.0
     if HAS_WEIGHT:
         column_eps = smoothing_eps * tl.load(class_weight_ptr + cols, mask=mask, other=0.0)
-    x = tl.load(row_ptr + offsets, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    x = tl.load(row_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     grad = grad_of_logits(
         x, cols, shift, log2_sum, target, row_scale, ignored, any_special, class_weight, alpha, column_eps,
         factor, smoothing_eps, target_weight, softcap, softcap_rcp, HAS_SMOOTHING, HAS_WEIGHT, HAS_Z_LOSS,
@@ -486,7 +485,7 @@ def store_row_segment_grad(
     class_weight, alpha, factor, class_weight_ptr, smoothing_eps, target_weight, softcap, softcap_rcp,
     BLOCK: tl.constexpr, ALIGN: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, EVICT: tl.constexpr = "",
+    HAS_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """The gradient of segment ``chunk`` (``BLOCK`` columns) of the aligned body of the contiguous row at
     element ``row_start``, from its ``row_terms`` (``shift`` to ``factor``); segment 0 also does the
@@ -503,7 +502,7 @@ def store_row_segment_grad(
         logits_ptr + body, dlogits_ptr + body, in_body, head + in_body, in_body < body_end, any_special,
         class_weight_ptr, shift, log2_sum, target, row_scale, ignored, class_weight, alpha, factor,
         smoothing_eps, target_weight, softcap, softcap_rcp, HAS_SMOOTHING, HAS_WEIGHT, HAS_Z_LOSS,
-        HAS_SOFTCAP, EVICT,
+        HAS_SOFTCAP,
     )  # fmt: skip
     if chunk == 0:
         # The ragged ends: lanes [0, ALIGN) the head, lanes [ALIGN, 2 ALIGN) the tail after the body.

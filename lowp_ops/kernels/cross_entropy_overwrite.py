@@ -78,15 +78,11 @@ def cross_entropy_overwrite_kernel(
     HAS_Z_LOSS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     REVERSE: tl.constexpr,
-    L2_HINTS: tl.constexpr,
 ):
     """Rows ``program_id, program_id + num_programs, ...`` of contiguous (rows, n_cols) logits (``stride_row``
     is ``n_cols``, passed apart so that the forward pass specializes as the forward kernel does): loss
     and statistics stored, then the row's gradient written over it, scaled by ``grad_ptr[row *
-    grad_stride]``. ``L2_HINTS``: the first pass loads with ``evict_last``, the second with
-    ``evict_first`` (aligned rows without loss features)."""
-    first_evict: tl.constexpr = "evict_last" if L2_HINTS else ""
-    second_evict: tl.constexpr = "evict_first" if L2_HINTS else ""
+    grad_stride]``."""
     n_chunks = tl.cdiv(n_cols, GRAD_BLOCK)
     first_row = tl.program_id(0).to(tl.int64)
     programs = tl.num_programs(0)
@@ -95,7 +91,7 @@ def cross_entropy_overwrite_kernel(
         loss, shift, log_sum = row_loss_and_stats(
             logits_ptr, stride_row, target_ptr, row, n_cols, ignore_index, label_smoothing, weight_ptr,
             smooth_total_ptr, smoothing_eps, z_loss, softcap, softcap_rcp, BLOCK, HAS_SMOOTHING, HAS_WEIGHT,
-            HAS_Z_LOSS, HAS_SOFTCAP, ALIGN, first_evict,
+            HAS_Z_LOSS, HAS_SOFTCAP, ALIGN,
         )  # fmt: skip
         tl.store(loss_ptr + row, loss)
         tl.store(shift_ptr + row, shift)
@@ -114,7 +110,6 @@ def cross_entropy_overwrite_kernel(
                 logits_ptr, logits_ptr, row * n_cols, n_cols, chunk, shift, log2_sum, target, row_scale,
                 ignored, class_weight, alpha, factor, weight_ptr, smoothing_eps, target_weight, softcap,
                 softcap_rcp, GRAD_BLOCK, GRAD_ALIGN, HAS_SMOOTHING, HAS_WEIGHT, HAS_Z_LOSS, HAS_SOFTCAP,
-                second_evict,
             )  # fmt: skip
         # The next row's statistics stores must not pass this row's last re-reads (same program).
         tl.debug_barrier()
@@ -148,14 +143,12 @@ def launch_cross_entropy_overwrite_(
     grad_block: int = ROWS_BLOCK,
     reverse: bool = True,
     num_warps: int | None = None,
-    l2_hints: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``lowp::cross_entropy_overwrite_``: ``(loss, row_stats)`` with the gradient (for ``grad_loss = 1``)
     written over the contiguous ``logits``. Launches: the mean's ``grad_scale`` (mean only), the row
     kernel, the reduction (mean and sum). ``programs`` / ``grad_block`` / ``reverse``: the persistent
     grid's size, the gradient pass's block and direction (for tuning; the bytes do not depend on them);
-    ``num_warps``: for tuning only (the forward kernel's count gives the forward's bytes); ``l2_hints``:
-    the kernel's ``L2_HINTS``."""
+    ``num_warps``: for tuning only (the forward kernel's count gives the forward's bytes)."""
     loss_rows, stats = overwrite_row_outputs(
         logits, target, label_smoothing, ignore_index, reduction, weight, z_loss, softcap
     )
@@ -167,7 +160,7 @@ def launch_cross_entropy_overwrite_(
         grad_rows = torch.ones((), dtype=torch.float32, device=logits.device).expand(rows)
     one_pass_into(
         loss_rows, stats, logits, target, grad_rows, label_smoothing, ignore_index, weight, z_loss, softcap,
-        programs=programs, grad_block=grad_block, reverse=reverse, num_warps=num_warps, l2_hints=l2_hints,
+        programs=programs, grad_block=grad_block, reverse=reverse, num_warps=num_warps,
     )  # fmt: skip
     if reduction == "none":
         return loss_rows, stats
@@ -211,7 +204,6 @@ def one_pass_into(
     grad_block: int = ROWS_BLOCK,
     reverse: bool = True,
     num_warps: int | None = None,
-    l2_hints: bool = False,
 ) -> None:
     """Launch :func:`cross_entropy_overwrite_kernel` over checked arguments and allocated outputs."""
     rows, n_cols = logits.shape
@@ -247,6 +239,5 @@ def one_pass_into(
         HAS_SMOOTHING=label_smoothing > 0,
         HAS_WEIGHT=weight is not None,
         REVERSE=reverse,
-        L2_HINTS=l2_hints,
         num_warps=num_warps or fwd_warps,
     )

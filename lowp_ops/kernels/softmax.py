@@ -60,36 +60,30 @@ def finish_log_sum(d):
 
 
 @triton.jit
-def row_stats_and_shifted_sum(
-    row_ptr, n_cols, BLOCK: tl.constexpr, WITH_SUM: tl.constexpr, EVICT: tl.constexpr = ""
-):
+def row_stats_and_shifted_sum(row_ptr, n_cols, BLOCK: tl.constexpr, WITH_SUM: tl.constexpr):
     """(max m, ``d = Σ exp(x - shift(m))``, ``Σ (x - shift(m))``) in fp32 of one row of ``n_cols``
     contiguous elements, from one pass; the sum (label smoothing needs it) is 0 unless ``WITH_SUM``.
-    Whole blocks load without masks; only the tail block is masked. ``EVICT``: the loads' L2 eviction
-    policy (``tl.load``'s)."""
+    Whole blocks load without masks; only the tail block is masked."""
     m = float("-inf")  # assigned, not passed as literals: literal arguments would be constexprs
     d = 0.0
     total = 0.0
-    return fold_row_blocks(row_ptr, n_cols, m, d, total, 0, BLOCK, WITH_SUM, EVICT)
+    return fold_row_blocks(row_ptr, n_cols, m, d, total, 0, BLOCK, WITH_SUM)
 
 
 @triton.jit
-def fold_row_blocks(
-    row_ptr, n_cols, m, d, total, seen, BLOCK: tl.constexpr, WITH_SUM: tl.constexpr, EVICT: tl.constexpr = ""
-):
+def fold_row_blocks(row_ptr, n_cols, m, d, total, seen, BLOCK: tl.constexpr, WITH_SUM: tl.constexpr):
     """:func:`row_stats_and_shifted_sum` of ``n_cols`` elements at ``row_ptr``, continued from the state
     ``(m, d, total)`` of ``seen`` earlier elements of the row."""
     n_whole = n_cols - n_cols % BLOCK
     for start in range(0, n_whole, BLOCK):
-        block = tl.load(row_ptr + start + tl.arange(0, BLOCK), eviction_policy=EVICT).to(tl.float32)
+        block = tl.load(row_ptr + start + tl.arange(0, BLOCK)).to(tl.float32)
         m_old = m
         m, d, shifted = online_softmax_update(m, d, block)
         if WITH_SUM:
             total = rebase_shifted_sum(total, (seen + start) * 1.0, m_old, m) + tl.sum(shifted, 0)
     if n_whole < n_cols:
         cols = n_whole + tl.arange(0, BLOCK)
-        block = tl.load(row_ptr + cols, mask=cols < n_cols, other=float("-inf"), eviction_policy=EVICT)
-        block = block.to(tl.float32)
+        block = tl.load(row_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
         m_old = m
         m, d, shifted = online_softmax_update(m, d, block)
         if WITH_SUM:
