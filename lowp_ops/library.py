@@ -483,17 +483,6 @@ cross_entropy_bwd_ = _define(
     mutates_args=("logits",),
 )
 
-# overwrite_logits=True: the forward and the in-place backward (grad_loss = 1) in one pass over each row.
-cross_entropy_overwrite_ = _define(
-    "cross_entropy_overwrite_",
-    "(Tensor(a!) logits, Tensor target, float label_smoothing, SymInt ignore_index, str reduction,"
-    " Tensor? weight=None, float z_loss=0.0, float softcap=0.0) -> (Tensor, Tensor)",
-    ce_ref.cross_entropy_overwrite_,
-    "cross_entropy_overwrite.launch_cross_entropy_overwrite_",
-    ce_meta.cross_entropy_overwrite_outputs,
-    mutates_args=("logits",),
-)
-
 cross_entropy_scale_grad_ = _define(
     "cross_entropy_scale_grad_",
     "(Tensor(a!) dlogits, Tensor grad_rows) -> ()",
@@ -834,16 +823,24 @@ class _CrossEntropyLoss(torch.autograd.Function):
 
 class _CrossEntropyOverwrite(torch.autograd.Function):
     """The cross entropy whose forward writes the logits' gradient (for ``grad_loss = 1``) over the logits:
-    ``cross_entropy_overwrite_``, one pass over each row with the bytes of ``cross_entropy_fwd``, (mean,
-    sum) ``cross_entropy_reduce``, then ``cross_entropy_bwd_`` with the reduction's ``grad_scale`` (the
-    default path's kernels and scalars); the backward returns that buffer, rescaled in place by
-    ``grad_loss`` where it is not 1."""
+    ``cross_entropy_fwd``, (mean, sum) ``cross_entropy_reduce``, then ``cross_entropy_bwd_`` with the
+    reduction's ``grad_scale``: the kernels and scalars of the default path, so the same bytes; the
+    backward returns that buffer, rescaled in place by ``grad_loss`` where it is not 1."""
 
     @staticmethod
     def forward(ctx, logits, target, label_smoothing, ignore_index, weight, z_loss, softcap, reduction):
         refuse_weight_grad(weight)
-        loss, stats = cross_entropy_overwrite_(
-            logits, target, label_smoothing, ignore_index, reduction, weight, z_loss, softcap
+        rows = logits.shape[0]
+        loss, stats = cross_entropy_fwd(
+            logits, target, label_smoothing, ignore_index, weight, z_loss, softcap
+        )
+        if reduction == "none":
+            grad_rows = torch.ones((), dtype=torch.float32, device=logits.device).expand(rows)
+        else:
+            loss, grad_scale = cross_entropy_reduce(loss, target, ignore_index, reduction == "mean", weight)
+            grad_rows = grad_scale.expand(rows)
+        cross_entropy_bwd_(
+            logits, target, stats, grad_rows, label_smoothing, ignore_index, weight, z_loss, softcap
         )
         ctx.save_for_backward(logits)  # after the forward wrote the gradient into it
         ctx.mark_non_differentiable(stats)

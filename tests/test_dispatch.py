@@ -103,8 +103,7 @@ TRITON_LAUNCHES = {
     "cross_entropy fwd+bwd": 3,  # row forward, reduction, backward
     "cross_entropy fwd+bwd, z_loss and softcap": 3,  # the same kernels, the features inside them
     "nn.CrossEntropyLoss fwd+bwd": 3,
-    # the mean's grad_scale, forward and gradient over the logits in one pass, reduction; in the backward
-    # the in-place scaling
+    # row forward, reduction, backward over the logits; in the backward the in-place scaling
     "cross_entropy fwd+bwd, overwrite_logits": 4,
     "cross_entropy_with_mxfp8_grad": 3,  # row forward, reduction, fused MXFP8 backward
     "softmax fwd+bwd": 2,
@@ -122,8 +121,7 @@ TRITON_LAUNCHES = {
     "linear_cross_entropy fwd+bwd": 5,
     # chunk forward, fused MXFP8 backward, 2 MXFP8 GEMMs (dgrad, wgrad), 2 scalings
     "linear_cross_entropy fwd+bwd, MXFP8 gradient": 6,
-    # the chunk's forward and gradient in one pass, dhidden scaling
-    "nn.LinearCrossEntropyLoss fwd+bwd, weight frozen": 2,
+    "nn.LinearCrossEntropyLoss fwd+bwd, weight frozen": 3,  # chunk forward, backward, dhidden scaling
     "swiglu fwd+bwd": 2,
     "swiglu fwd+bwd, dense (no probabilities)": 2,
     "dglu": 1,

@@ -28,7 +28,7 @@ from ..meta.cross_entropy import (
     cross_entropy_reduce_outputs,
     cross_entropy_scale_grad_output,
 )
-from ..reference.cross_entropy import cross_entropy_reduce, reduce_denominator, smoothing_weight_total
+from ..reference.cross_entropy import cross_entropy_reduce, smoothing_weight_total
 from . import cross_entropy_gluon
 from .bf16_pairs import to_dtype_rne
 from .cross_entropy_math import (
@@ -717,7 +717,6 @@ def cross_entropy_reduce_kernel(
     MEAN: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
-    WITH_LOSS: tl.constexpr,
 ):
     """One program: the fp32 sum of the row losses (fixed order: deterministic) and, for the mean, the
     non-ignored count (with class weights: the sum of those rows' target weights, NaN for a target
@@ -729,8 +728,7 @@ def cross_entropy_reduce_kernel(
     for start in range(0, n_rows, BLOCK):
         idx = start + tl.arange(0, BLOCK)
         in_bounds = idx < n_rows
-        if WITH_LOSS:
-            total += tl.load(loss_rows_ptr + idx, mask=in_bounds, other=0.0)
+        total += tl.load(loss_rows_ptr + idx, mask=in_bounds, other=0.0)
         if MEAN:
             target = tl.load(target_ptr + idx, mask=in_bounds, other=ignore_index).to(tl.int64)
             valid = target != ignore_index
@@ -746,8 +744,7 @@ def cross_entropy_reduce_kernel(
         rows = tl.sum(weight_sum, 0) if HAS_WEIGHT else tl.sum(count, 0).to(tl.float32)
         loss = tl.where(rows == 0, float("nan"), tl.math.div_rn(loss, rows))
         scale = tl.math.div_rn(1.0, rows)
-    if WITH_LOSS:
-        tl.store(loss_ptr, loss)
+    tl.store(loss_ptr, loss)
     tl.store(grad_scale_ptr, scale)
 
 
@@ -762,42 +759,22 @@ def launch_cross_entropy_reduce(
     if loss_rows.shape[0] > REDUCE_MAX_ROWS:
         return cross_entropy_reduce(loss_rows, target, ignore_index, mean, weight)
     loss, grad_scale = cross_entropy_reduce_outputs(loss_rows, target, ignore_index, mean, weight)
-    _reduce(loss_rows.contiguous(), target, ignore_index, mean, weight, loss, grad_scale)
-    return loss, grad_scale
-
-
-def launch_mean_grad_scale(
-    target: torch.Tensor, ignore_index: int, weight: torch.Tensor | None
-) -> torch.Tensor:
-    """The ``grad_scale`` (0-d fp32) that ``lowp::cross_entropy_reduce`` returns for the mean, from the
-    targets (and class weights) alone, before any loss exists: the same kernel without its loss sum, so
-    the same bits."""
-    if target.shape[0] > REDUCE_MAX_ROWS:
-        return 1.0 / reduce_denominator(target, ignore_index, weight)
-    grad_scale = torch.empty((), dtype=torch.float32, device=target.device)
-    _reduce(None, target, ignore_index, True, weight, None, grad_scale)
-    return grad_scale
-
-
-def _reduce(loss_rows, target, ignore_index, mean, weight, loss, grad_scale) -> None:
-    """One program of :func:`cross_entropy_reduce_kernel`; without ``loss_rows`` (and ``loss``) only the
-    grad scale."""
-    placeholder = grad_scale  # never read or written where a pointer is unused
+    class_weights = loss_rows if weight is None else weight.float().contiguous()
     cross_entropy_reduce_kernel[(1,)](
-        placeholder if loss_rows is None else loss_rows,
+        loss_rows.contiguous(),
         target.contiguous(),
-        target.shape[0],
+        loss_rows.shape[0],
         ignore_index,
-        placeholder if loss is None else loss,
+        loss,
         grad_scale,
-        placeholder if weight is None else weight.float().contiguous(),
+        class_weights,
         0 if weight is None else weight.shape[0],
         MEAN=mean,
         BLOCK=REDUCE_BLOCK,
         HAS_WEIGHT=weight is not None,
-        WITH_LOSS=loss_rows is not None,
         num_warps=8,
     )
+    return loss, grad_scale
 
 
 def launch_cross_entropy_bwd_(

@@ -297,44 +297,6 @@ def cross_entropy_bwd_overwrite_output(
     require(logits.is_contiguous(), lambda: "logits must be contiguous to receive the gradient in place")
 
 
-def overwrite_row_outputs(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    label_smoothing: float,
-    ignore_index: int,
-    reduction: str,
-    weight: torch.Tensor | None = None,
-    z_loss: float = 0.0,
-    softcap: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The checks of ``lowp::cross_entropy_overwrite_`` (``cross_entropy_fwd``'s, a reduction, contiguous
-    logits, which receive the gradient) and its per-row outputs ``(loss (N,) fp32, row_stats (2, N))``."""
-    check_reduction(reduction)
-    loss_rows, stats = cross_entropy_fwd_outputs(
-        logits, target, label_smoothing, ignore_index, weight, z_loss, softcap
-    )
-    require(logits.is_contiguous(), lambda: "logits must be contiguous to receive the gradient in place")
-    return loss_rows, stats
-
-
-def cross_entropy_overwrite_outputs(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    label_smoothing: float,
-    ignore_index: int,
-    reduction: str,
-    weight: torch.Tensor | None = None,
-    z_loss: float = 0.0,
-    softcap: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Outputs of ``lowp::cross_entropy_overwrite_``: ``(loss, row_stats (2, N) fp32)``, the loss 0-d fp32
-    for ``mean`` / ``sum`` and per row (N,) for ``none``; checks as :func:`overwrite_row_outputs`."""
-    loss_rows, stats = overwrite_row_outputs(
-        logits, target, label_smoothing, ignore_index, reduction, weight, z_loss, softcap
-    )
-    return (loss_rows if reduction == "none" else loss_rows.new_empty(())), stats
-
-
 def cross_entropy_scale_grad_output(dlogits: torch.Tensor, grad_rows: torch.Tensor) -> None:
     """Checks of ``lowp::cross_entropy_scale_grad_`` (in place, no output): ``dlogits`` (N, V)
     contiguous, ``grad_rows`` (N,) float32 on its device (any stride)."""

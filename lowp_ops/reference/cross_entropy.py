@@ -54,7 +54,6 @@ from ..meta.cross_entropy import (
     cross_entropy_fwd_outputs,
     cross_entropy_reduce_outputs,
     cross_entropy_scale_grad_output,
-    overwrite_row_outputs,
 )
 from ..meta.mxfp8 import check_quantize_args
 from .mxfp8 import mxfp8_quantize
@@ -337,33 +336,6 @@ def cross_entropy_bwd_(
             logits, target, stats, grad_rows, label_smoothing, ignore_index, 0, 0, weight, z_loss, softcap
         )
     )
-
-
-def cross_entropy_overwrite_(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    label_smoothing: float,
-    ignore_index: int,
-    reduction: str,
-    weight: torch.Tensor | None = None,
-    z_loss: float = 0.0,
-    softcap: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference of ``lowp::cross_entropy_overwrite_``: :func:`cross_entropy_fwd`, then for ``mean`` /
-    ``sum`` :func:`cross_entropy_reduce`, then :func:`cross_entropy_bwd_` with the reduction's
-    ``grad_scale`` (ones for ``none``): ``(loss, row_stats)``, the gradient for ``grad_loss = 1`` written
-    over the logits."""
-    overwrite_row_outputs(logits, target, label_smoothing, ignore_index, reduction, weight, z_loss, softcap)
-    loss, stats = cross_entropy_fwd(logits, target, label_smoothing, ignore_index, weight, z_loss, softcap)
-    if reduction == "none":
-        grad_rows = torch.ones((), dtype=torch.float32, device=logits.device).expand(logits.shape[0])
-    else:
-        loss, grad_scale = cross_entropy_reduce(loss, target, ignore_index, reduction == "mean", weight)
-        grad_rows = grad_scale.expand(logits.shape[0])
-    cross_entropy_bwd_(
-        logits, target, stats, grad_rows, label_smoothing, ignore_index, weight, z_loss, softcap
-    )
-    return loss, stats
 
 
 def cross_entropy_scale_grad_(dlogits: torch.Tensor, grad_rows: torch.Tensor) -> None:

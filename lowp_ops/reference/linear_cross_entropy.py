@@ -51,9 +51,6 @@ class Steps:
     logits: Callable  # (hidden_c, weight) -> logits_c in the inputs' dtype
     ce_fwd: Callable  # lowp::cross_entropy_fwd
     ce_bwd: Callable  # lowp::cross_entropy_bwd; may write dlogits over its (chunk's own) logits
-    # (logits, target, grad_rows, label_smoothing, ignore_index, weight, z_loss, softcap) -> (loss, stats):
-    # ce_fwd then ce_bwd with dlogits written over the (contiguous) logits, for grad_rows known up front
-    ce_fwd_bwd_: Callable
     ce_bwd_mxfp8: Callable  # lowp::cross_entropy_bwd_mxfp8
     matmul_into: Callable  # (out, a, b, accumulate): out = dtype(a @ b [+ out])
     mxfp8_gemm_into: Callable  # (out, *lowp::mxfp8_gemm args without out_dtype, accumulate, scratch=)
@@ -83,18 +80,10 @@ def _quantize_columnwise(x: torch.Tensor, fp8_dtype: str) -> tuple[torch.Tensor,
     return col_data, col_scale
 
 
-def _ce_fwd_bwd_(logits, target, grad_rows, label_smoothing, ignore_index, weight, z_loss, softcap):
-    args = (label_smoothing, ignore_index, weight, z_loss, softcap)
-    loss, stats = ce_ref.cross_entropy_fwd(logits, target, *args)
-    ce_ref.cross_entropy_bwd_(logits, target, stats, grad_rows, *args)
-    return loss, stats
-
-
 REFERENCE_STEPS = Steps(
     logits=_logits,
     ce_fwd=ce_ref.cross_entropy_fwd,
     ce_bwd=ce_ref.cross_entropy_bwd,
-    ce_fwd_bwd_=_ce_fwd_bwd_,
     ce_bwd_mxfp8=ce_ref.cross_entropy_bwd_mxfp8,
     matmul_into=_matmul_into,
     mxfp8_gemm_into=_mxfp8_gemm_into,
@@ -134,7 +123,10 @@ class GradientWriter:
         args = (logits_c, target_c, stats_c, grad_rows_c, self.label_smoothing, self.ignore_index)
         features = (*self.vocab, self.ce_weight, self.z_loss, self.softcap)
         if self.grad_format == "none":
-            self.write_dlogits(start, end, hidden_c, self.steps.ce_bwd(*args, *features))
+            dlogits = self.steps.ce_bwd(*args, *features)
+            if self.on_dlogits is not None:
+                self.on_dlogits(start, end, dlogits)
+            self._bf16_gemms(start, end, hidden_c, dlogits)
         else:
             fp8_dtype = fp8_dtype_of(self.grad_format)
             payload = self.steps.ce_bwd_mxfp8(
@@ -145,16 +137,7 @@ class GradientWriter:
             # The logits are dead once the payload exists: the GEMMs may dequantize into their buffer.
             self._mxfp8_gemms(start, end, hidden_c, fp8_dtype, *payload, scratch=logits_c)
 
-    @property
-    def one_pass(self) -> bool:
-        """Whether a chunk's forward and its gradient come from one pass (``Steps.ce_fwd_bwd_``): a bf16
-        (input-dtype) gradient of a whole vocabulary."""
-        return self.grad_format == "none" and self.vocab == (0, 0)
-
-    def write_dlogits(self, start, end, hidden_c, dlogits) -> None:
-        """The GEMMs of one chunk's gradient ``dlogits`` in the input dtype."""
-        if self.on_dlogits is not None:
-            self.on_dlogits(start, end, dlogits)
+    def _bf16_gemms(self, start, end, hidden_c, dlogits) -> None:
         if self.compute_dhidden:
             self.steps.matmul_into(self.dhidden[start:end], dlogits, self.weight, False)
         if self.compute_dweight:
@@ -247,18 +230,11 @@ def gradient_chunks(
     for start, end in chunk_bounds(hidden.shape[0], weight.shape[0], chunk_size):
         hidden_c, target_c = hidden[start:end], target[start:end]
         logits_c = writer.steps.logits(hidden_c, weight)
-        features = (writer.ce_weight, writer.z_loss, writer.softcap)
-        if stats is None and writer.one_pass:
-            loss_rows[start:end], stats_out[:, start:end] = writer.steps.ce_fwd_bwd_(
-                logits_c, target_c, per_row[start:end], writer.label_smoothing, writer.ignore_index, *features
-            )
-            writer.write_dlogits(start, end, hidden_c, logits_c)
-            del logits_c
-            continue
         if stats is None:
             loss_c, stats_c = writer.steps.ce_fwd(
-                logits_c, target_c, writer.label_smoothing, writer.ignore_index, *features
-            )
+                logits_c, target_c, writer.label_smoothing, writer.ignore_index, writer.ce_weight,
+                writer.z_loss, writer.softcap,
+            )  # fmt: skip
             loss_rows[start:end] = loss_c
             stats_out[:, start:end] = stats_c
         else:
