@@ -60,15 +60,32 @@ BWD_BLOCK_COLS = 128
 TILE_ROWS = 32
 
 
+@cached_launch
 @triton.jit
-def row_loss_and_stats(
-    logits_ptr, stride_row, target_ptr, row, n_cols, ignore_index, label_smoothing, weight_ptr,
-    smooth_total_ptr, smoothing_eps, z_loss, softcap, softcap_rcp, BLOCK: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, ALIGN: tl.constexpr,
-):  # fmt: skip
-    """(loss, shift, log_sum) of int64 ``row``: one online pass over its logits (peeled when ``ALIGN``),
-    then the row's loss with the enabled features. The forward kernels' whole per-row computation."""
+def cross_entropy_fwd_kernel(
+    logits_ptr,
+    stride_row,
+    target_ptr,
+    loss_ptr,
+    shift_ptr,
+    log_sum_ptr,
+    n_cols,
+    ignore_index,
+    label_smoothing,
+    weight_ptr,
+    smooth_total_ptr,
+    smoothing_eps,
+    z_loss,
+    softcap,
+    softcap_rcp,
+    BLOCK: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
     if HAS_SOFTCAP or (HAS_WEIGHT and HAS_SMOOTHING):  # only smoothing needs every class's weight
         m, d, shifted_sum = row_stats_weighted_or_capped(
@@ -108,40 +125,6 @@ def row_loss_and_stats(
         )
     if HAS_Z_LOSS:
         loss = add_z_loss(loss, shift, log_sum, z_loss, is_valid)
-    return loss, shift, log_sum
-
-
-@cached_launch
-@triton.jit
-def cross_entropy_fwd_kernel(
-    logits_ptr,
-    stride_row,
-    target_ptr,
-    loss_ptr,
-    shift_ptr,
-    log_sum_ptr,
-    n_cols,
-    ignore_index,
-    label_smoothing,
-    weight_ptr,
-    smooth_total_ptr,
-    smoothing_eps,
-    z_loss,
-    softcap,
-    softcap_rcp,
-    BLOCK: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_Z_LOSS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    ALIGN: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    loss, shift, log_sum = row_loss_and_stats(
-        logits_ptr, stride_row, target_ptr, row, n_cols, ignore_index, label_smoothing, weight_ptr,
-        smooth_total_ptr, smoothing_eps, z_loss, softcap, softcap_rcp, BLOCK, HAS_SMOOTHING, HAS_WEIGHT,
-        HAS_Z_LOSS, HAS_SOFTCAP, ALIGN,
-    )  # fmt: skip
     tl.store(loss_ptr + row, loss)
     tl.store(shift_ptr + row, shift)
     tl.store(log_sum_ptr + row, log_sum)
@@ -468,39 +451,22 @@ def cross_entropy_bwd_rows_kernel(
     32-row tile's cannot be; the row's first program also does the up to ``2 (ALIGN - 1)`` ragged
     elements at its two ends. The same op sequence as the tile kernel (``grad_of_logits``): the same bytes."""
     row = tl.program_id(0).to(tl.int64)
-    shift, log2_sum, target, row_scale, ignored, class_weight, alpha, factor = row_terms(
-        target_ptr, shift_ptr, log_sum_ptr, grad_ptr, grad_stride, weight_ptr, smooth_total_ptr, row, rows,
-        n_cols, ignore_index, vocab_start, vocab_total, target_weight, z_loss2, HAS_WEIGHT, HAS_Z_LOSS,
-    )  # fmt: skip
-    store_row_segment_grad(
-        logits_ptr, dlogits_ptr, row * n_cols, n_cols, tl.program_id(1), shift, log2_sum, target, row_scale,
-        ignored, class_weight, alpha, factor, weight_ptr + vocab_start, smoothing_eps, target_weight,
-        softcap, softcap_rcp, BLOCK, ALIGN, HAS_SMOOTHING, HAS_WEIGHT, HAS_Z_LOSS, HAS_SOFTCAP,
-    )  # fmt: skip
-
-
-@triton.jit
-def store_row_segment_grad(
-    logits_ptr, dlogits_ptr, row_start, n_cols, chunk, shift, log2_sum, target, row_scale, ignored,
-    class_weight, alpha, factor, class_weight_ptr, smoothing_eps, target_weight, softcap, softcap_rcp,
-    BLOCK: tl.constexpr, ALIGN: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-):  # fmt: skip
-    """The gradient of segment ``chunk`` (``BLOCK`` columns) of the aligned body of the contiguous row at
-    element ``row_start``, from its ``row_terms`` (``shift`` to ``factor``); segment 0 also does the
-    row's ragged ends (see :func:`cross_entropy_bwd_rows_kernel`). ``dlogits_ptr`` may be
-    ``logits_ptr``: every element is read before the same thread writes it."""
+    chunk = tl.program_id(1)
+    row_start = row * n_cols
     head = tl.minimum((ALIGN - row_start % ALIGN) % ALIGN, n_cols).to(tl.int32)
     body = tl.multiple_of(row_start + head, ALIGN)
     body_len = n_cols - head
     body_end = tl.multiple_of(body_len - body_len % ALIGN, ALIGN)
+    shift, log2_sum, target, row_scale, ignored, class_weight, alpha, factor = row_terms(
+        target_ptr, shift_ptr, log_sum_ptr, grad_ptr, grad_stride, weight_ptr, smooth_total_ptr, row, rows,
+        n_cols, ignore_index, vocab_start, vocab_total, target_weight, z_loss2, HAS_WEIGHT, HAS_Z_LOSS,
+    )  # fmt: skip
     in_body = chunk * BLOCK + tl.arange(0, BLOCK)
     first_col = head + chunk * BLOCK
     any_special = ignored | ((target >= first_col) & (target < first_col + BLOCK))
     store_row_grad(
         logits_ptr + body, dlogits_ptr + body, in_body, head + in_body, in_body < body_end, any_special,
-        class_weight_ptr, shift, log2_sum, target, row_scale, ignored, class_weight, alpha, factor,
+        weight_ptr + vocab_start, shift, log2_sum, target, row_scale, ignored, class_weight, alpha, factor,
         smoothing_eps, target_weight, softcap, softcap_rcp, HAS_SMOOTHING, HAS_WEIGHT, HAS_Z_LOSS,
         HAS_SOFTCAP,
     )  # fmt: skip
@@ -510,9 +476,9 @@ def store_row_segment_grad(
         ragged = tl.where(lane < ALIGN, lane, head + body_end + lane - ALIGN)
         store_row_grad(
             logits_ptr + row_start, dlogits_ptr + row_start, ragged, ragged,
-            tl.where(lane < ALIGN, lane < head, ragged < n_cols), True, class_weight_ptr, shift, log2_sum,
-            target, row_scale, ignored, class_weight, alpha, factor, smoothing_eps, target_weight, softcap,
-            softcap_rcp, HAS_SMOOTHING, HAS_WEIGHT, HAS_Z_LOSS, HAS_SOFTCAP,
+            tl.where(lane < ALIGN, lane < head, ragged < n_cols), True, weight_ptr + vocab_start, shift,
+            log2_sum, target, row_scale, ignored, class_weight, alpha, factor, smoothing_eps, target_weight,
+            softcap, softcap_rcp, HAS_SMOOTHING, HAS_WEIGHT, HAS_Z_LOSS, HAS_SOFTCAP,
         )  # fmt: skip
 
 
