@@ -154,7 +154,7 @@ def test_quantize_kernel_matches_reference_under_other_launch_configs(suite, ker
 @pytest.mark.parametrize("suite", SUITES)
 @pytest.mark.parametrize("config", [None, (16, 16, 2, True), (16, 128, 1, True)], ids=str)
 def test_2d_blocks_in_a_masked_tile_are_scaled_by_their_block_scale(suite, kernel_device, config):
-    """The sixth session's H200 regression case: with 2-D blocks in a tile that crosses the tensor's edge,
+    """An H200 regression case: with 2-D blocks in a tile that crosses the tensor's edge,
     ptxas once compiled the block scale's fp8 unpack to read another register (row data 0xFF 0x5F where
     the reference has 0x03 0x87, scale codes right) when the NaN mask took the fp8 scale in a second
     layout."""
