@@ -66,13 +66,8 @@ class _LaunchInForwardOnly(torch.autograd.Function):
         return ctx.grad
 
 
-class _AtenInBackward(torch.autograd.Function):
+class _AtenInBackward(_LaunchInForwardOnly):
     """Forward: one Triton launch; backward: one aten launch (``mul``) from Python."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.grad = torch.empty((512, 32000), device="cuda", dtype=torch.bfloat16)
-        return _copy(x[:1].float()).sum()
 
     @staticmethod
     def backward(ctx, grad):
