@@ -11,7 +11,9 @@ Qwen3-MoE (64 experts, top-8). Each is trained with
   through ``rms_norm``, the dense SwiGLU MLPs through ``swiglu``; on the MoE also ``experts="bf16"``);
   opt-in ``lowp-mxfp8`` (``grad_format="mxfp8_e4m3"``, MoE experts ``"mxfp8"``)
   and ``lowp-nvfp4`` (MoE experts ``"nvfp4"``); ``lowp-no-rms-norm``: ``lowp`` with the RMSNorms left to
-  transformers (``rms_norm=False``),
+  transformers (``rms_norm=False``); ``lowp-rms-norm-kernel``: ``lowp`` with the RMSNorms through
+  ``rms_norm`` also when compiled (``rms_norm=True``; the default ``"eager"`` leaves compiled norms to
+  Inductor); ``lowp-no-mlp``: ``lowp`` with the dense MLPs left to transformers (``mlp=False``),
 
 eager and compiled (default regional: ``layer.compile()`` on every decoder layer; ``--compile-scope
 model``: ``model.compile()``, the whole model; no CUDA graphs). A step is forward with ``labels`` (the
@@ -50,7 +52,17 @@ from pathlib import Path
 RESULT_TAG = "BENCH_TRANSFORMERS_RESULT "
 MODELS = ("llama", "qwen3moe")
 MODES = ("eager", "compiled")
-IMPLS = ("stock", "liger", "liger-loss", "lowp", "lowp-mxfp8", "lowp-nvfp4", "lowp-no-rms-norm")
+IMPLS = (
+    "stock",
+    "liger",
+    "liger-loss",
+    "lowp",
+    "lowp-mxfp8",
+    "lowp-nvfp4",
+    "lowp-no-rms-norm",
+    "lowp-rms-norm-kernel",
+    "lowp-no-mlp",
+)
 DEFAULT_IMPLS = ("stock", "liger", "liger-loss", "lowp")
 PRIORITY = (("liger", "lowp"), ("stock",), ("liger-loss",))
 """Tiers of the run order (each over every (mode, model) group; other impls last): a tight budget cuts the
@@ -66,6 +78,8 @@ LOWP_OPTIONS = {
     "lowp-mxfp8": {"grad_format": "mxfp8_e4m3", "experts": "mxfp8"},
     "lowp-nvfp4": {"grad_format": None, "experts": "nvfp4"},
     "lowp-no-rms-norm": {"grad_format": None, "experts": "bf16", "rms_norm": False},
+    "lowp-rms-norm-kernel": {"grad_format": None, "experts": "bf16", "rms_norm": True},
+    "lowp-no-mlp": {"grad_format": None, "experts": "bf16", "mlp": False},
 }
 QUANTIZED_IMPLS = ("lowp-mxfp8", "lowp-nvfp4")
 LOSS_RTOL = {"bf16": 0.02, "quantized": 0.05}

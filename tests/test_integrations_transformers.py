@@ -327,8 +327,9 @@ def test_softmax_leaves_sdpa_alone():
 def test_compiled_loss_is_one_graph(model_type, options):
     """The whole patched forward with its loss in one Dynamo graph: no graph break anywhere, in lowp ops
     or around them (MoE: router, sorted and padded MXFP8 experts, MXFP8 LM-head gradient; Llama: the
-    RMSNorms and the dense MLPs with their recomputed activation)."""
-    model = apply_lowp_ops(tiny_model(model_type, torch.bfloat16), **options)
+    dense MLPs with their recomputed activation; both: the RMSNorms through lowp_ops.rms_norm, which
+    ``rms_norm=True`` keeps under compile)."""
+    model = apply_lowp_ops(tiny_model(model_type, torch.bfloat16), rms_norm=True, **options)
     ids, labels = batch()
     items = torch.tensor(int((labels[:, 1:] != -100).sum()))
     eager = model(input_ids=ids, labels=labels, num_items_in_batch=items).loss
@@ -345,12 +346,45 @@ def test_compiled_loss_is_one_graph(model_type, options):
     torch.testing.assert_close(loss, eager, rtol=1e-6, atol=0)
 
 
+def lowp_ops_in_compiled_graph(model, ids, labels) -> set[str]:
+    """The lowp:: ops of the graph Dynamo traces from the patched model's loss."""
+    seen = set()
+
+    def backend(graph_module, example_inputs):
+        seen.update(str(n.target) for n in graph_module.graph.nodes if str(n.target).startswith("lowp."))
+        return graph_module.forward
+
+    loss = torch.compile(lambda i, t: model(input_ids=i, labels=t).loss, backend=backend, fullgraph=True)
+    loss(ids, labels)
+    return seen
+
+
+@pytest.mark.parametrize(("rms_norm", "compiled_norm"), [("eager", False), (True, True)])
+def test_rms_norm_eager_leaves_compiled_norms_to_inductor(rms_norm, compiled_norm, monkeypatch):
+    """``rms_norm="eager"`` (the default): eager calls of a norm run lowp_ops.rms_norm, traced ones the
+    module's own forward, so no lowp::rms_norm op reaches Inductor; ``True`` keeps the op traced too."""
+    model = apply_lowp_ops(tiny_model("llama", torch.bfloat16), rms_norm=rms_norm)
+    ids, labels = batch()
+    norm = model.model.norm
+    x = torch.randn(4, norm.weight.shape[0]).bfloat16()
+    calls = []
+    lowp_norm = integration.lowp_rms_norm
+    monkeypatch.setattr(integration, "lowp_rms_norm", lambda *a, **k: calls.append(1) or lowp_norm(*a, **k))
+    norm(x)
+    assert calls, "the eager call did not run lowp_ops.rms_norm"
+    monkeypatch.undo()
+    ops = lowp_ops_in_compiled_graph(model, ids, labels)
+    assert any(op.startswith("lowp.linear_cross_entropy") for op in ops), ops
+    assert any(op.startswith("lowp.rms_norm") for op in ops) == compiled_norm, ops
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
         ({"grad_format": "fp8"}, ValueError, "grad_format"),
         ({"experts": "fp8"}, ValueError, "experts"),
         ({"softmax": "yes"}, ValueError, "softmax"),
+        ({"rms_norm": "always"}, ValueError, "rms_norm"),
         ({"chunk_sise": 256}, TypeError, "chunk_sise"),
         ({"process_group": object()}, NotImplementedError, "process_group"),
     ],
