@@ -217,7 +217,7 @@ def test_manual_capture_of_forward_backward_replays_like_eager():
 
 
 def test_compiled_transformers_formula_saves_what_the_op_saves():
-    """The README's advice (``apply_lowp_ops(model, rms_norm=False)`` for compiled models) rests on this:
+    """``apply_lowp_ops``'s default ``rms_norm="eager"`` (compiled norms left to Inductor) rests on this:
     under Inductor's min-cut partitioner, transformers' RMSNorm between a residual add and a projection
     hands the backward the same tensors as ``lowp_ops.rms_norm`` (bf16 x, fp32 rstd per row, the bf16
     output for the projection's weight gradient, the weights), so leaving the norms to Inductor costs no
