@@ -5,6 +5,8 @@ synchronize at the end, median of loops): the public call, the launchers the op 
 allocation, the bare Triton launch, the backward alone (``retain_graph=True``, on the caller's thread and
 on autograd's worker thread), and floors: an ``autograd.Function`` whose forward makes one Triton launch
 (a copy kernel) and whose backward makes one Triton launch, one aten launch, or none.
+``probe_autograd_thread.py`` times such backwards around a view (softmax shapes, no forward launch);
+these floors are loss-shaped and timed in the same run as ``F.cross_entropy``, which the targets name.
 
     python benchmarks/probe_ce_host_pieces.py [--calls 200] [--repeats 7]
 """
