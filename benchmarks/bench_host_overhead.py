@@ -93,6 +93,16 @@ def eager_cases(device: str) -> list[tuple[str, object, str, object]]:
             fwd_bwd(lambda: F.cross_entropy(logits * 1, target), logits),
         )
     )
+    narrow = randn(512, 8192, grad=True)  # one pass (rows of at most 8192 classes)
+    narrow_target = target % 8192
+    cases.append(
+        (
+            "cross_entropy fwd+bwd, overwrite_logits 512x8192",
+            fwd_bwd(lambda: lowp_ops.cross_entropy(narrow * 1, narrow_target, overwrite_logits=True), narrow),
+            "F.cross_entropy fwd+bwd of logits * 1",
+            fwd_bwd(lambda: F.cross_entropy(narrow * 1, narrow_target), narrow),
+        )
+    )
     plain = logits.detach()
     cases.append(
         (

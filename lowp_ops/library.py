@@ -472,14 +472,14 @@ cross_entropy_reduce.register_autograd(
     _cross_entropy_reduce_backward, setup_context=_cross_entropy_reduce_setup
 )
 
-# The backward written over the logits (overwrite_logits=True runs it in the forward).
-cross_entropy_bwd_ = _define(
-    "cross_entropy_bwd_",
-    "(Tensor(a!) logits, Tensor target, Tensor row_stats, Tensor grad_rows, float label_smoothing,"
-    " SymInt ignore_index, Tensor? weight=None, float z_loss=0.0, float softcap=0.0) -> ()",
-    ce_ref.cross_entropy_bwd_,
-    "cross_entropy.launch_cross_entropy_bwd_",
-    ce_meta.cross_entropy_bwd_overwrite_output,
+# The forward with the gradient (for grad_loss = 1) written over the logits: overwrite_logits=True.
+cross_entropy_fwd_bwd_ = _define(
+    "cross_entropy_fwd_bwd_",
+    "(Tensor(a!) logits, Tensor target, float label_smoothing, SymInt ignore_index, str reduction,"
+    " Tensor? weight=None, float z_loss=0.0, float softcap=0.0) -> (Tensor, Tensor)",
+    ce_ref.cross_entropy_fwd_bwd_,
+    "cross_entropy_single_pass.launch_cross_entropy_fwd_bwd_",
+    ce_meta.cross_entropy_fwd_bwd_outputs,
     mutates_args=("logits",),
 )
 
@@ -823,24 +823,15 @@ class _CrossEntropyLoss(torch.autograd.Function):
 
 class _CrossEntropyOverwrite(torch.autograd.Function):
     """The cross entropy whose forward writes the logits' gradient (for ``grad_loss = 1``) over the logits:
-    ``cross_entropy_fwd``, (mean, sum) ``cross_entropy_reduce``, then ``cross_entropy_bwd_`` with the
-    reduction's ``grad_scale``: the kernels and scalars of the default path, so the same bytes; the
-    backward returns that buffer, rescaled in place by ``grad_loss`` where it is not 1."""
+    ``cross_entropy_fwd_bwd_``, which has the default path's bytes (one pass over rows that fit on chip,
+    else its kernels); the backward returns that buffer, rescaled in place by ``grad_loss`` where it is
+    not 1."""
 
     @staticmethod
     def forward(ctx, logits, target, label_smoothing, ignore_index, weight, z_loss, softcap, reduction):
         refuse_weight_grad(weight)
-        rows = logits.shape[0]
-        loss, stats = cross_entropy_fwd(
-            logits, target, label_smoothing, ignore_index, weight, z_loss, softcap
-        )
-        if reduction == "none":
-            grad_rows = torch.ones((), dtype=torch.float32, device=logits.device).expand(rows)
-        else:
-            loss, grad_scale = cross_entropy_reduce(loss, target, ignore_index, reduction == "mean", weight)
-            grad_rows = grad_scale.expand(rows)
-        cross_entropy_bwd_(
-            logits, target, stats, grad_rows, label_smoothing, ignore_index, weight, z_loss, softcap
+        loss, stats = cross_entropy_fwd_bwd_(
+            logits, target, label_smoothing, ignore_index, reduction, weight, z_loss, softcap
         )
         ctx.save_for_backward(logits)  # after the forward wrote the gradient into it
         ctx.mark_non_differentiable(stats)

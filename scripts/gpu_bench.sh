@@ -24,6 +24,7 @@ declare -A jobs=(
     [host]="python3 benchmarks/bench_host_overhead.py"
     [ce_features]="python3 benchmarks/bench_cross_entropy.py --features --shapes 4096x129280 --json $json/ce_features.json"
     [overwrite]="python3 benchmarks/bench_overwrite_logits.py"
+    [single_pass]="python3 benchmarks/probe_single_pass.py"
     [probe]="python3 benchmarks/probe_autograd_thread.py"
     [unaligned]="python3 benchmarks/probe_unaligned_rows.py && python3 benchmarks/bench_cross_entropy.py --shapes 8192x50257 --json $json/ce_unaligned.json"
     [rms_norm]="python3 benchmarks/bench_rms_norm.py --json $json/rms_norm.json"

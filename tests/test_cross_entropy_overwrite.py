@@ -221,12 +221,13 @@ def test_overwrite_compiles_without_graph_breaks():
 
 
 @pytest.mark.cudagraph
-def test_cudagraph_overwrite_replays_with_grad_loss_one_and_not_one():
+@pytest.mark.parametrize("cols", [32000, 8000])  # two passes; one pass
+def test_cudagraph_overwrite_replays_with_grad_loss_one_and_not_one(cols):
     """Capture forward + backward of ``scale * loss`` with the scale a static tensor; replays with scale 1
     and 0.75 equal eager calls (the scaling runs or not by the device's decision)."""
     from cudagraph_checks import capture, same_bits
 
-    logits, target = inputs(512, 32000, "cuda")
+    logits, target = inputs(512, cols, "cuda")
     static_logits = logits.clone()
     scale = torch.ones((), device="cuda")
     hidden = torch.zeros((), device="cuda", requires_grad=True)
@@ -249,3 +250,87 @@ def test_cudagraph_overwrite_replays_with_grad_loss_one_and_not_one():
             assert same_bits(static_grad, want_grad)
         else:
             torch.testing.assert_close(static_grad.float(), want_grad.float(), rtol=2**-7, atol=0)
+
+
+# ------------------------------------------------------------------- one pass against the two passes
+
+SINGLE_PASS_OPTIONS = [
+    {"reduction": "mean"},
+    {"reduction": "sum", "label_smoothing": 0.1},
+    {"reduction": "none", "z_loss": 1e-3},
+    {"reduction": "mean", "label_smoothing": 0.2, "z_loss": 1e-4},
+    {"reduction": "mean", "weight": "classes"},
+    {"reduction": "mean", "weight": "classes", "z_loss": 1e-3},
+]
+
+
+def _check_single_pass(device: str, rows: int, cols: int, options: dict, scale: float = 1.0) -> None:
+    """``launch_cross_entropy_fwd_bwd_`` takes the one-pass kernel (counted) and gives the three-launch
+    path's loss, row statistics and gradient bytes."""
+    from lowp_ops.kernels import cross_entropy_single_pass as single
+
+    logits, target = inputs(rows, cols, device)
+    logits = logits * scale
+    options = _options(options, cols, device)
+    args = (options.get("label_smoothing", 0.0), IGNORE, options["reduction"], options.get("weight"))
+    features = (options.get("z_loss", 0.0), 0.0)
+    assert single.single_pass_applies(logits, args[0], args[3], 0.0)
+    two = logits.clone()
+    want_loss, want_stats = single._two_passes(two, target, *args, *features)
+    one = logits.clone()
+    kernel = single.cross_entropy_fwd_bwd_kernel
+    launches = []
+    original = kernel.launch
+    kernel.launch = lambda *a: (launches.append(a), original(*a))
+    try:
+        loss, stats = single.launch_cross_entropy_fwd_bwd_(one, target, *args, *features)
+    finally:
+        del kernel.launch
+    assert len(launches) == 1
+    assert torch.equal(bits(loss), bits(want_loss))
+    assert torch.equal(bits(stats), bits(want_stats))
+    assert torch.equal(bits(one), bits(two)), options
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("shape", [(37, 64), (9, 256), (13, 1008)])
+@pytest.mark.parametrize("options", SINGLE_PASS_OPTIONS)
+def test_interp_single_pass_equals_the_two_passes(shape, options):
+    _check_single_pass("cpu", *shape, options)
+
+
+@pytest.mark.interp
+def test_interp_single_pass_equals_the_two_passes_at_large_magnitudes():
+    _check_single_pass("cpu", 17, 128, {"reduction": "mean", "label_smoothing": 0.1}, scale=3e4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1024, 8192), (700, 4096), (300, 5008), (2000, 1024), (64, 16)])
+@pytest.mark.parametrize("options", SINGLE_PASS_OPTIONS)
+def test_gpu_single_pass_equals_the_two_passes(shape, options):
+    _check_single_pass("cuda", *shape, options)
+
+
+@pytest.mark.gpu
+def test_gpu_single_pass_equals_the_two_passes_at_large_magnitudes():
+    _check_single_pass("cuda", 256, 8000, {"reduction": "mean", "label_smoothing": 0.1}, scale=3e4)
+
+
+def test_single_pass_declines_what_it_cannot_repeat():
+    """Soft-capping, class weights with smoothing, rows not 16-byte aligned and rows wider than one
+    block take the two passes."""
+    from lowp_ops.kernels.cross_entropy_single_pass import SINGLE_PASS_MAX_COLS, single_pass_applies
+
+    aligned = torch.empty(4, 64, dtype=torch.bfloat16)
+    weight = torch.ones(64)
+    assert single_pass_applies(aligned, 0.1, None, 0.0)
+    assert single_pass_applies(aligned, 0.0, weight, 0.0)
+    assert not single_pass_applies(aligned, 0.0, None, 30.0)
+    assert not single_pass_applies(aligned, 0.1, weight, 0.0)
+    assert not single_pass_applies(torch.empty(4, 60, dtype=torch.bfloat16), 0.0, None, 0.0)
+    assert not single_pass_applies(aligned[:, :32], 0.0, None, 0.0)
+    widest = torch.empty(1, SINGLE_PASS_MAX_COLS, dtype=torch.bfloat16)
+    assert single_pass_applies(widest, 0.0, None, 0.0)
+    assert not single_pass_applies(
+        torch.empty(1, SINGLE_PASS_MAX_COLS + 16, dtype=torch.bfloat16), 0.0, None, 0.0
+    )

@@ -743,6 +743,18 @@ def launch_cross_entropy_reduce(
     return loss, grad_scale
 
 
+def launch_cross_entropy_grad_scale(
+    target: torch.Tensor, ignore_index: int, weight: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The mean's ``grad_scale`` of :func:`launch_cross_entropy_reduce` from the targets alone, before any
+    row loss exists: that launch itself, given the targets' bytes as its row losses (it sums them into a
+    loss that is dropped). The same kernel variant, not one compiled without the loss, whose accumulators
+    would take another layout and so another summation order of class weights."""
+    target = target.contiguous()
+    stand_in_rows = target.view(torch.float32)[: target.shape[0]]
+    return launch_cross_entropy_reduce(stand_in_rows, target, ignore_index, True, weight)[1]
+
+
 def launch_cross_entropy_bwd_(
     logits: torch.Tensor,
     target: torch.Tensor,

@@ -95,7 +95,13 @@ def z_loss_factor(shift_ptr, log_sum_ptr, rows_idx, row_ok, z_loss2, base):
     """``base + 2 z lse`` per row (one FMA): the z-loss's share ``2 z lse p_i`` of the gradient joins the
     softmax term's multiplier (1, or the class-weighted ``α``). ``z_loss2`` is ``2 z``."""
     shift = tl.load(shift_ptr + rows_idx, mask=row_ok, other=0.0)
-    lse = shift + tl.load(log_sum_ptr + rows_idx, mask=row_ok, other=0.0)
+    return z_loss_factor_of(shift, tl.load(log_sum_ptr + rows_idx, mask=row_ok, other=0.0), z_loss2, base)
+
+
+@triton.jit
+def z_loss_factor_of(shift, log_sum, z_loss2, base):
+    """:func:`z_loss_factor` of row statistics already in registers."""
+    lse = shift + log_sum
     return tl.fma(z_loss2, lse, base)
 
 
@@ -148,8 +154,10 @@ def weighted_row_loss(
 @triton.jit
 def softmax_minus_eps(x, shift, log2_sum, smoothing_eps, HAS_SMOOTHING: tl.constexpr):
     """``exp((x - shift) - log_sum) - eps`` in fp32, ``log_sum`` given as ``log_sum * log2(e)``: one FSUB,
-    one FMA and ex2 per element. ``x - shift`` first keeps the digits at any magnitude."""
-    p = tl.exp2((x - shift) * 1.4426950408889634 - log2_sum)
+    one FMA and ex2 per element. ``x - shift`` first keeps the digits at any magnitude. The FMA is
+    explicit: a kernel that also forms ``(x - shift) * log2(e)`` for the row's sum (the single pass)
+    would otherwise share that rounded product."""
+    p = tl.exp2(tl.fma(x - shift, 1.4426950408889634, -log2_sum))
     if HAS_SMOOTHING:
         p = p - smoothing_eps
     return p
@@ -238,12 +246,22 @@ def load_row_stats(
     shift, log2_sum = load_shift_and_log2_sum(shift_ptr, log_sum_ptr, rows_idx, row_ok)
     target = tl.load(target_ptr + rows_idx, mask=row_ok, other=ignore_index).to(tl.int64)
     grad_rows = tl.load(grad_ptr + rows_idx.to(tl.int64) * grad_stride, mask=row_ok, other=0.0)
+    target_col, row_scale, ignored = target_terms(
+        target, grad_rows, n_cols, ignore_index, vocab_start, vocab_total
+    )
+    return shift, log2_sum, target_col, row_scale, ignored
+
+
+@triton.jit
+def target_terms(target, grad_rows, n_cols, ignore_index, vocab_start, vocab_total):
+    """(int32 target column in this shard or -1, row scale (NaN for a target outside ``[0,
+    vocab_total)``), ignored) of int64 ``target`` and fp32 ``grad_rows``: :func:`load_row_stats`' terms."""
     in_range = (target >= 0) & (target < vocab_total)
     row_scale = tl.where(in_range, grad_rows, float("nan"))
     local_target = target - vocab_start
     in_shard = in_range & (local_target >= 0) & (local_target < n_cols)
     target_col = tl.where(in_shard, local_target, -1).to(tl.int32)
-    return shift, log2_sum, target_col, row_scale, target == ignore_index
+    return target_col, row_scale, target == ignore_index
 
 
 @triton.jit

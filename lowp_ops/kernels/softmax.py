@@ -84,11 +84,20 @@ def fold_row_blocks(row_ptr, n_cols, m, d, total, seen, BLOCK: tl.constexpr, WIT
     if n_whole < n_cols:
         cols = n_whole + tl.arange(0, BLOCK)
         block = tl.load(row_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-        m_old = m
-        m, d, shifted = online_softmax_update(m, d, block)
-        if WITH_SUM:
-            total = rebase_shifted_sum(total, (seen + n_whole) * 1.0, m_old, m)
-            total += tl.sum(tl.where(cols < n_cols, shifted, 0.0), 0)
+        m, d, total = fold_masked_block(m, d, total, seen + n_whole, block, cols < n_cols, WITH_SUM)
+    return m, d, total
+
+
+@triton.jit
+def fold_masked_block(m, d, total, seen, block, in_row, WITH_SUM: tl.constexpr):
+    """Fold an fp32 block whose lanes outside ``in_row`` hold ``-inf`` into the state ``(m, d, total)`` of
+    ``seen`` earlier elements (:func:`row_stats_and_shifted_sum`'s terms). With every lane in the row
+    its bits equal an unmasked block's fold."""
+    m_old = m
+    m, d, shifted = online_softmax_update(m, d, block)
+    if WITH_SUM:
+        total = rebase_shifted_sum(total, seen * 1.0, m_old, m)
+        total += tl.sum(tl.where(in_row, shifted, 0.0), 0)
     return m, d, total
 
 
@@ -113,12 +122,7 @@ def row_stats_peeled(
     ragged = tl.where(lane < ALIGN, lane, head + body_end + lane - ALIGN)
     ragged_ok = tl.where(lane < ALIGN, lane < head, ragged < n_cols)
     block = tl.load(x_ptr + row_start + ragged, mask=ragged_ok, other=float("-inf")).to(tl.float32)
-    m_old = m
-    m, d, shifted = online_softmax_update(m, d, block)
-    if WITH_SUM:
-        total = rebase_shifted_sum(total, body_end * 1.0, m_old, m)
-        total += tl.sum(tl.where(ragged_ok, shifted, 0.0), 0)
-    return m, d, total
+    return fold_masked_block(m, d, total, body_end, block, ragged_ok, WITH_SUM)
 
 
 @cached_launch

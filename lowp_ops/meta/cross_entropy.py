@@ -144,6 +144,27 @@ def cross_entropy_fwd_outputs(
     return row_loss_and_stats_outputs(logits, rows)
 
 
+def cross_entropy_fwd_bwd_outputs(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    reduction: str,
+    weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lowp::cross_entropy_fwd_bwd_``: ``(loss, row_stats (2, N) fp32)``, the loss 0-d fp32 (``mean``,
+    ``sum``) or ``(N,)`` (``none``); :func:`cross_entropy_fwd_outputs`' checks, and contiguous logits,
+    which receive the gradient."""
+    loss_rows, stats = cross_entropy_fwd_outputs(
+        logits, target, label_smoothing, ignore_index, weight, z_loss, softcap
+    )
+    check_reduction(reduction)
+    require(logits.is_contiguous(), lambda: "logits must be contiguous to receive the gradient in place")
+    return (loss_rows if reduction == "none" else loss_rows.new_empty(())), stats
+
+
 def row_loss_and_stats_outputs(like: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss (rows,) fp32, row_stats (2, rows) fp32)`` on ``like``'s device."""
     return like.new_empty((rows,), dtype=torch.float32), like.new_empty(

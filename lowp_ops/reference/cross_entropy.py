@@ -51,6 +51,7 @@ from ..meta.cross_entropy import (
     SHIFT,
     cross_entropy_bwd_output,
     cross_entropy_bwd_overwrite_output,
+    cross_entropy_fwd_bwd_outputs,
     cross_entropy_fwd_outputs,
     cross_entropy_reduce_outputs,
     cross_entropy_scale_grad_output,
@@ -336,6 +337,33 @@ def cross_entropy_bwd_(
             logits, target, stats, grad_rows, label_smoothing, ignore_index, 0, 0, weight, z_loss, softcap
         )
     )
+
+
+def cross_entropy_fwd_bwd_(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    reduction: str,
+    weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of ``lowp::cross_entropy_fwd_bwd_``: :func:`cross_entropy_fwd`, then for ``mean`` / ``sum``
+    :func:`cross_entropy_reduce`, then the logits replaced by :func:`cross_entropy_bwd` for ``grad_loss =
+    1`` (row factors: the reduction's ``grad_scale``, or 1). Returns ``(loss, row_stats)``."""
+    cross_entropy_fwd_bwd_outputs(
+        logits, target, label_smoothing, ignore_index, reduction, weight, z_loss, softcap
+    )
+    loss, stats = cross_entropy_fwd(logits, target, label_smoothing, ignore_index, weight, z_loss, softcap)
+    grad_rows = torch.ones_like(loss)
+    if reduction != "none":
+        loss, grad_scale = cross_entropy_reduce(loss, target, ignore_index, reduction == "mean", weight)
+        grad_rows = grad_scale.expand(logits.shape[0])
+    cross_entropy_bwd_(
+        logits, target, stats, grad_rows, label_smoothing, ignore_index, weight, z_loss, softcap
+    )
+    return loss, stats
 
 
 def cross_entropy_scale_grad_(dlogits: torch.Tensor, grad_rows: torch.Tensor) -> None:

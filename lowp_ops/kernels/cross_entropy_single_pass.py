@@ -1,0 +1,218 @@
+"""Cross entropy forward and backward in one read of the logits (Triton), for ``overwrite_logits=True``.
+
+One program per row holds the whole row in registers (rows of up to ``SINGLE_PASS_MAX_COLS`` classes, one
+warp per 2048 of them: 64 fp32 values a thread), folds its statistics, and writes the loss, the statistics
+and the gradient for the given row factors over the row it read: 4 bytes of traffic per bf16 element
+where the forward, the reduction and the in-place backward take 6. Its block and warps are the
+forward's (``cross_entropy.fwd_config``) and it calls the same helpers in the same order
+(``fold_masked_block``, ``row_loss``, ``grad_of_logits``), so its loss, statistics and gradient are the
+two-pass path's bytes. Wider rows, soft-capping, class weights with label smoothing and rows that are
+not 16-byte aligned take the two passes (``launch_cross_entropy_fwd_bwd_``).
+
+Why 8192 classes: wider rows are several blocks in the forward, whose reduction order a one-row
+program can repeat only holding every block at once. On the H200 (2026-12-02,
+``benchmarks/probe_single_pass.py``) the forward as one block of 16 warps ran at 39% of copy at 8192 x
+32000 (0.315 against 0.136 ms: one 512-thread program per SM, nothing overlaps its load), and a one-pass
+kernel of that shape at 50-60%, slower than the two passes (0.42-0.50 against 0.58 ms at 32000, 0.49 ms
+at 32768).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats import round_to_fp32
+from ..meta.cross_entropy import LOG_SUM, SHIFT, cross_entropy_fwd_bwd_outputs
+from .bf16_pairs import to_dtype_rne
+from .cross_entropy import (
+    FWD_BLOCK,
+    class_weight_args,
+    fwd_config,
+    launch_cross_entropy_bwd_,
+    launch_cross_entropy_fwd,
+    launch_cross_entropy_grad_scale,
+    launch_cross_entropy_reduce,
+    peel_align,
+)
+from .cross_entropy_math import (
+    add_z_loss,
+    grad_of_logits,
+    load_class_weight_terms,
+    row_loss,
+    target_terms,
+    weighted_row_loss,
+    z_loss_factor_of,
+)
+from .launch import cached_launch
+from .softmax import finish_log_sum, fold_masked_block, masked_safe_shift
+
+SINGLE_PASS_MAX_COLS = FWD_BLOCK
+"""The widest row held in registers: the forward's one-block rows, 64 fp32 values per thread at 4 warps."""
+
+
+@cached_launch
+@triton.jit
+def cross_entropy_fwd_bwd_kernel(
+    logits_ptr,
+    target_ptr,
+    loss_ptr,
+    shift_ptr,
+    log_sum_ptr,
+    grad_ptr,
+    n_cols,
+    ignore_index,
+    label_smoothing,
+    smoothing_eps,
+    target_weight,
+    weight_ptr,
+    smooth_total_ptr,
+    z_loss,
+    z_loss2,
+    BLOCK: tl.constexpr,
+    HAS_GRAD_ROWS: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+):
+    """Row ``program_id`` of contiguous ``(N, n_cols)`` logits: loss, (shift, log_sum) and the gradient for
+    the row factor ``grad_ptr[0]`` (1 without ``HAS_GRAD_ROWS``), written over the row."""
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * n_cols
+    target = tl.load(target_ptr + row).to(tl.int64)
+    is_valid = target != ignore_index
+    in_range = (target >= 0) & (target < n_cols)
+    # Loaded before the row: the reductions below then order it, like every load, before any store.
+    target_logit = tl.load(row_ptr + target, mask=is_valid & in_range, other=0.0).to(tl.float32)
+    cols = tl.arange(0, BLOCK)
+    in_row = cols < n_cols
+    x = tl.load(row_ptr + cols, mask=in_row, other=float("-inf")).to(tl.float32)
+    m = float("-inf")  # assigned, not passed as literals: literal arguments would be constexprs
+    d = 0.0
+    total = 0.0
+    m, d, shifted_sum = fold_masked_block(m, d, total, 0, x, in_row, HAS_SMOOTHING)
+    shift = masked_safe_shift(m)
+    log_sum = finish_log_sum(d)
+
+    if HAS_WEIGHT:
+        target_class_weight = tl.load(weight_ptr + target, mask=is_valid & in_range, other=0.0)
+        loss = weighted_row_loss(
+            shift, log_sum, target_logit, target_class_weight, shifted_sum, smooth_total_ptr, smoothing_eps,
+            label_smoothing, in_range, is_valid, HAS_SMOOTHING,
+        )  # fmt: skip
+    else:
+        loss = row_loss(
+            shift,
+            log_sum,
+            target_logit,
+            shifted_sum,
+            n_cols,
+            label_smoothing,
+            in_range,
+            is_valid,
+            HAS_SMOOTHING,
+        )
+    if HAS_Z_LOSS:
+        loss = add_z_loss(loss, shift, log_sum, z_loss, is_valid)
+    tl.store(loss_ptr + row, loss)
+    tl.store(shift_ptr + row, shift)
+    tl.store(log_sum_ptr + row, log_sum)
+
+    grad_rows = 1.0
+    if HAS_GRAD_ROWS:
+        grad_rows = tl.load(grad_ptr)
+    target_col, row_scale, ignored = target_terms(target, grad_rows, n_cols, ignore_index, 0, n_cols)
+    class_weight = 0.0
+    alpha = 0.0
+    factor = 0.0
+    if HAS_WEIGHT:
+        class_weight, alpha = load_class_weight_terms(
+            target_ptr, weight_ptr, smooth_total_ptr, row, row + 1, n_cols, ignore_index, target_weight
+        )
+        if HAS_Z_LOSS:
+            alpha = z_loss_factor_of(shift, log_sum, z_loss2, alpha)
+    elif HAS_Z_LOSS:
+        factor = z_loss_factor_of(shift, log_sum, z_loss2, 1.0)
+    grad = grad_of_logits(
+        x, cols, shift, log_sum * 1.4426950408889634, target_col, row_scale, ignored, True, class_weight,
+        alpha, 0.0, factor, smoothing_eps, target_weight, 0.0, 0.0, HAS_SMOOTHING, HAS_WEIGHT, HAS_Z_LOSS,
+        False,
+    )  # fmt: skip
+    tl.store(row_ptr + cols, to_dtype_rne(grad, logits_ptr.dtype.element_ty), mask=in_row)
+
+
+def single_pass_applies(
+    logits: torch.Tensor, label_smoothing: float, weight: torch.Tensor | None, softcap: float
+) -> bool:
+    """Whether :func:`cross_entropy_fwd_bwd_kernel` serves the call: contiguous logits with rows of at
+    most ``SINGLE_PASS_MAX_COLS`` classes that start 16-byte aligned (the forward's one-block
+    configuration, whose reduction order it repeats), no soft-capping and not class weights with label
+    smoothing (those forwards fold the row in other helpers)."""
+    n_cols = logits.shape[1]
+    return (
+        0 < n_cols <= SINGLE_PASS_MAX_COLS
+        and logits.is_contiguous()
+        and peel_align(logits) == 0
+        and softcap == 0.0
+        and not (weight is not None and label_smoothing > 0)
+    )
+
+
+def launch_cross_entropy_fwd_bwd_(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    reduction: str,
+    weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
+    *,
+    maxnreg: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lowp::cross_entropy_fwd_bwd_``: (loss, row statistics), the gradient for ``grad_loss = 1`` written
+    over the logits. One pass where :func:`single_pass_applies` (the mean's gradient scale first, from
+    the targets), else the forward, the reduction and the in-place backward. Either way the bytes of
+    ``cross_entropy_fwd``, ``cross_entropy_reduce`` and ``cross_entropy_bwd``."""
+    loss, stats = cross_entropy_fwd_bwd_outputs(
+        logits, target, label_smoothing, ignore_index, reduction, weight, z_loss, softcap
+    )
+    rows, n_cols = logits.shape
+    mean = reduction == "mean"
+    target = target.contiguous()
+    if rows == 0 or not single_pass_applies(logits, label_smoothing, weight, softcap):
+        return _two_passes(logits, target, label_smoothing, ignore_index, reduction, weight, z_loss, softcap)
+    loss_rows = loss if reduction == "none" else stats.new_empty((rows,))
+    # Without the mean the row factor is 1: HAS_GRAD_ROWS=False never reads the placeholder.
+    grad_scale = launch_cross_entropy_grad_scale(target, ignore_index, weight) if mean else loss_rows
+    block, num_warps = fwd_config(n_cols)
+    eps = round_to_fp32(label_smoothing / n_cols)
+    class_weights, smooth_total = class_weight_args(weight, eps, loss_rows)
+    cross_entropy_fwd_bwd_kernel[(rows,)](
+        logits, target, loss_rows, stats[SHIFT], stats[LOG_SUM], grad_scale, n_cols, ignore_index,
+        label_smoothing, eps, 1.0 - label_smoothing, class_weights, smooth_total, z_loss, 2.0 * z_loss,
+        BLOCK=block, HAS_GRAD_ROWS=mean, HAS_SMOOTHING=label_smoothing > 0, HAS_WEIGHT=weight is not None,
+        HAS_Z_LOSS=z_loss > 0, num_warps=num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg}),
+    )  # fmt: skip
+    if reduction == "none":
+        return loss, stats
+    return launch_cross_entropy_reduce(loss_rows, target, ignore_index, mean, weight)[0], stats
+
+
+def _two_passes(logits, target, label_smoothing, ignore_index, reduction, weight, z_loss, softcap):
+    """:func:`launch_cross_entropy_fwd_bwd_` as three launches: forward, reduction, in-place backward."""
+    loss, stats = launch_cross_entropy_fwd(
+        logits, target, label_smoothing, ignore_index, weight, z_loss, softcap
+    )
+    if reduction == "none":
+        grad_rows = torch.ones((), dtype=torch.float32, device=logits.device).expand(logits.shape[0])
+    else:
+        loss, grad_scale = launch_cross_entropy_reduce(
+            loss, target, ignore_index, reduction == "mean", weight
+        )
+        grad_rows = grad_scale.expand(logits.shape[0])
+    launch_cross_entropy_bwd_(
+        logits, target, stats, grad_rows, label_smoothing, ignore_index, weight, z_loss, softcap
+    )
+    return loss, stats
