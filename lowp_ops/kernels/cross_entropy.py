@@ -32,15 +32,13 @@ from ..reference.cross_entropy import cross_entropy_reduce, smoothing_weight_tot
 from . import cross_entropy_gluon
 from .bf16_pairs import to_dtype_rne
 from .cross_entropy_math import (
-    add_z_loss,
     grad_of_logits,
     program_tile_grad,
     round_to_dtype,
-    row_loss,
     row_stats_weighted_or_capped,
     row_terms,
     softcap_logits,
-    weighted_row_loss,
+    store_row_loss,
 )
 from .launch import cached_launch, rows_with_unit_stride
 from .mxfp8 import TRITON_FP8, quantize_tile, store_tile, tile_cols
@@ -105,29 +103,11 @@ def cross_entropy_fwd_kernel(
     target_logit = tl.load(row_ptr + target, mask=is_valid & in_range, other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
         target_logit, _ = softcap_logits(target_logit, softcap, softcap_rcp)
-    if HAS_WEIGHT:
-        target_class_weight = tl.load(weight_ptr + target, mask=is_valid & in_range, other=0.0)
-        loss = weighted_row_loss(
-            shift, log_sum, target_logit, target_class_weight, shifted_sum, smooth_total_ptr, smoothing_eps,
-            label_smoothing, in_range, is_valid, HAS_SMOOTHING,
-        )  # fmt: skip
-    else:
-        loss = row_loss(
-            shift,
-            log_sum,
-            target_logit,
-            shifted_sum,
-            n_cols,
-            label_smoothing,
-            in_range,
-            is_valid,
-            HAS_SMOOTHING,
-        )
-    if HAS_Z_LOSS:
-        loss = add_z_loss(loss, shift, log_sum, z_loss, is_valid)
-    tl.store(loss_ptr + row, loss)
-    tl.store(shift_ptr + row, shift)
-    tl.store(log_sum_ptr + row, log_sum)
+    store_row_loss(
+        row, target, target_logit, shift, log_sum, shifted_sum, loss_ptr, shift_ptr, log_sum_ptr, weight_ptr,
+        smooth_total_ptr, n_cols, ignore_index, label_smoothing, smoothing_eps, z_loss, HAS_SMOOTHING,
+        HAS_WEIGHT, HAS_Z_LOSS,
+    )  # fmt: skip
 
 
 @cached_launch

@@ -152,6 +152,35 @@ def weighted_row_loss(
 
 
 @triton.jit
+def store_row_loss(
+    row, target, target_logit, shift, log_sum, shifted_sum, loss_ptr, shift_ptr, log_sum_ptr, weight_ptr,
+    smooth_total_ptr, n_cols, ignore_index, label_smoothing, smoothing_eps, z_loss,
+    HAS_SMOOTHING: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
+):  # fmt: skip
+    """Store row ``row``'s loss (:func:`row_loss` or, with class weights, :func:`weighted_row_loss`, plus
+    the z-loss) and its statistics (shift, log_sum), given its int64 ``target`` and fp32 target logit
+    (0 where the row is ignored or the target out of range). Every row forward ends with this."""
+    is_valid = target != ignore_index
+    in_range = (target >= 0) & (target < n_cols)
+    if HAS_WEIGHT:
+        target_class_weight = tl.load(weight_ptr + target, mask=is_valid & in_range, other=0.0)
+        loss = weighted_row_loss(
+            shift, log_sum, target_logit, target_class_weight, shifted_sum, smooth_total_ptr, smoothing_eps,
+            label_smoothing, in_range, is_valid, HAS_SMOOTHING,
+        )  # fmt: skip
+    else:
+        loss = row_loss(
+            shift, log_sum, target_logit, shifted_sum, n_cols, label_smoothing, in_range, is_valid,
+            HAS_SMOOTHING,
+        )  # fmt: skip
+    if HAS_Z_LOSS:
+        loss = add_z_loss(loss, shift, log_sum, z_loss, is_valid)
+    tl.store(loss_ptr + row, loss)
+    tl.store(shift_ptr + row, shift)
+    tl.store(log_sum_ptr + row, log_sum)
+
+
+@triton.jit
 def softmax_minus_eps(x, shift, log2_sum, smoothing_eps, HAS_SMOOTHING: tl.constexpr):
     """``exp((x - shift) - log_sum) - eps`` in fp32, ``log_sum`` given as ``log_sum * log2(e)``: one FSUB,
     one FMA and ex2 per element. ``x - shift`` first keeps the digits at any magnitude. The FMA is

@@ -5,7 +5,7 @@ warp per 2048 of them: 64 fp32 values a thread), folds its statistics, and write
 and the gradient for the given row factors over the row it read: 4 bytes of traffic per bf16 element
 where the forward, the reduction and the in-place backward take 6. Its block and warps are the
 forward's (``cross_entropy.fwd_config``) and it calls the same helpers in the same order
-(``fold_masked_block``, ``row_loss``, ``grad_of_logits``), so its loss, statistics and gradient are the
+(``fold_masked_block``, ``store_row_loss``, ``grad_of_logits``), so its loss, statistics and gradient are the
 two-pass path's bytes. Wider rows, soft-capping, class weights with label smoothing and rows that are
 not 16-byte aligned take the two passes (``launch_cross_entropy_fwd_bwd_``).
 
@@ -37,12 +37,10 @@ from .cross_entropy import (
     peel_align,
 )
 from .cross_entropy_math import (
-    add_z_loss,
     grad_of_logits,
     load_class_weight_terms,
-    row_loss,
+    store_row_loss,
     target_terms,
-    weighted_row_loss,
     z_loss_factor_of,
 )
 from .launch import cached_launch
@@ -95,29 +93,11 @@ def cross_entropy_fwd_bwd_kernel(
     shift = masked_safe_shift(m)
     log_sum = finish_log_sum(d)
 
-    if HAS_WEIGHT:
-        target_class_weight = tl.load(weight_ptr + target, mask=is_valid & in_range, other=0.0)
-        loss = weighted_row_loss(
-            shift, log_sum, target_logit, target_class_weight, shifted_sum, smooth_total_ptr, smoothing_eps,
-            label_smoothing, in_range, is_valid, HAS_SMOOTHING,
-        )  # fmt: skip
-    else:
-        loss = row_loss(
-            shift,
-            log_sum,
-            target_logit,
-            shifted_sum,
-            n_cols,
-            label_smoothing,
-            in_range,
-            is_valid,
-            HAS_SMOOTHING,
-        )
-    if HAS_Z_LOSS:
-        loss = add_z_loss(loss, shift, log_sum, z_loss, is_valid)
-    tl.store(loss_ptr + row, loss)
-    tl.store(shift_ptr + row, shift)
-    tl.store(log_sum_ptr + row, log_sum)
+    store_row_loss(
+        row, target, target_logit, shift, log_sum, shifted_sum, loss_ptr, shift_ptr, log_sum_ptr, weight_ptr,
+        smooth_total_ptr, n_cols, ignore_index, label_smoothing, smoothing_eps, z_loss, HAS_SMOOTHING,
+        HAS_WEIGHT, HAS_Z_LOSS,
+    )  # fmt: skip
 
     grad_rows = 1.0
     if HAS_GRAD_ROWS:
