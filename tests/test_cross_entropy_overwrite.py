@@ -264,11 +264,9 @@ SINGLE_PASS_OPTIONS = [
 ]
 
 
-def _check_single_pass(
-    device: str, rows: int, cols: int, options: dict, scale: float = 1.0, max_cols: int | None = None
-) -> None:
-    """``launch_cross_entropy_fwd_bwd_`` takes the one-pass kernel (counted; ``max_cols`` moves its row
-    limit) and gives the three-launch path's loss, row statistics and gradient bytes."""
+def _check_single_pass(device: str, rows: int, cols: int, options: dict, scale: float = 1.0) -> None:
+    """``launch_cross_entropy_fwd_bwd_`` takes the one-pass kernel (counted) and gives the three-launch
+    path's loss, row statistics and gradient bytes."""
     from lowp_ops.kernels import cross_entropy_single_pass as single
 
     logits, target = inputs(rows, cols, device)
@@ -276,8 +274,7 @@ def _check_single_pass(
     options = _options(options, cols, device)
     args = (options.get("label_smoothing", 0.0), IGNORE, options["reduction"], options.get("weight"))
     features = (options.get("z_loss", 0.0), 0.0)
-    max_cols = max_cols or single.SINGLE_PASS_MAX_COLS
-    assert single.single_pass_applies(logits, args[0], args[3], 0.0, max_cols)
+    assert single.single_pass_applies(logits, args[0], args[3], 0.0)
     two = logits.clone()
     want_loss, want_stats = single._two_passes(two, target, *args, *features)
     one = logits.clone()
@@ -286,7 +283,7 @@ def _check_single_pass(
     original = kernel.launch
     kernel.launch = lambda *a: (launches.append(a), original(*a))
     try:
-        loss, stats = single.launch_cross_entropy_fwd_bwd_(one, target, *args, *features, max_cols=max_cols)
+        loss, stats = single.launch_cross_entropy_fwd_bwd_(one, target, *args, *features)
     finally:
         del kernel.launch
     assert len(launches) == 1
@@ -303,13 +300,6 @@ def test_interp_single_pass_equals_the_two_passes(shape, options):
 
 
 @pytest.mark.interp
-@pytest.mark.parametrize("options", SINGLE_PASS_OPTIONS)
-def test_interp_single_pass_rereading_blocks_equals_the_two_passes(options):
-    """Rows of several forward blocks (the kernel folds them, then reads them again for the gradient)."""
-    _check_single_pass("cpu", 5, 20000, options, max_cols=1 << 30)
-
-
-@pytest.mark.interp
 def test_interp_single_pass_equals_the_two_passes_at_large_magnitudes():
     _check_single_pass("cpu", 17, 128, {"reduction": "mean", "label_smoothing": 0.1}, scale=3e4)
 
@@ -319,13 +309,6 @@ def test_interp_single_pass_equals_the_two_passes_at_large_magnitudes():
 @pytest.mark.parametrize("options", SINGLE_PASS_OPTIONS)
 def test_gpu_single_pass_equals_the_two_passes(shape, options):
     _check_single_pass("cuda", *shape, options)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(512, 32000), (256, 50304), (128, 129280), (300, 16400)])
-@pytest.mark.parametrize("options", SINGLE_PASS_OPTIONS)
-def test_gpu_single_pass_rereading_blocks_equals_the_two_passes(shape, options):
-    _check_single_pass("cuda", *shape, options, max_cols=1 << 30)
 
 
 @pytest.mark.gpu

@@ -44,7 +44,7 @@ from .cross_entropy_math import (
     z_loss_factor_of,
 )
 from .launch import cached_launch
-from .softmax import finish_log_sum, fold_masked_block, masked_safe_shift, row_stats_and_shifted_sum
+from .softmax import finish_log_sum, fold_masked_block, masked_safe_shift
 
 SINGLE_PASS_MAX_COLS = FWD_BLOCK
 """The widest row held in registers: the forward's one-block rows, 64 fp32 values per thread at 4 warps."""
@@ -73,7 +73,6 @@ def cross_entropy_fwd_bwd_kernel(
     HAS_SMOOTHING: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
-    RE_READ: tl.constexpr,
 ):
     """Row ``program_id`` of contiguous ``(N, n_cols)`` logits: loss, (shift, log_sum) and the gradient for
     the row factor ``grad_ptr[0]`` (1 without ``HAS_GRAD_ROWS``), written over the row."""
@@ -85,15 +84,12 @@ def cross_entropy_fwd_bwd_kernel(
     # Loaded before the row: the reductions below then order it, like every load, before any store.
     target_logit = tl.load(row_ptr + target, mask=is_valid & in_range, other=0.0).to(tl.float32)
     cols = tl.arange(0, BLOCK)
-    if RE_READ:
-        m, d, shifted_sum = row_stats_and_shifted_sum(row_ptr, n_cols, BLOCK, HAS_SMOOTHING)
-    else:
-        in_row = cols < n_cols
-        x = tl.load(row_ptr + cols, mask=in_row, other=float("-inf")).to(tl.float32)
-        m = float("-inf")  # assigned, not passed as literals: literal arguments would be constexprs
-        d = 0.0
-        total = 0.0
-        m, d, shifted_sum = fold_masked_block(m, d, total, 0, x, in_row, HAS_SMOOTHING)
+    in_row = cols < n_cols
+    x = tl.load(row_ptr + cols, mask=in_row, other=float("-inf")).to(tl.float32)
+    m = float("-inf")  # assigned, not passed as literals: literal arguments would be constexprs
+    d = 0.0
+    total = 0.0
+    m, d, shifted_sum = fold_masked_block(m, d, total, 0, x, in_row, HAS_SMOOTHING)
     shift = masked_safe_shift(m)
     log_sum = finish_log_sum(d)
 
@@ -118,46 +114,16 @@ def cross_entropy_fwd_bwd_kernel(
             alpha = z_loss_factor_of(shift, log_sum, z_loss2, alpha)
     elif HAS_Z_LOSS:
         factor = z_loss_factor_of(shift, log_sum, z_loss2, 1.0)
-    log2_sum = log_sum * 1.4426950408889634
-    terms = (shift, log2_sum, target_col, row_scale, ignored, class_weight, alpha, factor, smoothing_eps)
-    if RE_READ:
-        for start in range(0, n_cols, BLOCK):
-            in_block = start + cols < n_cols
-            x = tl.load(row_ptr + start + cols, mask=in_block, other=float("-inf")).to(tl.float32)
-            # Blocks without the target (most of them) take the select-free branch, as the tile kernel's.
-            special = ignored | ((target_col >= start) & (target_col < start + BLOCK))
-            store_grad_block(
-                row_ptr + start, cols, x, start + cols, in_block, special, terms, target_weight,
-                HAS_SMOOTHING, HAS_WEIGHT, HAS_Z_LOSS,
-            )  # fmt: skip
-    else:
-        store_grad_block(
-            row_ptr, cols, x, cols, in_row, True, terms, target_weight, HAS_SMOOTHING, HAS_WEIGHT, HAS_Z_LOSS
-        )
-
-
-@triton.jit
-def store_grad_block(
-    block_ptr, offsets, x, cols, in_block, any_special, terms, target_weight, HAS_SMOOTHING: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
-):  # fmt: skip
-    """The gradient of one block of a row (fp32 logits ``x``, vocabulary columns ``cols``) written over it,
-    at ``block_ptr + offsets``: ``grad_of_logits`` with the row's ``terms`` (shift, log_sum * log2(e),
-    target column, row scale, ignored, ``w_y``, ``α``, z-loss factor, eps), as every backward forms it."""
-    shift, log2_sum, target_col, row_scale, ignored, class_weight, alpha, factor, smoothing_eps = terms
     grad = grad_of_logits(
-        x, cols, shift, log2_sum, target_col, row_scale, ignored, any_special, class_weight, alpha, 0.0,
-        factor, smoothing_eps, target_weight, 0.0, 0.0, HAS_SMOOTHING, HAS_WEIGHT, HAS_Z_LOSS, False,
+        x, cols, shift, log_sum * 1.4426950408889634, target_col, row_scale, ignored, True, class_weight,
+        alpha, 0.0, factor, smoothing_eps, target_weight, 0.0, 0.0, HAS_SMOOTHING, HAS_WEIGHT, HAS_Z_LOSS,
+        False,
     )  # fmt: skip
-    tl.store(block_ptr + offsets, to_dtype_rne(grad, block_ptr.dtype.element_ty), mask=in_block)
+    tl.store(row_ptr + cols, to_dtype_rne(grad, logits_ptr.dtype.element_ty), mask=in_row)
 
 
 def single_pass_applies(
-    logits: torch.Tensor,
-    label_smoothing: float,
-    weight: torch.Tensor | None,
-    softcap: float,
-    max_cols: int = SINGLE_PASS_MAX_COLS,
+    logits: torch.Tensor, label_smoothing: float, weight: torch.Tensor | None, softcap: float
 ) -> bool:
     """Whether :func:`cross_entropy_fwd_bwd_kernel` serves the call: contiguous logits with rows of at
     most ``SINGLE_PASS_MAX_COLS`` classes that start 16-byte aligned (the forward's one-block
@@ -165,7 +131,7 @@ def single_pass_applies(
     smoothing (those forwards fold the row in other helpers)."""
     n_cols = logits.shape[1]
     return (
-        0 < n_cols <= max_cols
+        0 < n_cols <= SINGLE_PASS_MAX_COLS
         and logits.is_contiguous()
         and peel_align(logits) == 0
         and softcap == 0.0
@@ -183,7 +149,7 @@ def launch_cross_entropy_fwd_bwd_(
     z_loss: float = 0.0,
     softcap: float = 0.0,
     *,
-    max_cols: int = SINGLE_PASS_MAX_COLS,
+    maxnreg: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``lowp::cross_entropy_fwd_bwd_``: (loss, row statistics), the gradient for ``grad_loss = 1`` written
     over the logits. One pass where :func:`single_pass_applies` (the mean's gradient scale first, from
@@ -195,7 +161,7 @@ def launch_cross_entropy_fwd_bwd_(
     rows, n_cols = logits.shape
     mean = reduction == "mean"
     target = target.contiguous()
-    if rows == 0 or not single_pass_applies(logits, label_smoothing, weight, softcap, max_cols):
+    if rows == 0 or not single_pass_applies(logits, label_smoothing, weight, softcap):
         return _two_passes(logits, target, label_smoothing, ignore_index, reduction, weight, z_loss, softcap)
     loss_rows = loss if reduction == "none" else stats.new_empty((rows,))
     # Without the mean the row factor is 1: HAS_GRAD_ROWS=False never reads the placeholder.
@@ -207,7 +173,7 @@ def launch_cross_entropy_fwd_bwd_(
         logits, target, loss_rows, stats[SHIFT], stats[LOG_SUM], grad_scale, n_cols, ignore_index,
         label_smoothing, eps, 1.0 - label_smoothing, class_weights, smooth_total, z_loss, 2.0 * z_loss,
         BLOCK=block, HAS_GRAD_ROWS=mean, HAS_SMOOTHING=label_smoothing > 0, HAS_WEIGHT=weight is not None,
-        HAS_Z_LOSS=z_loss > 0, RE_READ=n_cols > block, num_warps=num_warps,
+        HAS_Z_LOSS=z_loss > 0, num_warps=num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )  # fmt: skip
     if reduction == "none":
         return loss, stats
