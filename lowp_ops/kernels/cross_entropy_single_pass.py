@@ -148,8 +148,6 @@ def launch_cross_entropy_fwd_bwd_(
     weight: torch.Tensor | None = None,
     z_loss: float = 0.0,
     softcap: float = 0.0,
-    *,
-    maxnreg: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``lowp::cross_entropy_fwd_bwd_``: (loss, row statistics), the gradient for ``grad_loss = 1`` written
     over the logits. One pass where :func:`single_pass_applies` (the mean's gradient scale first, from
@@ -173,7 +171,7 @@ def launch_cross_entropy_fwd_bwd_(
         logits, target, loss_rows, stats[SHIFT], stats[LOG_SUM], grad_scale, n_cols, ignore_index,
         label_smoothing, eps, 1.0 - label_smoothing, class_weights, smooth_total, z_loss, 2.0 * z_loss,
         BLOCK=block, HAS_GRAD_ROWS=mean, HAS_SMOOTHING=label_smoothing > 0, HAS_WEIGHT=weight is not None,
-        HAS_Z_LOSS=z_loss > 0, num_warps=num_warps, **({} if maxnreg is None else {"maxnreg": maxnreg}),
+        HAS_Z_LOSS=z_loss > 0, num_warps=num_warps,
     )  # fmt: skip
     if reduction == "none":
         return loss, stats
