@@ -103,8 +103,11 @@ TRITON_LAUNCHES = {
     "cross_entropy fwd+bwd": 3,  # row forward, reduction, backward
     "cross_entropy fwd+bwd, z_loss and softcap": 3,  # the same kernels, the features inside them
     "nn.CrossEntropyLoss fwd+bwd": 3,
-    # row forward, reduction, backward over the logits; in the backward the in-place scaling
+    # the mean's gradient scale, the one pass (rows of <= 8192 classes), the reduction; in the backward
+    # the in-place scaling
     "cross_entropy fwd+bwd, overwrite_logits": 4,
+    # soft-capped: row forward, reduction, backward over the logits; in the backward the scaling
+    "cross_entropy fwd+bwd, overwrite_logits, softcap (two passes)": 4,
     "cross_entropy_with_mxfp8_grad": 3,  # row forward, reduction, fused MXFP8 backward
     "softmax fwd+bwd": 2,
     "log_softmax fwd+bwd": 2,
@@ -188,6 +191,9 @@ def _launch_cases(device):
         "nn.CrossEntropyLoss fwd+bwd": fwd_bwd(lambda a: lowp_ops.nn.CrossEntropyLoss()(a, target), logits),
         "cross_entropy fwd+bwd, overwrite_logits": fwd_bwd(
             lambda a: lowp_ops.cross_entropy(a * 1, target, overwrite_logits=True), logits
+        ),
+        "cross_entropy fwd+bwd, overwrite_logits, softcap (two passes)": fwd_bwd(
+            lambda a: lowp_ops.cross_entropy(a * 1, target, softcap=5.0, overwrite_logits=True), logits
         ),
         "cross_entropy_with_mxfp8_grad": lambda: lowp_ops.cross_entropy_with_mxfp8_grad(logits, target),
         "softmax fwd+bwd": sm,
