@@ -157,27 +157,44 @@ def store_row_loss(
     smooth_total_ptr, n_cols, ignore_index, label_smoothing, smoothing_eps, z_loss,
     HAS_SMOOTHING: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
 ):  # fmt: skip
-    """Store row ``row``'s loss (:func:`row_loss` or, with class weights, :func:`weighted_row_loss`, plus
-    the z-loss) and its statistics (shift, log_sum), given its int64 ``target`` and fp32 target logit
-    (0 where the row is ignored or the target out of range). Every row forward ends with this."""
+    """Store row ``row``'s loss (:func:`loss_of_rows`) and its statistics (shift, log_sum), given its int64
+    ``target`` and fp32 target logit (0 where the row is ignored or the target out of range). Every
+    one-row forward ends with this."""
+    loss = loss_of_rows(
+        target, target_logit, shift, log_sum, shifted_sum, weight_ptr, smooth_total_ptr, n_cols, n_cols,
+        ignore_index, label_smoothing, smoothing_eps, z_loss, True, HAS_SMOOTHING, HAS_WEIGHT, HAS_Z_LOSS,
+    )  # fmt: skip
+    tl.store(loss_ptr + row, loss)
+    tl.store(shift_ptr + row, shift)
+    tl.store(log_sum_ptr + row, log_sum)
+
+
+@triton.jit
+def loss_of_rows(
+    target, target_logit, shift, log_sum, shifted_sum, weight_ptr, smooth_total_ptr, vocab_total, n_vocab,
+    ignore_index, label_smoothing, smoothing_eps, z_loss, row_ok, HAS_SMOOTHING: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
+):  # fmt: skip
+    """fp32 loss of rows (scalars or vectors) from their int64 targets among ``vocab_total`` classes,
+    target logits and statistics: :func:`row_loss` (``n_vocab``: the class count as the smoothing term
+    divides by it) or, with class weights, :func:`weighted_row_loss`; plus the z-loss. ``row_ok``: rows
+    that exist (their class weight is loaded)."""
     is_valid = target != ignore_index
-    in_range = (target >= 0) & (target < n_cols)
+    in_range = (target >= 0) & (target < vocab_total)
     if HAS_WEIGHT:
-        target_class_weight = tl.load(weight_ptr + target, mask=is_valid & in_range, other=0.0)
+        target_class_weight = tl.load(weight_ptr + target, mask=row_ok & is_valid & in_range, other=0.0)
         loss = weighted_row_loss(
             shift, log_sum, target_logit, target_class_weight, shifted_sum, smooth_total_ptr, smoothing_eps,
             label_smoothing, in_range, is_valid, HAS_SMOOTHING,
         )  # fmt: skip
     else:
         loss = row_loss(
-            shift, log_sum, target_logit, shifted_sum, n_cols, label_smoothing, in_range, is_valid,
+            shift, log_sum, target_logit, shifted_sum, n_vocab, label_smoothing, in_range, is_valid,
             HAS_SMOOTHING,
         )  # fmt: skip
     if HAS_Z_LOSS:
         loss = add_z_loss(loss, shift, log_sum, z_loss, is_valid)
-    tl.store(loss_ptr + row, loss)
-    tl.store(shift_ptr + row, shift)
-    tl.store(log_sum_ptr + row, log_sum)
+    return loss
 
 
 @triton.jit

@@ -24,13 +24,7 @@ from ..meta.vocab_parallel import (
     vocab_parallel_ce_stats_output,
 )
 from .cross_entropy import fwd_config
-from .cross_entropy_math import (
-    add_z_loss,
-    row_loss,
-    row_stats_weighted_or_capped,
-    softcap_logits,
-    weighted_row_loss,
-)
+from .cross_entropy_math import loss_of_rows, row_stats_weighted_or_capped, softcap_logits
 from .launch import rows_with_unit_stride
 from .softmax import finish_log_sum, masked_safe_shift, row_stats_and_shifted_sum
 
@@ -146,21 +140,11 @@ def vocab_parallel_ce_merge_kernel(
     log_sum = tl.log(sum_exp)
 
     target = tl.load(target_ptr + rows_idx, mask=row_ok, other=ignore_index).to(tl.int64)
-    in_range = (target >= 0) & (target < vocab_total)
-    is_valid = target != ignore_index
-    if HAS_WEIGHT:
-        class_weight = tl.load(weight_ptr + target, mask=row_ok & is_valid & in_range, other=0.0)
-        loss = weighted_row_loss(
-            shift, log_sum, target_logit, class_weight, shifted_sum, smooth_total_ptr, smoothing_eps,
-            label_smoothing, in_range, is_valid, HAS_SMOOTHING,
-        )  # fmt: skip
-    else:
-        loss = row_loss(
-            shift, log_sum, target_logit, shifted_sum, vocab_total_value, label_smoothing, in_range,
-            is_valid, HAS_SMOOTHING,
-        )  # fmt: skip
-    if HAS_Z_LOSS:
-        loss = add_z_loss(loss, shift, log_sum, z_loss, is_valid)
+    loss = loss_of_rows(
+        target, target_logit, shift, log_sum, shifted_sum, weight_ptr, smooth_total_ptr, vocab_total,
+        vocab_total_value, ignore_index, label_smoothing, smoothing_eps, z_loss, row_ok, HAS_SMOOTHING,
+        HAS_WEIGHT, HAS_Z_LOSS,
+    )  # fmt: skip
     widths_ok = bad_widths == 0
     tl.store(loss_ptr + rows_idx, tl.where(widths_ok, loss, float("nan")), mask=row_ok)
     tl.store(shift_ptr + rows_idx, tl.where(widths_ok, shift, float("nan")), mask=row_ok)
