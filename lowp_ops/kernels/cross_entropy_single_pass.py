@@ -10,11 +10,10 @@ two-pass path's bytes. Wider rows, soft-capping, class weights with label smooth
 not 16-byte aligned take the two passes (``launch_cross_entropy_fwd_bwd_``).
 
 Why 8192 classes: wider rows are several blocks in the forward, whose reduction order a one-row
-program can repeat only holding every block at once. On the H200 (2026-12-02,
-``benchmarks/probe_single_pass.py``) the forward as one block of 16 warps ran at 39% of copy at 8192 x
-32000 (0.315 against 0.136 ms: one 512-thread program per SM, nothing overlaps its load), and a one-pass
-kernel of that shape at 50-60%, slower than the two passes (0.42-0.50 against 0.58 ms at 32000, 0.49 ms
-at 32768).
+program can repeat only holding every block at once. On the H200 (2026-12-02; benchmarks/RESULTS.md,
+"What we tried") the forward as one block of 16 warps ran at 39% of copy at 8192 x 32000 (0.315 against
+0.136 ms: one 512-thread program per SM, nothing overlaps its load), and a one-pass kernel of that shape
+took 0.42-0.50 ms against 0.40 ms for the two passes.
 """
 
 from __future__ import annotations
