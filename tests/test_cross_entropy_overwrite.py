@@ -334,3 +334,24 @@ def test_single_pass_declines_what_it_cannot_repeat():
     assert not single_pass_applies(
         torch.empty(1, SINGLE_PASS_MAX_COLS + 16, dtype=torch.bfloat16), 0.0, None, 0.0
     )
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_opcheck_cross_entropy_fwd_bwd_(reduction, weighted):
+    logits, target = inputs(12, 48, dtype=torch.float32)
+    logits[logits == NEG_INF] = -30.0  # finite: opcheck compares with NaN != NaN
+    logits[1] = 0.0
+    weight = torch.rand(48, generator=torch.Generator().manual_seed(3)) + 0.5 if weighted else None
+    torch.library.opcheck(
+        torch.ops.lowp.cross_entropy_fwd_bwd_.default,
+        (logits, target, 0.0 if weighted else 0.1, IGNORE, reduction, weight, 1e-3, 0.0),
+    )
+
+
+def test_cross_entropy_fwd_bwd_refuses_what_it_cannot_write():
+    logits, target = inputs(8, 40, dtype=torch.float32)
+    with pytest.raises(ValueError, match="reduction"):
+        library.cross_entropy_fwd_bwd_(logits, target, 0.0, IGNORE, "avg")
+    with pytest.raises(ValueError, match="contiguous"):
+        library.cross_entropy_fwd_bwd_(torch.cat([logits, logits], 1)[:, :40], target, 0.0, IGNORE, "mean")
