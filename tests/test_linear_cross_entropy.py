@@ -5,6 +5,8 @@ what the forward keeps, ``opcheck``, compile without recompiles, CUDA graphs, an
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -494,6 +496,88 @@ def test_dequantize_then_cublas_gemm_matches_the_reference_gemm_interp(a_use, ot
     # One bf16 rounding of the same fp32 sum: equal, or one bf16 step apart where the order mattered.
     torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-3)
     assert (got != want).float().mean() < 0.05
+
+
+def _chunk_steps_two_launches(logits, target, grad_rows, label_smoothing, ignore_index, *features):
+    """The LM head's fused chunk step as the two launches it replaces: forward, then a fresh backward."""
+    from lowp_ops.kernels import cross_entropy as ce_kernels
+
+    loss_terms = (label_smoothing, ignore_index)
+    loss, stats = ce_kernels.launch_cross_entropy_fwd(logits, target, *loss_terms, *features)
+    whole_vocab = (0, 0)
+    bwd_args = (logits, target, stats, grad_rows, *loss_terms, *whole_vocab, *features)
+    dlogits = ce_kernels.launch_cross_entropy_bwd(*bwd_args)
+    return loss, stats, dlogits
+
+
+ONE_PASS_CASES = [  # (vocab, row factors, label_smoothing, z_loss, softcap, class weights, one pass?)
+    (96, "mean", 0.0, 0.0, 0.0, False, True),
+    (96, "rows", 0.1, 1e-3, 0.0, False, True),
+    (256, "rows", 0.0, 0.0, 0.0, True, True),
+    (96, "mean", 0.1, 0.0, 0.0, True, False),  # class weights with smoothing: two launches
+    (96, "rows", 0.0, 0.0, 5.0, False, False),  # soft-capping: two launches
+    (70, "mean", 0.0, 0.0, 0.0, False, False),  # rows not 16-byte aligned: two launches
+]
+
+
+def _fwd_bwd_chunks_with_dlogits(steps, h, w, target, config, features):
+    """``fwd_bwd_chunks`` outputs and its chunks' dlogits, concatenated."""
+    dlogits = []
+
+    def keep(start: int, end: int, chunk_dlogits: torch.Tensor) -> None:
+        dlogits.append(chunk_dlogits.clone())
+
+    out = lce_ref.fwd_bwd_chunks(h, w, target, *config, *features, steps=steps, on_dlogits=keep)
+    return (*out, torch.cat(dlogits))
+
+
+def _check_one_pass_chunks(device, vocab, factors, label_smoothing, z_loss, softcap, weighted, one_pass, spy):
+    from lowp_ops.kernels import cross_entropy_single_pass as single_pass
+
+    h, w, target = make_inputs(n_rows=70, hidden=32, vocab=vocab, device=device)
+    gen = torch.Generator().manual_seed(3)
+    n = target.shape[0]
+    row_weight = torch.full((), 1 / 60).expand(n) if factors == "mean" else torch.rand(n, generator=gen) + 0.5
+    ce_weight = (torch.rand(vocab, generator=gen) + 0.5).to(device) if weighted else None
+    config = (row_weight.to(device), label_smoothing, IGNORE, "none", "bf16", 32, True, True)
+    features = (z_loss, softcap, ce_weight)
+    one_pass_calls = []
+    spy.setattr(single_pass, "_launch_one_pass", _counting(single_pass._launch_one_pass, one_pass_calls))
+    got = _fwd_bwd_chunks_with_dlogits(lce_kernels.KERNEL_STEPS, h, w, target, config, features)
+    assert len(one_pass_calls) == (3 if one_pass else 0)  # 70 rows in chunks of 32: three chunks
+    two_launches = replace(lce_kernels.KERNEL_STEPS, ce_fwd_bwd=_chunk_steps_two_launches)
+    want = _fwd_bwd_chunks_with_dlogits(two_launches, h, w, target, config, features)
+    assert len(one_pass_calls) == (3 if one_pass else 0)
+    for name, a, b in zip(("loss", "dhidden", "dweight", "stats", "dlogits"), got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(_bytes(a), _bytes(b)), name
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1).view(torch.uint8)
+
+
+def _counting(fn, calls: list):
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return fn(*args, **kwargs)
+
+    return counted
+
+
+@pytest.mark.interp
+@pytest.mark.parametrize("case", ONE_PASS_CASES)
+def test_chunk_step_in_one_pass_is_bytes_of_two_launches_interp(case, monkeypatch):
+    """``linear_cross_entropy_fwd_bwd``'s chunk step (loss and bf16 gradient, one read of the logits where
+    the row fits) against the forward and backward launches it replaces: loss, statistics, dhidden,
+    dweight and every chunk's dlogits byte for byte, with the mean's one factor (stride 0) and per-row
+    factors; the one-pass kernel runs once per chunk where it applies, never where it does not."""
+    _check_one_pass_chunks("cpu", *case, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ONE_PASS_CASES)
+def test_chunk_step_in_one_pass_is_bytes_of_two_launches_gpu(case, monkeypatch):
+    _check_one_pass_chunks("cuda", *case, monkeypatch)
 
 
 # -------------------------------------------------------------------------------------- tiny LM

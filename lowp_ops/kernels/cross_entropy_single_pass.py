@@ -1,4 +1,5 @@
-"""Cross entropy forward and backward in one read of the logits (Triton), for ``overwrite_logits=True``.
+"""Cross entropy forward and backward in one read of the logits (Triton), for ``overwrite_logits=True``
+and for each chunk of the LM head's gradient-in-the-forward schedule (per-row gradient factors).
 
 One program per row holds the whole row in registers (rows of up to ``SINGLE_PASS_MAX_COLS`` classes, one
 warp per 2048 of them: 64 fp32 values a thread), folds its statistics, and writes the loss, the statistics
@@ -23,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..formats import round_to_fp32
-from ..meta.cross_entropy import LOG_SUM, SHIFT, cross_entropy_fwd_bwd_outputs
+from ..meta.cross_entropy import LOG_SUM, SHIFT, cross_entropy_fwd_bwd_outputs, cross_entropy_fwd_outputs
 from .bf16_pairs import to_dtype_rne
 from .cross_entropy import (
     FWD_BLOCK,
@@ -58,6 +59,7 @@ def cross_entropy_fwd_bwd_kernel(
     shift_ptr,
     log_sum_ptr,
     grad_ptr,
+    grad_stride,
     n_cols,
     ignore_index,
     label_smoothing,
@@ -74,7 +76,7 @@ def cross_entropy_fwd_bwd_kernel(
     HAS_Z_LOSS: tl.constexpr,
 ):
     """Row ``program_id`` of contiguous ``(N, n_cols)`` logits: loss, (shift, log_sum) and the gradient for
-    the row factor ``grad_ptr[0]`` (1 without ``HAS_GRAD_ROWS``), written over the row."""
+    the row factor ``grad_ptr[row * grad_stride]`` (1 without ``HAS_GRAD_ROWS``), written over the row."""
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * n_cols
     target = tl.load(target_ptr + row).to(tl.int64)
@@ -100,7 +102,7 @@ def cross_entropy_fwd_bwd_kernel(
 
     grad_rows = 1.0
     if HAS_GRAD_ROWS:
-        grad_rows = tl.load(grad_ptr)
+        grad_rows = tl.load(grad_ptr + row * grad_stride)
     target_col, row_scale, ignored = target_terms(target, grad_rows, n_cols, ignore_index, 0, n_cols)
     class_weight = 0.0
     alpha = 0.0
@@ -155,26 +157,69 @@ def launch_cross_entropy_fwd_bwd_(
     loss, stats = cross_entropy_fwd_bwd_outputs(
         logits, target, label_smoothing, ignore_index, reduction, weight, z_loss, softcap
     )
-    rows, n_cols = logits.shape
+    rows = logits.shape[0]
     mean = reduction == "mean"
     target = target.contiguous()
     if rows == 0 or not single_pass_applies(logits, label_smoothing, weight, softcap):
         return _two_passes(logits, target, label_smoothing, ignore_index, reduction, weight, z_loss, softcap)
     loss_rows = loss if reduction == "none" else stats.new_empty((rows,))
-    # Without the mean the row factor is 1: HAS_GRAD_ROWS=False never reads the placeholder.
-    grad_scale = launch_cross_entropy_grad_scale(target, ignore_index, weight) if mean else loss_rows
-    block, num_warps = fwd_config(n_cols)
-    eps = round_to_fp32(label_smoothing / n_cols)
-    class_weights, smooth_total = class_weight_args(weight, eps, loss_rows)
-    cross_entropy_fwd_bwd_kernel[(rows,)](
-        logits, target, loss_rows, stats[SHIFT], stats[LOG_SUM], grad_scale, n_cols, ignore_index,
-        label_smoothing, eps, 1.0 - label_smoothing, class_weights, smooth_total, z_loss, 2.0 * z_loss,
-        BLOCK=block, HAS_GRAD_ROWS=mean, HAS_SMOOTHING=label_smoothing > 0, HAS_WEIGHT=weight is not None,
-        HAS_Z_LOSS=z_loss > 0, num_warps=num_warps,
-    )  # fmt: skip
+    # Without the mean the row factor is 1; with it, the mean's one scale for every row (stride 0).
+    grad_scale = launch_cross_entropy_grad_scale(target, ignore_index, weight).expand(rows) if mean else None
+    loss_terms = (label_smoothing, ignore_index, weight, z_loss)
+    _launch_one_pass(logits, target, loss_rows, stats, grad_scale, *loss_terms)
     if reduction == "none":
         return loss, stats
     return launch_cross_entropy_reduce(loss_rows, target, ignore_index, mean, weight)[0], stats
+
+
+def launch_cross_entropy_rows_fwd_bwd_(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    grad_rows: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The LM head's chunk step: ``(loss_rows (N,) fp32, row statistics (2, N) fp32, dlogits)``, where
+    ``dlogits`` is the gradient of ``Σ grad_rows[r] · loss[r]`` (``grad_rows`` (N,) fp32, any stride)
+    written over the contiguous logits, which it returns. One pass where :func:`single_pass_applies`,
+    else ``cross_entropy_fwd`` then the in-place ``cross_entropy_bwd``: the bytes of those two."""
+    rows = logits.shape[0]
+    if rows == 0 or not single_pass_applies(logits, label_smoothing, weight, softcap):
+        loss_rows, stats = launch_cross_entropy_fwd(
+            logits, target, label_smoothing, ignore_index, weight, z_loss, softcap
+        )
+        launch_cross_entropy_bwd_(
+            logits, target, stats, grad_rows, label_smoothing, ignore_index, weight, z_loss, softcap
+        )
+        return loss_rows, stats, logits
+    loss_rows, stats = cross_entropy_fwd_outputs(
+        logits, target, label_smoothing, ignore_index, weight, z_loss, softcap
+    )
+    target = target.contiguous()
+    loss_terms = (label_smoothing, ignore_index, weight, z_loss)
+    _launch_one_pass(logits, target, loss_rows, stats, grad_rows, *loss_terms)
+    return loss_rows, stats, logits
+
+
+def _launch_one_pass(
+    logits, target, loss_rows, stats, grad_rows, label_smoothing, ignore_index, weight, z_loss
+) -> None:
+    """:func:`cross_entropy_fwd_bwd_kernel` over every row; ``grad_rows`` None: row factors of 1."""
+    n_cols = logits.shape[1]
+    block, num_warps = fwd_config(n_cols)
+    eps = round_to_fp32(label_smoothing / n_cols)
+    class_weights, smooth_total = class_weight_args(weight, eps, loss_rows)
+    # Without row factors HAS_GRAD_ROWS=False never reads the placeholder pointer.
+    grad_ptr, grad_stride = (loss_rows, 0) if grad_rows is None else (grad_rows, grad_rows.stride(0))
+    cross_entropy_fwd_bwd_kernel[(logits.shape[0],)](
+        logits, target, loss_rows, stats[SHIFT], stats[LOG_SUM], grad_ptr, grad_stride, n_cols, ignore_index,
+        label_smoothing, eps, 1.0 - label_smoothing, class_weights, smooth_total, z_loss, 2.0 * z_loss,
+        BLOCK=block, HAS_GRAD_ROWS=grad_rows is not None, HAS_SMOOTHING=label_smoothing > 0,
+        HAS_WEIGHT=weight is not None, HAS_Z_LOSS=z_loss > 0, num_warps=num_warps,
+    )  # fmt: skip
 
 
 def _two_passes(logits, target, label_smoothing, ignore_index, reduction, weight, z_loss, softcap):

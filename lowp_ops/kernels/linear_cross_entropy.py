@@ -23,6 +23,7 @@ from ..reference.linear_cross_entropy import Steps, backward_chunks, forward_chu
 from .bf16_pairs import to_dtype_rne
 from .cross_entropy import launch_cross_entropy_bwd, launch_cross_entropy_bwd_mxfp8, launch_cross_entropy_fwd
 from .cross_entropy_columns import column_cross_entropy_bwd_in_place, column_cross_entropy_fwd
+from .cross_entropy_single_pass import launch_cross_entropy_rows_fwd_bwd_
 from .launch import cached_launch
 from .mxfp8 import launch_mxfp8_dequantize, launch_mxfp8_quantize
 from .mxfp8_gemm import mxfp8_gemm_into
@@ -98,6 +99,7 @@ KERNEL_STEPS = Steps(
     ce_fwd=launch_cross_entropy_fwd,
     ce_bwd=cross_entropy_bwd_in_place,
     ce_bwd_mxfp8=launch_cross_entropy_bwd_mxfp8,
+    ce_fwd_bwd=launch_cross_entropy_rows_fwd_bwd_,
     matmul_into=_matmul_into,
     mxfp8_gemm_into=_mxfp8_gemm_into,
     quantize_columnwise=_quantize_columnwise,

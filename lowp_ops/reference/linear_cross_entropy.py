@@ -52,6 +52,9 @@ class Steps:
     ce_fwd: Callable  # lowp::cross_entropy_fwd
     ce_bwd: Callable  # lowp::cross_entropy_bwd; may write dlogits over its (chunk's own) logits
     ce_bwd_mxfp8: Callable  # lowp::cross_entropy_bwd_mxfp8
+    # (logits_c, target_c, grad_rows_c, label_smoothing, ignore_index, ce_weight, z_loss, softcap)
+    # -> (loss_c, stats_c, dlogits_c): ce_fwd then ce_bwd, bytes included; may write dlogits over logits_c
+    ce_fwd_bwd: Callable
     matmul_into: Callable  # (out, a, b, accumulate): out = dtype(a @ b [+ out])
     mxfp8_gemm_into: Callable  # (out, *lowp::mxfp8_gemm args without out_dtype, accumulate, scratch=)
     quantize_columnwise: Callable  # (x, fp8_dtype) -> (col_data uint8, col_scale)
@@ -80,11 +83,21 @@ def _quantize_columnwise(x: torch.Tensor, fp8_dtype: str) -> tuple[torch.Tensor,
     return col_data, col_scale
 
 
+def _ce_fwd_bwd(logits_c, target_c, grad_rows_c, label_smoothing, ignore_index, ce_weight, z_loss, softcap):
+    features = (ce_weight, z_loss, softcap)
+    loss_c, stats_c = ce_ref.cross_entropy_fwd(logits_c, target_c, label_smoothing, ignore_index, *features)
+    dlogits_c = ce_ref.cross_entropy_bwd(
+        logits_c, target_c, stats_c, grad_rows_c, label_smoothing, ignore_index, 0, 0, *features
+    )
+    return loss_c, stats_c, dlogits_c
+
+
 REFERENCE_STEPS = Steps(
     logits=_logits,
     ce_fwd=ce_ref.cross_entropy_fwd,
     ce_bwd=ce_ref.cross_entropy_bwd,
     ce_bwd_mxfp8=ce_ref.cross_entropy_bwd_mxfp8,
+    ce_fwd_bwd=_ce_fwd_bwd,
     matmul_into=_matmul_into,
     mxfp8_gemm_into=_mxfp8_gemm_into,
     quantize_columnwise=_quantize_columnwise,
@@ -112,6 +125,11 @@ class GradientWriter:
     on_dlogits: Callable | None = None  # test hook: called with each chunk's dlogits (tensor or payload)
 
     @property
+    def loss_features(self) -> tuple:
+        """``(ce_weight, z_loss, softcap)``: the cross entropy's trailing arguments."""
+        return self.ce_weight, self.z_loss, self.softcap
+
+    @property
     def compute_dhidden(self) -> bool:
         return self.dhidden.dim() == 2
 
@@ -123,10 +141,7 @@ class GradientWriter:
         args = (logits_c, target_c, stats_c, grad_rows_c, self.label_smoothing, self.ignore_index)
         features = (*self.vocab, self.ce_weight, self.z_loss, self.softcap)
         if self.grad_format == "none":
-            dlogits = self.steps.ce_bwd(*args, *features)
-            if self.on_dlogits is not None:
-                self.on_dlogits(start, end, dlogits)
-            self._bf16_gemms(start, end, hidden_c, dlogits)
+            self.write_dlogits(start, end, hidden_c, self.steps.ce_bwd(*args, *features))
         else:
             fp8_dtype = fp8_dtype_of(self.grad_format)
             payload = self.steps.ce_bwd_mxfp8(
@@ -136,6 +151,12 @@ class GradientWriter:
                 self.on_dlogits(start, end, payload)
             # The logits are dead once the payload exists: the GEMMs may dequantize into their buffer.
             self._mxfp8_gemms(start, end, hidden_c, fp8_dtype, *payload, scratch=logits_c)
+
+    def write_dlogits(self, start: int, end: int, hidden_c, dlogits) -> None:
+        """The bf16 (input-dtype) GEMMs of one chunk's ``dlogits`` made elsewhere."""
+        if self.on_dlogits is not None:
+            self.on_dlogits(start, end, dlogits)
+        self._bf16_gemms(start, end, hidden_c, dlogits)
 
     def _bf16_gemms(self, start, end, hidden_c, dlogits) -> None:
         if self.compute_dhidden:
@@ -230,16 +251,19 @@ def gradient_chunks(
     for start, end in chunk_bounds(hidden.shape[0], weight.shape[0], chunk_size):
         hidden_c, target_c = hidden[start:end], target[start:end]
         logits_c = writer.steps.logits(hidden_c, weight)
-        if stats is None:
-            loss_c, stats_c = writer.steps.ce_fwd(
-                logits_c, target_c, writer.label_smoothing, writer.ignore_index, writer.ce_weight,
-                writer.z_loss, writer.softcap,
-            )  # fmt: skip
-            loss_rows[start:end] = loss_c
-            stats_out[:, start:end] = stats_c
+        loss_args = (writer.label_smoothing, writer.ignore_index, *writer.loss_features)
+        if stats is not None:
+            writer.write(start, end, hidden_c, logits_c, target_c, stats[:, start:end], per_row[start:end])
+        elif writer.grad_format == "none" and writer.vocab == (0, 0):
+            # The loss and the input-dtype gradient in one step (one read of the logits where it fits).
+            step = writer.steps.ce_fwd_bwd
+            loss_c, stats_c, dlogits_c = step(logits_c, target_c, per_row[start:end], *loss_args)
+            loss_rows[start:end], stats_out[:, start:end] = loss_c, stats_c
+            writer.write_dlogits(start, end, hidden_c, dlogits_c)
         else:
-            stats_c = stats[:, start:end]
-        writer.write(start, end, hidden_c, logits_c, target_c, stats_c, per_row[start:end])
+            loss_c, stats_c = writer.steps.ce_fwd(logits_c, target_c, *loss_args)
+            loss_rows[start:end], stats_out[:, start:end] = loss_c, stats_c
+            writer.write(start, end, hidden_c, logits_c, target_c, stats_c, per_row[start:end])
         del logits_c  # before the next chunk's logits exist: one chunk at a time
     writer.finish()
 
