@@ -535,11 +535,22 @@ def _fwd_bwd_chunks_with_dlogits(steps, h, w, target, config, features):
 
 
 def _check_one_pass_chunks(
-    device, vocab, factors, label_smoothing, z_loss, softcap, weighted, one_pass, n_rows=70, chunk=32, seed=0
+    device,
+    vocab,
+    factors,
+    label_smoothing,
+    z_loss,
+    softcap,
+    weighted,
+    one_pass,
+    n_rows=70,
+    chunk=32,
+    seed=0,
+    dtype=torch.bfloat16,
 ):
     from lowp_ops.kernels import cross_entropy_single_pass as single_pass
 
-    h, w, target = make_inputs(n_rows=n_rows, hidden=32, vocab=vocab, device=device, seed=seed)
+    h, w, target = make_inputs(n_rows=n_rows, hidden=32, vocab=vocab, dtype=dtype, device=device, seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
     n = target.shape[0]
     row_weight = torch.full((), 1 / n).expand(n) if factors == "mean" else torch.rand(n, generator=gen) + 0.5
@@ -571,12 +582,13 @@ def _counting(fn, calls: list):
 
 @pytest.mark.parametrize("device", SUITES)
 @pytest.mark.parametrize("case", ONE_PASS_CASES)
-def test_chunk_step_in_one_pass_is_bytes_of_two_launches(device, case, kernel_device):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_chunk_step_in_one_pass_is_bytes_of_two_launches(device, case, dtype, kernel_device):
     """``linear_cross_entropy_fwd_bwd``'s chunk step (loss and bf16 gradient, one read of the logits where
     the row fits) against the forward and backward launches it replaces: loss, statistics, dhidden,
     dweight and every chunk's dlogits byte for byte, with the mean's one factor (stride 0) and per-row
     factors; the one-pass kernel runs once per chunk where it applies, never where it does not."""
-    _check_one_pass_chunks(kernel_device, *case)
+    _check_one_pass_chunks(kernel_device, *case, dtype=dtype)
 
 
 @pytest.mark.parametrize("device", SUITES)
