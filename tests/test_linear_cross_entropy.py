@@ -534,22 +534,11 @@ def _fwd_bwd_chunks_with_dlogits(steps, h, w, target, config, features):
     return (*out, torch.cat(dlogits))
 
 
-def _check_one_pass_chunks(
-    device,
-    vocab,
-    factors,
-    label_smoothing,
-    z_loss,
-    softcap,
-    weighted,
-    one_pass,
-    n_rows=70,
-    chunk=32,
-    seed=0,
-    dtype=torch.bfloat16,
-):
+def _check_one_pass_chunks(device, case, *, n_rows=70, chunk=32, seed=0, dtype=torch.bfloat16):
+    """``case``: an entry of :data:`ONE_PASS_CASES`."""
     from lowp_ops.kernels import cross_entropy_single_pass as single_pass
 
+    vocab, factors, label_smoothing, z_loss, softcap, weighted, one_pass = case
     h, w, target = make_inputs(n_rows=n_rows, hidden=32, vocab=vocab, dtype=dtype, device=device, seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
     n = target.shape[0]
@@ -588,7 +577,7 @@ def test_chunk_step_in_one_pass_is_bytes_of_two_launches(device, case, dtype, ke
     the row fits) against the forward and backward launches it replaces: loss, statistics, dhidden,
     dweight and every chunk's dlogits byte for byte, with the mean's one factor (stride 0) and per-row
     factors; the one-pass kernel runs once per chunk where it applies, never where it does not."""
-    _check_one_pass_chunks(kernel_device, *case, dtype=dtype)
+    _check_one_pass_chunks(kernel_device, case, dtype=dtype)
 
 
 @pytest.mark.parametrize("device", SUITES)
@@ -612,7 +601,7 @@ def test_chunk_step_is_bytes_of_two_launches_for_any_shape(
     # weights with label smoothing.
     one_pass = vocab % 16 == 0 and not (weighted and label_smoothing > 0)
     case = (vocab, factors, label_smoothing, z_loss, 0.0, weighted, one_pass)
-    _check_one_pass_chunks(kernel_device, *case, n_rows=n_rows, chunk=chunk, seed=seed)
+    _check_one_pass_chunks(kernel_device, case, n_rows=n_rows, chunk=chunk, seed=seed)
 
 
 # -------------------------------------------------------------------------------------- tiny LM
