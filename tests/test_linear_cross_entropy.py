@@ -188,6 +188,38 @@ def test_forward_keeps_no_logits_sized_tensor(reduction):
     loss.sum().backward()
 
 
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("grad_format", ["none", "mxfp8_e4m3"])
+def test_one_chunk_of_logits_and_dlogits_lives_at_a_time(fused, grad_format):
+    """When a chunk's logits are formed, no earlier chunk's logits or dlogits are alive (the schedule's
+    memory bound: one chunk of ``chunk x V``), in the fused forward and in the recomputing backward."""
+    import weakref
+
+    h, w, target = make_inputs(n_rows=70, hidden=16, vocab=96)
+    alive = []
+
+    def logits(hidden_c, weight):
+        assert not [ref for ref in alive if ref() is not None], "an earlier chunk's logits are alive"
+        out = lce_ref.REFERENCE_STEPS.logits(hidden_c, weight)
+        alive.append(weakref.ref(out))
+        return out
+
+    def keep_ref(start, end, dlogits):
+        for t in dlogits if isinstance(dlogits, tuple) else (dlogits,):
+            alive.append(weakref.ref(t))
+
+    steps = replace(lce_ref.REFERENCE_STEPS, logits=logits)
+    config = (0.1, IGNORE, grad_format, "bf16", 32, True, True)
+    if fused:
+        row_weight = torch.full((), 1 / 70).expand(70)
+        lce_ref.fwd_bwd_chunks(h, w, target, row_weight, *config, steps=steps, on_dlogits=keep_ref)
+    else:
+        _, stats = lce_ref.linear_cross_entropy_fwd(h, w, target, *config[:5])
+        grad_rows = torch.ones(70)
+        lce_ref.backward_chunks(h, w, target, stats, grad_rows, *config, steps=steps, on_dlogits=keep_ref)
+    assert len(alive) > 3  # three chunks' logits and their dlogits were seen
+
+
 def test_second_backward_through_the_fused_node_fails_instead_of_scaling_twice():
     """The fused path scales its saved gradients in place; autograd's version check must stop a second
     backward (retain_graph) from using the already scaled tensors."""

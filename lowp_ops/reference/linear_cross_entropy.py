@@ -260,6 +260,7 @@ def gradient_chunks(
             loss_c, stats_c, dlogits_c = step(logits_c, target_c, per_row[start:end], *loss_args)
             loss_rows[start:end], stats_out[:, start:end] = loss_c, stats_c
             writer.write_dlogits(start, end, hidden_c, dlogits_c)
+            del dlogits_c  # on CUDA the logits chunk itself: freed with it below
         else:
             loss_c, stats_c = writer.steps.ce_fwd(logits_c, target_c, *loss_args)
             loss_rows[start:end], stats_out[:, start:end] = loss_c, stats_c
