@@ -91,8 +91,9 @@ def linear_cross_entropy(
             quantizes them to E4M3 with blocks along K as TransformerEngine's MXFP8 recipe does.
         chunk_size: tokens per chunk (None: the largest multiple of 256 with at most 2^28 logits).
             Peak extra memory beyond the gradients, on CUDA: ``chunk·V·b`` (bf16 gradient, written over
-            its logits chunk) or ``chunk·V·(b + 2.06)`` bytes (MXFP8; plus ``2·chunk·V`` on sm90), b the
-            inputs' element size; see :mod:`lowp_ops.meta.linear_cross_entropy`. With None, a reduced
+            its logits chunk) or ``chunk·V·(b + 2.06)`` bytes (MXFP8; on sm90 plus ``2·chunk·V`` unless
+            the inputs are bf16, whose dead logits chunk takes the dequantized copy), b the inputs'
+            element size; see :mod:`lowp_ops.meta.linear_cross_entropy`. With None, a reduced
             loss, a bf16 gradient that ``weight`` needs and at most H tokens, the logits are not chunked
             at all: they live in ``weight``'s gradient until the wgrad GEMMs overwrite them, and the peak
             is ``3072·N·b`` bytes beyond the gradients (on CUDA and under the Triton interpreter).

@@ -10,7 +10,8 @@ Peak extra memory (beyond inputs and the ``dhidden (N, H)`` / ``dweight (V, H)``
 - gradient, ``grad_format=None``: ``C·V·b`` on CUDA (the gradient is written over its logits chunk),
   ``2·C·V·b`` in the CPU reference;
 - gradient, MXFP8: ``C·V·(b + 2 + 1/16)`` (logits chunk, row- and column-wise FP8 copies, E8M0 scales),
-  plus ``2·C·V`` on sm90, where each copy is dequantized to bf16 for cuBLAS (one at a time);
+  on sm90, where each copy is dequantized to bf16 for cuBLAS (one at a time), into the dead logits
+  chunk when the inputs are bf16, else into ``2·C·V`` bytes more;
   ``other_operand="mxfp8"`` adds the quantized weight ``1.03·V·H`` and one ``1.03·C·H`` hidden chunk.
 
 The reduced losses (mean, sum) compute the gradients in the forward and scale them in place in the
