@@ -390,6 +390,17 @@ BAD_ARGUMENTS = {
         TypeError,
         "ignore_index",
     ),
+    # An int32 class id cannot equal it: compared after a wrap-around it would ignore class 5's rows.
+    "ignore_index beyond an int32 target": (
+        lambda x, t: lowp_ops.cross_entropy(x, t.int(), ignore_index=2**32 + 5),
+        ValueError,
+        "ignore_index must fit the int32 target",
+    ),
+    "ignore_index beyond an int32 target, LM head": (
+        lambda x, t: lowp_ops.linear_cross_entropy(x, torch.randn(16, 10), t.int(), ignore_index=-(2**32)),
+        ValueError,
+        "ignore_index must fit the int32 target",
+    ),
     "string label_smoothing": (
         lambda x, t: lowp_ops.cross_entropy(x, t, label_smoothing="0.1"),
         TypeError,

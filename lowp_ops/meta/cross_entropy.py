@@ -37,6 +37,16 @@ def check_logits_target(logits: torch.Tensor, target: torch.Tensor) -> None:
     )
 
 
+def check_ignore_index(ignore_index: int, target: torch.Tensor) -> None:
+    """An ``ignore_index`` that an int32 ``target`` can hold: one outside int32 would be compared after a
+    wrap-around to another class's id (ignoring that class's rows), so it is refused."""
+    if target.dtype == torch.int32:
+        require(
+            -(2**31) <= ignore_index < 2**31,
+            lambda: f"ignore_index must fit the int32 target (no class id can equal it), got {ignore_index}",
+        )
+
+
 def check_label_smoothing(label_smoothing: float) -> None:
     require(
         0.0 <= label_smoothing <= 1.0, lambda: f"label_smoothing must be in [0, 1], got {label_smoothing}"
@@ -137,6 +147,7 @@ def cross_entropy_fwd_outputs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss (N,) fp32, row_stats (2, N) fp32)``; ``weight``: optional class weights (V,)."""
     _check_rows(logits, target)
+    check_ignore_index(ignore_index, target)
     check_label_smoothing(label_smoothing)
     check_loss_features(z_loss, softcap)
     check_class_weight(weight, logits.shape[1], logits)
@@ -232,6 +243,7 @@ def cross_entropy_bwd_output(
     vocabulary (``vocab_total``,); ``out`` (launchers only), when given, is checked and returned instead
     of a new tensor. It may be ``logits`` itself when that is contiguous."""
     _check_bwd_inputs(logits, target, stats, grad_rows, vocab_start, vocab_total, weight, z_loss, softcap)
+    check_ignore_index(ignore_index, target)
     if out is None:
         return logits.new_empty(logits.shape)
     require(
@@ -264,6 +276,7 @@ def cross_entropy_bwd_mxfp8_outputs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The MXFP8 payload of dlogits, as :func:`lowp_ops.meta.mxfp8.mxfp8_quantize_outputs` of logits."""
     _check_bwd_inputs(logits, target, stats, grad_rows, vocab_start, vocab_total, weight, z_loss, softcap)
+    check_ignore_index(ignore_index, target)
     return mxfp8_quantize_outputs(logits, fp8_dtype, rowwise, columnwise, scale_layout)
 
 
@@ -288,6 +301,7 @@ def cross_entropy_reduce_outputs(
         target.shape == loss_rows.shape,
         lambda: f"target must have loss_rows' shape {tuple(loss_rows.shape)}, got {tuple(target.shape)}",
     )
+    check_ignore_index(ignore_index, target)
     return loss_rows.new_empty(()), loss_rows.new_empty(())
 
 
@@ -314,6 +328,7 @@ def cross_entropy_bwd_overwrite_output(
     """Checks of ``lowp::cross_entropy_bwd_`` (in place, no output): :func:`cross_entropy_bwd_output`'s,
     and contiguous logits, which receive the gradient."""
     _check_bwd_inputs(logits, target, stats, grad_rows, 0, 0, weight, z_loss, softcap)
+    check_ignore_index(ignore_index, target)
     check_label_smoothing(label_smoothing)
     require(logits.is_contiguous(), lambda: "logits must be contiguous to receive the gradient in place")
 

@@ -33,6 +33,7 @@ from .checks import require
 from .cross_entropy import (
     TARGET_DTYPES,
     check_class_weight,
+    check_ignore_index,
     check_label_smoothing,
     check_loss_features,
     check_row_stats,
@@ -148,6 +149,7 @@ def linear_cross_entropy_fwd_outputs(
     and ``other_operand`` are for the backward; ``z_loss``, ``softcap`` the loss features (0.0 = off);
     ``ce_weight`` the optional class weights ``(V,)``."""
     _check_rows(hidden, weight, target, label_smoothing, chunk_size)
+    check_ignore_index(ignore_index, target)
     check_loss_features(z_loss, softcap)
     check_class_weight(ce_weight, weight.shape[0], hidden)
     check_grad_format(grad_format)
@@ -176,6 +178,7 @@ def linear_cross_entropy_bwd_outputs(
     """``(dhidden, dweight)`` as :func:`_grad_outputs`; ``ce_weight``: optional class weights of the whole
     vocabulary (``vocab_total`` classes for a shard's backward, 0: ``V``)."""
     _check_rows(hidden, weight, target, label_smoothing, chunk_size)
+    check_ignore_index(ignore_index, target)
     check_loss_features(z_loss, softcap)
     check_class_weight(ce_weight, vocab_total or weight.shape[0], hidden)
     _check_grad_args(hidden, grad_format, other_operand, "grad_rows", grad_rows)
@@ -202,6 +205,7 @@ def linear_cross_entropy_fwd_bwd_outputs(
     """``(loss () fp32, dhidden, dweight, row_stats (2, N) fp32)``: the row statistics as the forward's
     (for the lse and the z-loss of logging); ``ce_weight`` the optional class weights ``(V,)``."""
     _check_rows(hidden, weight, target, label_smoothing, chunk_size)
+    check_ignore_index(ignore_index, target)
     check_loss_features(z_loss, softcap)
     check_class_weight(ce_weight, weight.shape[0], hidden)
     _check_grad_args(hidden, grad_format, other_operand, "row_weight", row_weight)

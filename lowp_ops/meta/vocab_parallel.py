@@ -12,6 +12,7 @@ from .checks import require
 from .cross_entropy import (
     TARGET_DTYPES,
     check_class_weight,
+    check_ignore_index,
     check_label_smoothing,
     check_logits_target,
     check_softcap,
@@ -92,6 +93,7 @@ def vocab_parallel_ce_merge_outputs(
         lambda: f"target must have shape ({gathered.shape[1]},), got {tuple(target.shape)}",
     )
     require(shard_width >= 1, lambda: f"shard_width must be >= 1, got {shard_width}")
+    check_ignore_index(ignore_index, target)
     check_label_smoothing(label_smoothing)
     vocab_total = gathered.shape[0] // n_stats * shard_width
     check_vocab_weight(weight, vocab_total, gathered)
