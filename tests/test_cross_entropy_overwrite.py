@@ -1,5 +1,5 @@
 """``cross_entropy(..., overwrite_logits=True)``: the forward writes the gradient over the logits, the
-backward returns it scaled in place (``lowp::cross_entropy_bwd_``, ``lowp::cross_entropy_scale_grad_``).
+backward returns it scaled in place (``lowp::cross_entropy_fwd_bwd_``, ``lowp::cross_entropy_scale_grad_``).
 
 The oracle is the default path (logits untouched, the gradient from the backward kernel): the same
 bytes when ``grad_loss`` is 1 or a power of two, one more rounding otherwise. CPU (references), the

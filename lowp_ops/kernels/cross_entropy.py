@@ -23,7 +23,6 @@ from ..meta.cross_entropy import (
     SHIFT,
     cross_entropy_bwd_mxfp8_outputs,
     cross_entropy_bwd_output,
-    cross_entropy_bwd_overwrite_output,
     cross_entropy_fwd_outputs,
     cross_entropy_reduce_outputs,
     cross_entropy_scale_grad_output,
@@ -746,24 +745,13 @@ def launch_cross_entropy_bwd_(
     z_loss: float = 0.0,
     softcap: float = 0.0,
 ) -> None:
-    """``lowp::cross_entropy_bwd_``: :func:`launch_cross_entropy_bwd` with the gradient written over the
-    (contiguous) logits, which each program reads before it writes them: the same kernel, the same bytes."""
-    cross_entropy_bwd_overwrite_output(
-        logits, target, stats, grad_rows, label_smoothing, ignore_index, weight, z_loss, softcap
-    )
+    """:func:`launch_cross_entropy_bwd` with the gradient written over the contiguous logits (checked as
+    its ``out``), which each program reads before it writes them: the same kernels, the same bytes. The
+    two-pass step of ``lowp::cross_entropy_fwd_bwd_`` and of the LM head's chunks."""
+    whole_vocab = (0, 0)
+    features = (weight, z_loss, softcap)
     launch_cross_entropy_bwd(
-        logits,
-        target,
-        stats,
-        grad_rows,
-        label_smoothing,
-        ignore_index,
-        0,
-        0,
-        weight,
-        z_loss,
-        softcap,
-        out=logits,
+        logits, target, stats, grad_rows, label_smoothing, ignore_index, *whole_vocab, *features, out=logits
     )
 
 

@@ -314,25 +314,6 @@ def _check_grad_rows(grad_rows: torch.Tensor, rows: int) -> None:
     )
 
 
-def cross_entropy_bwd_overwrite_output(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    stats: torch.Tensor,
-    grad_rows: torch.Tensor,
-    label_smoothing: float,
-    ignore_index: int,
-    weight: torch.Tensor | None = None,
-    z_loss: float = 0.0,
-    softcap: float = 0.0,
-) -> None:
-    """Checks of ``lowp::cross_entropy_bwd_`` (in place, no output): :func:`cross_entropy_bwd_output`'s,
-    and contiguous logits, which receive the gradient."""
-    _check_bwd_inputs(logits, target, stats, grad_rows, 0, 0, weight, z_loss, softcap)
-    check_ignore_index(ignore_index, target)
-    check_label_smoothing(label_smoothing)
-    require(logits.is_contiguous(), lambda: "logits must be contiguous to receive the gradient in place")
-
-
 def cross_entropy_scale_grad_output(dlogits: torch.Tensor, grad_rows: torch.Tensor) -> None:
     """Checks of ``lowp::cross_entropy_scale_grad_`` (in place, no output): ``dlogits`` (N, V)
     contiguous, ``grad_rows`` (N,) float32 on its device (any stride)."""

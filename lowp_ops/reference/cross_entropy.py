@@ -50,7 +50,6 @@ from ..meta.cross_entropy import (
     LOG_SUM,
     SHIFT,
     cross_entropy_bwd_output,
-    cross_entropy_bwd_overwrite_output,
     cross_entropy_fwd_bwd_outputs,
     cross_entropy_fwd_outputs,
     cross_entropy_reduce_outputs,
@@ -317,28 +316,6 @@ def cross_entropy_reduce(
     return loss, grad_scale
 
 
-def cross_entropy_bwd_(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    stats: torch.Tensor,
-    grad_rows: torch.Tensor,
-    label_smoothing: float,
-    ignore_index: int,
-    weight: torch.Tensor | None = None,
-    z_loss: float = 0.0,
-    softcap: float = 0.0,
-) -> None:
-    """Reference of ``lowp::cross_entropy_bwd_``: the logits replaced by :func:`cross_entropy_bwd`."""
-    cross_entropy_bwd_overwrite_output(
-        logits, target, stats, grad_rows, label_smoothing, ignore_index, weight, z_loss, softcap
-    )
-    logits.copy_(
-        cross_entropy_bwd(
-            logits, target, stats, grad_rows, label_smoothing, ignore_index, 0, 0, weight, z_loss, softcap
-        )
-    )
-
-
 def cross_entropy_fwd_bwd_(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -360,8 +337,10 @@ def cross_entropy_fwd_bwd_(
     if reduction != "none":
         loss, grad_scale = cross_entropy_reduce(loss, target, ignore_index, reduction == "mean", weight)
         grad_rows = grad_scale.expand(logits.shape[0])
-    cross_entropy_bwd_(
-        logits, target, stats, grad_rows, label_smoothing, ignore_index, weight, z_loss, softcap
+    logits.copy_(
+        cross_entropy_bwd(
+            logits, target, stats, grad_rows, label_smoothing, ignore_index, 0, 0, weight, z_loss, softcap
+        )
     )
     return loss, stats
 
