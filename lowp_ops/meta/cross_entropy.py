@@ -131,9 +131,10 @@ def check_class_weight(
     )
 
 
-def _check_rows(logits: torch.Tensor, target: torch.Tensor) -> None:
+def _check_rows(logits: torch.Tensor, target: torch.Tensor, ignore_index: int) -> None:
     require(logits.dim() == 2, lambda: f"logits must be 2-D (N, V) here, got {logits.dim()}-D")
     check_logits_target(logits, target)
+    check_ignore_index(ignore_index, target)
 
 
 def cross_entropy_fwd_outputs(
@@ -146,8 +147,7 @@ def cross_entropy_fwd_outputs(
     softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss (N,) fp32, row_stats (2, N) fp32)``; ``weight``: optional class weights (V,)."""
-    _check_rows(logits, target)
-    check_ignore_index(ignore_index, target)
+    _check_rows(logits, target, ignore_index)
     check_label_smoothing(label_smoothing)
     check_loss_features(z_loss, softcap)
     check_class_weight(weight, logits.shape[1], logits)
@@ -209,9 +209,10 @@ def check_vocab_shard(n_cols: int, vocab_start: int, vocab_total: int) -> None:
 
 
 def _check_bwd_inputs(
-    logits, target, stats, grad_rows, vocab_start=0, vocab_total=0, weight=None, z_loss=0.0, softcap=0.0
-) -> None:
-    _check_rows(logits, target)
+    logits, target, stats, grad_rows, ignore_index, vocab_start=0, vocab_total=0, weight=None, z_loss=0.0,
+    softcap=0.0,
+) -> None:  # fmt: skip
+    _check_rows(logits, target, ignore_index)
     check_loss_features(z_loss, softcap)
     check_vocab_shard(logits.shape[1], vocab_start, vocab_total)
     check_class_weight(weight, vocab_total or logits.shape[1], logits)
@@ -242,8 +243,9 @@ def cross_entropy_bwd_output(
     """dlogits: ``(N, V)`` contiguous, logits' dtype; ``weight``: optional class weights of the whole
     vocabulary (``vocab_total``,); ``out`` (launchers only), when given, is checked and returned instead
     of a new tensor. It may be ``logits`` itself when that is contiguous."""
-    _check_bwd_inputs(logits, target, stats, grad_rows, vocab_start, vocab_total, weight, z_loss, softcap)
-    check_ignore_index(ignore_index, target)
+    _check_bwd_inputs(
+        logits, target, stats, grad_rows, ignore_index, vocab_start, vocab_total, weight, z_loss, softcap
+    )
     if out is None:
         return logits.new_empty(logits.shape)
     require(
@@ -275,8 +277,9 @@ def cross_entropy_bwd_mxfp8_outputs(
     softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The MXFP8 payload of dlogits, as :func:`lowp_ops.meta.mxfp8.mxfp8_quantize_outputs` of logits."""
-    _check_bwd_inputs(logits, target, stats, grad_rows, vocab_start, vocab_total, weight, z_loss, softcap)
-    check_ignore_index(ignore_index, target)
+    _check_bwd_inputs(
+        logits, target, stats, grad_rows, ignore_index, vocab_start, vocab_total, weight, z_loss, softcap
+    )
     return mxfp8_quantize_outputs(logits, fp8_dtype, rowwise, columnwise, scale_layout)
 
 

@@ -108,9 +108,10 @@ def check_hidden_weight_target(hidden: torch.Tensor, weight: torch.Tensor, targe
     )
 
 
-def _check_rows(hidden, weight, target, label_smoothing, chunk_size) -> None:
+def _check_rows(hidden, weight, target, label_smoothing, ignore_index, chunk_size) -> None:
     require(hidden.dim() == 2, lambda: f"hidden must be 2-D (N, H) here, got {hidden.dim()}-D")
     check_hidden_weight_target(hidden, weight, target)
+    check_ignore_index(ignore_index, target)
     check_label_smoothing(label_smoothing)
     check_chunk_size(chunk_size)
 
@@ -148,8 +149,7 @@ def linear_cross_entropy_fwd_outputs(
     """``(loss (N,) fp32, row_stats (2, N) fp32)`` (:mod:`lowp_ops.meta.cross_entropy`); ``grad_format``
     and ``other_operand`` are for the backward; ``z_loss``, ``softcap`` the loss features (0.0 = off);
     ``ce_weight`` the optional class weights ``(V,)``."""
-    _check_rows(hidden, weight, target, label_smoothing, chunk_size)
-    check_ignore_index(ignore_index, target)
+    _check_rows(hidden, weight, target, label_smoothing, ignore_index, chunk_size)
     check_loss_features(z_loss, softcap)
     check_class_weight(ce_weight, weight.shape[0], hidden)
     check_grad_format(grad_format)
@@ -177,8 +177,7 @@ def linear_cross_entropy_bwd_outputs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dhidden, dweight)`` as :func:`_grad_outputs`; ``ce_weight``: optional class weights of the whole
     vocabulary (``vocab_total`` classes for a shard's backward, 0: ``V``)."""
-    _check_rows(hidden, weight, target, label_smoothing, chunk_size)
-    check_ignore_index(ignore_index, target)
+    _check_rows(hidden, weight, target, label_smoothing, ignore_index, chunk_size)
     check_loss_features(z_loss, softcap)
     check_class_weight(ce_weight, vocab_total or weight.shape[0], hidden)
     _check_grad_args(hidden, grad_format, other_operand, "grad_rows", grad_rows)
@@ -204,8 +203,7 @@ def linear_cross_entropy_fwd_bwd_outputs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss () fp32, dhidden, dweight, row_stats (2, N) fp32)``: the row statistics as the forward's
     (for the lse and the z-loss of logging); ``ce_weight`` the optional class weights ``(V,)``."""
-    _check_rows(hidden, weight, target, label_smoothing, chunk_size)
-    check_ignore_index(ignore_index, target)
+    _check_rows(hidden, weight, target, label_smoothing, ignore_index, chunk_size)
     check_loss_features(z_loss, softcap)
     check_class_weight(ce_weight, weight.shape[0], hidden)
     _check_grad_args(hidden, grad_format, other_operand, "row_weight", row_weight)
