@@ -613,7 +613,7 @@ def test_chunk_step_in_one_pass_is_bytes_of_two_launches(device, case, dtype, ke
 
 
 @pytest.mark.parametrize("device", SUITES)
-@kernel_property_settings(6, 40)
+@kernel_property_settings(6, 200)
 @given(
     n_rows=st.integers(1, 80),
     vocab=st.sampled_from([8, 16, 64, 200, 512, 1024, 60, 101]),
@@ -628,7 +628,8 @@ def test_chunk_step_is_bytes_of_two_launches_for_any_shape(
     device, kernel_device, n_rows, vocab, factors, label_smoothing, z_loss, weighted, chunk, seed
 ):
     """Property: the same bytes for any rows, vocabulary (rows of 16k classes take the one pass, others
-    the two launches), chunk and loss options."""
+    the two launches), chunk and loss options. 200 GPU examples: a loss formed with a compiler-chosen
+    FMA differed in about 4% of them (H200)."""
     # One pass: a row stride of 16k elements (what Triton's specialization proves aligned), and not class
     # weights with label smoothing.
     one_pass = vocab % 16 == 0 and not (weighted and label_smoothing > 0)

@@ -85,9 +85,10 @@ def row_stats_weighted_or_capped(
 
 @triton.jit
 def add_z_loss(loss, shift, log_sum, z_loss, is_valid):
-    """``loss + z · lse · lse`` (``lse = shift + log_sum``) on valid rows; the loss (0) elsewhere."""
+    """``loss + z · lse · lse`` (``lse = shift + log_sum``) on valid rows; the loss (0) elsewhere. One
+    explicit FMA, ``fma(z lse, lse, loss)``, as :func:`row_loss`."""
     lse = shift + log_sum
-    return tl.where(is_valid, loss + z_loss * lse * lse, loss)
+    return tl.where(is_valid, tl.fma(z_loss * lse, lse, loss), loss)
 
 
 @triton.jit
@@ -120,10 +121,15 @@ def row_loss(
     """fp32 loss of a row from its statistics (shift, log_sum), target logit and (label smoothing)
     ``Σ (x - shift)`` over the ``n_vocab`` classes: ``(shift - x_y) + log_sum``, or ``(1 - ls)`` times that
     plus ``ls (log_sum - shifted_sum / n_vocab)``. NaN for an out-of-range target (no host sync can check
-    it), 0 for an ignored row. Every forward calls this."""
+    it), 0 for an ignored row. Every forward calls this.
+
+    No product meets a sum outside an explicit FMA and the division rounds to nearest, so every kernel
+    forms the same bits: left to the compiler, a forward and the one pass contracted the smoothing sum
+    differently (H200, 2026-12-02: 15 of 400 random LM-head cases one ulp apart)."""
     loss = (shift - tl.where(in_range, target_logit, float("nan"))) + log_sum
     if HAS_SMOOTHING:
-        loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_sum - shifted_sum / n_vocab)
+        uniform = log_sum - tl.math.div_rn(shifted_sum, tl.cast(n_vocab, tl.float32))
+        loss = tl.fma(1.0 - label_smoothing, loss, label_smoothing * uniform)
     return tl.where(is_valid, loss, 0.0)
 
 
@@ -143,11 +149,13 @@ def weighted_row_loss(
 ):
     """fp32 class-weighted loss of a row: ``(1 - ls) w_y ((shift - x_y) + log_sum)`` plus, with label
     smoothing, ``s_w log_sum - eps Σ_c w_c (x_c - shift)`` (``s_w = eps Σ_c w_c`` at ``smooth_total_ptr``).
-    NaN for an out-of-range target, 0 for an ignored row."""
+    NaN for an out-of-range target, 0 for an ignored row. Explicit FMAs, as :func:`row_loss`."""
     nll = (shift - tl.where(in_range, target_logit, float("nan"))) + log_sum
-    loss = (1.0 - label_smoothing) * target_class_weight * nll
     if HAS_SMOOTHING:
-        loss = loss + (tl.load(smooth_total_ptr) * log_sum - smoothing_eps * weighted_shifted_sum)
+        smooth = tl.fma(tl.load(smooth_total_ptr), log_sum, -(smoothing_eps * weighted_shifted_sum))
+        loss = tl.fma((1.0 - label_smoothing) * target_class_weight, nll, smooth)
+    else:
+        loss = (1.0 - label_smoothing) * target_class_weight * nll
     return tl.where(is_valid, loss, 0.0)
 
 
