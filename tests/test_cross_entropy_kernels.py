@@ -178,6 +178,7 @@ def check_row_segments_equal_tiles(n_rows: int, n_cols: int, dtype: torch.dtype,
         (0.1, None, 0.0, 0.0),
         (0.1, weight, 0.0, 0.0),
         (0.0, weight, 1e-3, 0.0),
+        (0.0, None, 1e-3, 0.0),
         (0.1, None, 1e-3, 30.0),
     ]:
         features = (class_weight, z_loss, softcap)

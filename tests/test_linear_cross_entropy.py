@@ -548,6 +548,7 @@ def _chunk_steps_two_launches(logits, target, grad_rows, label_smoothing, ignore
 ONE_PASS_CASES = [  # (vocab, row factors, label_smoothing, z_loss, softcap, class weights, one pass?)
     (96, "mean", 0.0, 0.0, 0.0, False, True),
     (96, "rows", 0.1, 1e-3, 0.0, False, True),
+    (96, "rows", 0.0, 1e-3, 0.0, False, True),  # z-loss alone: its target term is one FMA
     (256, "rows", 0.0, 0.0, 0.0, True, True),
     (96, "mean", 0.1, 0.0, 0.0, True, False),  # class weights with smoothing: two launches
     (96, "rows", 0.0, 0.0, 5.0, False, False),  # soft-capping: two launches
