@@ -14,7 +14,9 @@ Why 8192 classes: wider rows are several blocks in the forward, whose reduction 
 program can repeat only holding every block at once. On the H200 (2026-12-02; benchmarks/RESULTS.md,
 "What we tried") the forward as one block of 16 warps ran at 39% of copy at 8192 x 32000 (0.315 against
 0.136 ms: one 512-thread program per SM, nothing overlaps its load), and a one-pass kernel of that shape
-took 0.42-0.50 ms against 0.40 ms for the two passes.
+took 0.42-0.50 ms against 0.40 ms for the two passes. A row of one block also keeps the forward's online
+fold exact here (``d = 0`` and ``m = -inf`` before it); with several blocks its rescaling products
+(``softmax.online_softmax_update``) would need explicit FMAs for the bytes to agree.
 """
 
 from __future__ import annotations
