@@ -178,6 +178,47 @@ def _once_differentiable(backward: Callable, name: str) -> Callable:
     return checked
 
 
+# Devices whose compiled graphs launch an ``inline_kernels`` op's Triton kernels themselves (the
+# interpreter tests add "cpu" to trace the same way under aot_eager).
+INLINE_DEVICE_TYPES = {"cuda"}
+
+
+def _has_symbols(args: tuple) -> bool:
+    """True when an argument or a tensor's shape or strides are symbolic (dynamic shapes)."""
+    for arg in args:
+        if isinstance(arg, (torch.SymInt, torch.SymFloat)):
+            return True
+        if isinstance(arg, torch.Tensor) and any(
+            isinstance(size, torch.SymInt) for size in (*arg.shape, *arg.stride())
+        ):
+            return True
+    return False
+
+
+def _inline_kernels_rule(lowp_op: LowpOp) -> Callable:
+    """The rule under AOTAutograd's functionalization (``FunctionalTensorMode``) for an op whose CUDA
+    launcher is traceable: trace the launcher, so the graph holds its Triton kernels (recorded through
+    ``torch.library.wrap_triton``, ``kernels/launch.py``) and Inductor launches them as its own, with no
+    dispatcher or Python kernel per call. Other devices, dynamic shapes and ``torch.export`` (whose
+    programs keep the op) leave the op as one opaque node."""
+
+    def rule(mode, func, types, args, kwargs):
+        from torch.export._trace import custom_triton_ops_decomposition_disabled
+
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if (
+            custom_triton_ops_decomposition_disabled()
+            or first is None
+            or first.device.type not in INLINE_DEVICE_TYPES
+            or _has_symbols(args)
+        ):
+            return mode.__torch_dispatch__(func, types, args, kwargs)
+        with mode:
+            return lowp_op.launcher()(*args, **kwargs)
+
+    return rule
+
+
 def _define(
     name: str,
     schema: str,
@@ -185,9 +226,13 @@ def _define(
     launcher: str | None,
     fake: Callable,
     mutates_args: tuple[str, ...] = (),
+    inline_kernels: bool = False,
 ) -> LowpOp:
     """Define ``lowp::<name>``: reference by default, ``kernels.<launcher>`` on CUDA, ``fake`` for tracing.
-    Without a launcher the reference (graph-safe, no host sync) also serves CUDA."""
+    Without a launcher the reference (graph-safe, no host sync) also serves CUDA. ``inline_kernels``:
+    the launcher is traceable (allocations, aten ops and cached Triton launches only; no host reads of
+    tensor data or addresses), and compiled graphs launch its kernels themselves
+    (:func:`_inline_kernels_rule`)."""
 
     def default(*args):
         return lowp_op.launcher()(*args) if cpu_runs_triton() else reference(*args)
@@ -197,6 +242,10 @@ def _define(
         custom.register_kernel("cuda")(lambda *args: lowp_op.launcher()(*args))
     custom.register_fake(fake)
     lowp_op = LowpOp(name, custom, reference, launcher, fake, mutates_args)
+    if inline_kernels:
+        from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+        custom.register_torch_dispatch(FunctionalTensorMode, _inline_kernels_rule(lowp_op))
     return lowp_op
 
 
@@ -341,6 +390,7 @@ logsumexp = _define(
     softmax_ref.logsumexp,
     "softmax.launch_logsumexp",
     softmax_meta.logsumexp_output,
+    inline_kernels=True,
 )
 
 softmax_fwd = _define(
@@ -349,6 +399,7 @@ softmax_fwd = _define(
     softmax_ref.softmax_fwd,
     "softmax.launch_softmax_fwd",
     softmax_meta.softmax_fwd_output,
+    inline_kernels=True,
 )
 
 softmax_bwd = _define(
@@ -357,6 +408,7 @@ softmax_bwd = _define(
     softmax_ref.softmax_bwd,
     "softmax.launch_softmax_bwd",
     softmax_meta.softmax_bwd_output,
+    inline_kernels=True,
 )
 
 
@@ -392,6 +444,7 @@ cross_entropy_fwd = _define(
     ce_ref.cross_entropy_fwd,
     "cross_entropy.launch_cross_entropy_fwd",
     ce_meta.cross_entropy_fwd_outputs,
+    inline_kernels=True,
 )
 
 cross_entropy_bwd = _define(
@@ -402,6 +455,7 @@ cross_entropy_bwd = _define(
     ce_ref.cross_entropy_bwd,
     "cross_entropy.launch_cross_entropy_bwd",
     ce_meta.cross_entropy_bwd_output,
+    inline_kernels=True,
 )
 
 cross_entropy_bwd_mxfp8 = _define(
@@ -454,6 +508,7 @@ cross_entropy_reduce = _define(
     ce_ref.cross_entropy_reduce,
     "cross_entropy.launch_cross_entropy_reduce",
     ce_meta.cross_entropy_reduce_outputs,
+    inline_kernels=True,
 )
 
 

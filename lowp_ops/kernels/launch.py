@@ -13,6 +13,10 @@ compiles and launches).
 
 The key is at least as fine as Triton's: two calls with the same key are the same specialization, so
 the binary launched is the one Triton itself would launch.
+
+Inside a ``torch.compile`` graph an op whose kernels Inductor launches itself (``inline_kernels`` in
+``library.py``) runs its launcher on traced tensors: each launch is then recorded through
+``torch.library.wrap_triton`` instead (:meth:`CachedLaunch.launch`).
 """
 
 from __future__ import annotations
@@ -92,6 +96,10 @@ class CachedLaunch:
         return lambda *args, **meta: self.launch(grid, args, meta)
 
     def launch(self, grid, args: tuple, meta: dict) -> None:
+        if _traced(args):
+            # AOTAutograd traces the launcher: Inductor gets the kernel call and launches it itself.
+            torch.library.wrap_triton(self.jit_function)[grid](*args, **meta)
+            return
         CachedLaunch.launches += 1
         if INTERPRETING:
             self.jit_function[grid](*args, **meta)
@@ -144,6 +152,14 @@ class CachedLaunch:
             leave,
             *full_args,
         )
+
+
+def _traced(args: tuple) -> bool:
+    """True when the first tensor argument is a tracer's (a functional or fake tensor), not real data."""
+    for value in args:
+        if isinstance(value, torch.Tensor):
+            return type(value) is not torch.Tensor and type(value) is not torch.nn.Parameter
+    return False
 
 
 def _active_hook(hook):

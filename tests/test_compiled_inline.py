@@ -1,0 +1,142 @@
+"""Ops whose kernels compiled graphs launch themselves (``inline_kernels`` in ``library.py``): under
+``torch.compile`` with static shapes the graph holds their Triton kernels, not the ops, and gives the
+eager bytes; dynamic shapes, ``torch.export`` and other devices keep each op as one node."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch._functorch.aot_autograd import aot_module_simplified
+
+import lowp_ops
+from lowp_ops import library
+
+INLINED = ("cross_entropy_fwd", "cross_entropy_bwd", "cross_entropy_reduce", "softmax_fwd", "softmax_bwd",
+           "logsumexp")  # fmt: skip
+
+CALLS = {
+    "cross_entropy mean": lambda x, t: lowp_ops.cross_entropy(x, t, label_smoothing=0.1),
+    "cross_entropy sum": lambda x, t: lowp_ops.cross_entropy(x, t, reduction="sum"),
+    "cross_entropy none": lambda x, t: lowp_ops.cross_entropy(x, t, reduction="none").sum(),
+    "softmax": lambda x, t: lowp_ops.softmax(x, -1),
+    "log_softmax zero rows": lambda x, t: lowp_ops.log_softmax(x, -1, masked_rows="zero"),
+    "logsumexp": lambda x, t: lowp_ops.logsumexp(x, -1),
+}
+
+
+def _inputs(device: str, rows: int = 24, cols: int = 300, dtype=torch.bfloat16):
+    gen = torch.Generator().manual_seed(rows * cols)
+    logits = (torch.randn(rows, cols, generator=gen) * 3).to(dtype)
+    logits[0, :40] = float("-inf")
+    logits[1] = float("-inf")  # a fully masked row
+    target = torch.randint(0, cols, (rows,), generator=gen)
+    target[2] = -100
+    return logits.to(device), target.to(device)
+
+
+class _Captured(Exception):
+    """Raised by the capturing backend once it holds the joint graph (nothing is run)."""
+
+
+def _joint_graph_code(fn, *args, dynamic: bool) -> str:
+    """The code of AOTAutograd's joint forward + backward graph of ``fn(*args)`` (not compiled, not run)."""
+    code = []
+
+    def partition(joint, joint_inputs, **kwargs):
+        code.append(joint.code)
+        raise _Captured
+
+    def backend(gm, example_inputs):
+        return aot_module_simplified(gm, example_inputs, fw_compiler=None, partition_fn=partition)
+
+    with pytest.raises(Exception) as raised:
+        torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)(*args)
+    assert code, f"the joint graph was not captured: {raised.value!r}"
+    return code[0]
+
+
+@pytest.mark.parametrize("name", sorted(CALLS))
+def test_static_graph_holds_the_kernels_not_the_ops(name, monkeypatch):
+    # CPU tensors stand in for CUDA ones: only the tracing is checked here (the GPU test runs the graph).
+    monkeypatch.setattr(library, "INLINE_DEVICE_TYPES", {"cuda", "cpu"})
+    logits, target = _inputs("cpu")
+    code = _joint_graph_code(CALLS[name], logits.requires_grad_(), target, dynamic=False)
+    assert "triton_kernel_wrapper" in code
+    assert "torch.ops.lowp" not in code
+
+
+def test_dynamic_shapes_keep_the_ops(monkeypatch):
+    monkeypatch.setattr(library, "INLINE_DEVICE_TYPES", {"cuda", "cpu"})
+    logits, target = _inputs("cpu")
+    code = _joint_graph_code(CALLS["cross_entropy mean"], logits.requires_grad_(), target, dynamic=True)
+    assert "triton_kernel_wrapper" not in code
+    assert "torch.ops.lowp.cross_entropy_fwd" in code and "torch.ops.lowp.cross_entropy_bwd" in code
+
+
+def test_cpu_graphs_keep_the_ops():
+    logits, target = _inputs("cpu")
+    code = _joint_graph_code(CALLS["softmax"], logits.requires_grad_(), target, dynamic=False)
+    assert "triton_kernel_wrapper" not in code and "torch.ops.lowp.softmax_fwd" in code
+
+
+def test_exactly_the_listed_ops_inline():
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    inlined = {
+        name
+        for name in dir(library)
+        if isinstance(getattr(library, name), library.LowpOp)
+        and FunctionalTensorMode in getattr(library, name).custom_op._torch_dispatch_fns
+    }
+    assert inlined == set(INLINED)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(CALLS))
+@pytest.mark.parametrize("shape", [(24, 300), (512, 32000), (64, 8191)])
+def test_inductor_launches_the_kernels_with_the_eager_bytes(name, shape):
+    from torch._inductor.utils import run_and_get_code
+
+    fn = CALLS[name]
+    logits, target = _inputs("cuda", *shape)
+    eager_leaf = logits.clone().requires_grad_()
+    want = fn(eager_leaf, target)
+    gen = torch.Generator("cuda").manual_seed(0)
+    dy = torch.randn(want.shape, device="cuda", generator=gen).to(want.dtype)
+    (want_grad,) = torch.autograd.grad(want, eager_leaf, grad_outputs=dy)
+    counters.clear()
+    compiled = torch.compile(fn, fullgraph=True)
+
+    def forward_backward():
+        leaf = logits.clone().requires_grad_()
+        out = compiled(leaf, target)
+        return out.detach(), torch.autograd.grad(out, leaf, grad_outputs=dy)[0]
+
+    (out, dlogits), code = run_and_get_code(forward_backward)
+    assert _same_bits(out, want.detach())
+    assert _same_bits(dlogits, want_grad)
+    assert len(code) == 2, "the forward and the backward graph"
+    assert "torch.ops.lowp" not in "\n".join(code), "an op was left in a compiled graph"
+    assert not counters["graph_break"]
+
+
+@pytest.mark.cudagraph
+def test_reduce_overhead_replays_the_eager_bytes():
+    # Inductor's CUDA graphs over the inlined kernels: every replay gives the eager bytes.
+    fn = CALLS["cross_entropy mean"]
+    logits, target = _inputs("cuda", 512, 32000)
+    compiled = torch.compile(fn, mode="reduce-overhead", fullgraph=True)
+    eager_leaf = logits.clone().requires_grad_()
+    want = fn(eager_leaf, target)
+    (want_grad,) = torch.autograd.grad(want, eager_leaf)
+    for _ in range(4):
+        leaf = logits.clone().requires_grad_()
+        loss = compiled(leaf, target)
+        (dlogits,) = torch.autograd.grad(loss, leaf)
+        assert _same_bits(loss.detach().clone(), want.detach())
+        assert _same_bits(dlogits.clone(), want_grad)
