@@ -361,7 +361,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-compile", action="store_true", help="eager cases only")
     parser.add_argument("--profile", action="store_true", help="cProfile a few calls of each of our cases")
-    parser.add_argument("--only", default="", help="substring of the case names to run")
+    parser.add_argument("--only", default="", help="substrings of the case names to run, comma-separated")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cases = eager_cases(device) + ([] if args.no_compile else compiled_cases(device))
@@ -370,7 +370,7 @@ def main() -> None:
         f"{'case':52s} {'ours us':>9s} {'base us':>9s} {'ratio':>6s}  baseline   (host us/call; wall in JSON)"
     )
     for name, ours, base_name, base in cases:
-        if args.only and args.only not in name:
+        if args.only and not any(part in name for part in args.only.split(",")):
             continue
         ours_host, ours_wall = host_and_wall_us(ours, args.calls, args.repeats)
         base_host, base_wall = host_and_wall_us(base, args.calls, args.repeats)

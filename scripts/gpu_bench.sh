@@ -33,6 +33,9 @@ declare -A jobs=(
     [transformers_qwen3moe]="python3 benchmarks/bench_transformers.py --models qwen3moe --impls lowp,liger,stock --modes eager,compiled --steps 6 --warmup 2 --case-timeout 250 --budget-seconds ${TRANSFORMERS_SECONDS:-560} --json $json/transformers_qwen3moe.json"
     [probe_memory]="python3 benchmarks/probe_train_memory.py --model qwen3moe --impl lowp"
     [host_eager]="python3 benchmarks/bench_host_overhead.py --no-compile --calls 100"
+    [host_compiled]="python3 benchmarks/bench_host_overhead.py --calls 100 --only compiled"
+    [host_compiled_losses]="python3 benchmarks/bench_host_overhead.py --calls 100 --only 'compiled cross_entropy,compiled softmax'"
+    [probe_compiled]="python3 benchmarks/probe_compiled_dispatch.py"
     # three cases of ~50 s each: JOB_TIMEOUT=200
     [moe_steps]="for run in 'lowp --compiled' 'lowp-no-rms-norm --compiled' 'stock --compiled'; do
         python3 benchmarks/profile_train_step.py --model qwen3moe --top 3 --impl \$run; done"
