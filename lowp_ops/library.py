@@ -390,7 +390,6 @@ logsumexp = _define(
     softmax_ref.logsumexp,
     "softmax.launch_logsumexp",
     softmax_meta.logsumexp_output,
-    inline_kernels=True,
 )
 
 softmax_fwd = _define(
@@ -444,7 +443,6 @@ cross_entropy_fwd = _define(
     ce_ref.cross_entropy_fwd,
     "cross_entropy.launch_cross_entropy_fwd",
     ce_meta.cross_entropy_fwd_outputs,
-    inline_kernels=True,
 )
 
 cross_entropy_bwd = _define(
@@ -455,7 +453,6 @@ cross_entropy_bwd = _define(
     ce_ref.cross_entropy_bwd,
     "cross_entropy.launch_cross_entropy_bwd",
     ce_meta.cross_entropy_bwd_output,
-    inline_kernels=True,
 )
 
 cross_entropy_bwd_mxfp8 = _define(
@@ -508,7 +505,6 @@ cross_entropy_reduce = _define(
     ce_ref.cross_entropy_reduce,
     "cross_entropy.launch_cross_entropy_reduce",
     ce_meta.cross_entropy_reduce_outputs,
-    inline_kernels=True,
 )
 
 

@@ -1,6 +1,6 @@
 """Ops whose kernels compiled graphs launch themselves (``inline_kernels`` in ``library.py``): under
 ``torch.compile`` with static shapes the graph holds their Triton kernels, not the ops, and gives the
-eager bytes; dynamic shapes, ``torch.export`` and other devices keep each op as one node."""
+eager bytes; dynamic shapes, other devices and the ops not marked keep each op as one node."""
 
 from __future__ import annotations
 
@@ -12,18 +12,17 @@ from torch._functorch.aot_autograd import aot_module_simplified
 import lowp_ops
 from lowp_ops import library
 
-INLINED = ("cross_entropy_fwd", "cross_entropy_bwd", "cross_entropy_reduce", "softmax_fwd", "softmax_bwd",
-           "logsumexp")  # fmt: skip
+INLINED = ("softmax_fwd", "softmax_bwd")
 
 CALLS = {
-    "cross_entropy mean": lambda x, t: lowp_ops.cross_entropy(x, t, label_smoothing=0.1),
-    "cross_entropy sum": lambda x, t: lowp_ops.cross_entropy(x, t, reduction="sum"),
-    "cross_entropy none": lambda x, t: lowp_ops.cross_entropy(x, t, reduction="none").sum(),
-    "cross_entropy z_loss softcap": lambda x, t: lowp_ops.cross_entropy(
-        x, t, label_smoothing=0.05, z_loss=1e-4, softcap=30.0
-    ),
     "softmax": lambda x, t: lowp_ops.softmax(x, -1),
     "log_softmax zero rows": lambda x, t: lowp_ops.log_softmax(x, -1, masked_rows="zero"),
+}
+
+# Not marked: with Inductor launching their kernels a GPU run took 2.0x the host time of compiled
+# F.cross_entropy (2.4-2.8x as opaque ops), but the byte test failed (docs/registration.md).
+OPAQUE_CALLS = {
+    "cross_entropy mean": lambda x, t: lowp_ops.cross_entropy(x, t, label_smoothing=0.1),
     "logsumexp": lambda x, t: lowp_ops.logsumexp(x, -1),
 }
 
@@ -72,9 +71,17 @@ def test_static_graph_holds_the_kernels_not_the_ops(name, monkeypatch):
 def test_dynamic_shapes_keep_the_ops(monkeypatch):
     monkeypatch.setattr(library, "INLINE_DEVICE_TYPES", {"cuda", "cpu"})
     logits, target = _inputs("cpu")
-    code = _joint_graph_code(CALLS["cross_entropy mean"], logits.requires_grad_(), target, dynamic=True)
+    code = _joint_graph_code(CALLS["softmax"], logits.requires_grad_(), target, dynamic=True)
     assert "triton_kernel_wrapper" not in code
-    assert "torch.ops.lowp.cross_entropy_fwd" in code and "torch.ops.lowp.cross_entropy_bwd" in code
+    assert "torch.ops.lowp.softmax_fwd" in code and "torch.ops.lowp.softmax_bwd" in code
+
+
+@pytest.mark.parametrize("name", sorted(OPAQUE_CALLS))
+def test_unmarked_ops_stay_one_node(name, monkeypatch):
+    monkeypatch.setattr(library, "INLINE_DEVICE_TYPES", {"cuda", "cpu"})
+    logits, target = _inputs("cpu")
+    code = _joint_graph_code(OPAQUE_CALLS[name], logits.requires_grad_(), target, dynamic=False)
+    assert "triton_kernel_wrapper" not in code and "torch.ops.lowp" in code
 
 
 def test_cpu_graphs_keep_the_ops():
@@ -122,27 +129,7 @@ def test_inductor_launches_the_kernels_with_the_eager_bytes(name, shape):
 
     (out, dlogits), code = run_and_get_code(forward_backward)
     assert _same_bits(out, want.detach())
-    if name == "logsumexp":  # its backward formula is aten's softmax, which Inductor compiles its own way
-        torch.testing.assert_close(dlogits, want_grad, rtol=0.0, atol=2**-8)
-    else:
-        assert _same_bits(dlogits, want_grad)
+    assert _same_bits(dlogits, want_grad)
     assert len(code) == 2, "the forward and the backward graph"
     assert "torch.ops.lowp" not in "\n".join(code), "an op was left in a compiled graph"
     assert not counters["graph_break"]
-
-
-@pytest.mark.cudagraph
-def test_reduce_overhead_replays_the_eager_bytes():
-    # Inductor's CUDA graphs over the inlined kernels: every replay gives the eager bytes.
-    fn = CALLS["cross_entropy mean"]
-    logits, target = _inputs("cuda", 512, 32000)
-    compiled = torch.compile(fn, mode="reduce-overhead", fullgraph=True)
-    eager_leaf = logits.clone().requires_grad_()
-    want = fn(eager_leaf, target)
-    (want_grad,) = torch.autograd.grad(want, eager_leaf)
-    for _ in range(4):
-        leaf = logits.clone().requires_grad_()
-        loss = compiled(leaf, target)
-        (dlogits,) = torch.autograd.grad(loss, leaf)
-        assert _same_bits(loss.detach().clone(), want.detach())
-        assert _same_bits(dlogits.clone(), want_grad)

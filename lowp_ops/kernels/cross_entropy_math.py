@@ -450,8 +450,9 @@ def row_terms(
 
 @triton.jit
 def fp32_from_bits(bits):
-    """The fp32 scalar whose int32 bit pattern is ``bits`` (``launch.fp32_bits``)."""
-    return bits.to(tl.int32).to(tl.float32, bitcast=True)
+    """The fp32 scalar whose int32 bit pattern is ``bits`` (``launch.fp32_bits``): a run-time argument,
+    or a constant where Inductor bakes the scalar arguments of the kernels it launches into them."""
+    return tl.cast(tl.cast(bits, tl.int32), tl.float32, bitcast=True)
 
 
 @triton.jit
