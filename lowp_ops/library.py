@@ -178,8 +178,8 @@ def _once_differentiable(backward: Callable, name: str) -> Callable:
     return checked
 
 
-# Devices whose compiled graphs launch an ``inline_kernels`` op's Triton kernels themselves (the
-# interpreter tests add "cpu" to trace the same way under aot_eager).
+# Devices whose compiled graphs launch an ``inline_kernels`` op's Triton kernels themselves (the CPU
+# tracing tests add "cpu" to see the traced graph without a GPU).
 INLINE_DEVICE_TYPES = {"cuda"}
 
 

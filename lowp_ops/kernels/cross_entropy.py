@@ -31,17 +31,15 @@ from ..reference.cross_entropy import cross_entropy_reduce, smoothing_weight_tot
 from . import cross_entropy_gluon
 from .bf16_pairs import to_dtype_rne
 from .cross_entropy_math import (
-    fp32_from_bits,
     grad_of_logits,
-    program_tile,
+    program_tile_grad,
     round_to_dtype,
     row_stats_weighted_or_capped,
     row_terms,
     softcap_logits,
     store_row_loss,
-    tile_grad,
 )
-from .launch import cached_launch, fp32_bits, rows_with_unit_stride
+from .launch import cached_launch, rows_with_unit_stride
 from .mxfp8 import TRITON_FP8, quantize_tile, store_tile, tile_cols
 from .softmax import finish_log_sum, masked_safe_shift, row_stats_and_shifted_sum, row_stats_peeled
 
@@ -70,13 +68,13 @@ def cross_entropy_fwd_kernel(
     log_sum_ptr,
     n_cols,
     ignore_index,
-    label_smoothing_bits,
+    label_smoothing,
     weight_ptr,
     smooth_total_ptr,
-    smoothing_eps_bits,
-    z_loss_bits,
-    softcap_bits,
-    softcap_rcp_bits,
+    smoothing_eps,
+    z_loss,
+    softcap,
+    softcap_rcp,
     BLOCK: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
@@ -84,12 +82,6 @@ def cross_entropy_fwd_kernel(
     HAS_SOFTCAP: tl.constexpr,
     ALIGN: tl.constexpr,
 ):
-    """One program per row; the float scalars arrive as fp32 bit patterns (``launch.fp32_bits``)."""
-    label_smoothing = fp32_from_bits(label_smoothing_bits)
-    smoothing_eps = fp32_from_bits(smoothing_eps_bits)
-    z_loss = fp32_from_bits(z_loss_bits)
-    softcap = fp32_from_bits(softcap_bits)
-    softcap_rcp = fp32_from_bits(softcap_rcp_bits)
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
     if HAS_SOFTCAP or (HAS_WEIGHT and HAS_SMOOTHING):  # only smoothing needs every class's weight
@@ -133,13 +125,13 @@ def cross_entropy_bwd_kernel(
     ignore_index,
     vocab_start,
     vocab_total,
-    smoothing_eps_bits,
-    target_weight_bits,
+    smoothing_eps,
+    target_weight,
     weight_ptr,
     smooth_total_ptr,
-    z_loss2_bits,
-    softcap_bits,
-    softcap_rcp_bits,
+    z_loss2,
+    softcap,
+    softcap_rcp,
     BLOCK_COLS: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     EVEN: tl.constexpr,
@@ -147,17 +139,7 @@ def cross_entropy_bwd_kernel(
     HAS_Z_LOSS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
 ):
-    """One 32 x BLOCK_COLS tile; the float scalars arrive as fp32 bit patterns (``launch.fp32_bits``)."""
-    smoothing_eps = fp32_from_bits(smoothing_eps_bits)
-    target_weight = fp32_from_bits(target_weight_bits)
-    z_loss2 = fp32_from_bits(z_loss2_bits)
-    softcap = fp32_from_bits(softcap_bits)
-    softcap_rcp = fp32_from_bits(softcap_rcp_bits)
-    _, rows_idx, cols, tile_col0 = program_tile(n_cols, BLOCK_COLS)
-    grad = tile_grad(
-        rows_idx,
-        cols,
-        tile_col0,
+    _, rows_idx, cols, _, grad = program_tile_grad(
         logits_ptr,
         stride_row,
         target_ptr,
@@ -231,11 +213,7 @@ def cross_entropy_bwd_mxfp8_kernel(
     COLWISE: tl.constexpr,
     SWIZZLED: tl.constexpr,
 ):
-    row_block, rows_idx, cols, tile_col0 = program_tile(n_cols, BLOCK_COLS)
-    grad = tile_grad(
-        rows_idx,
-        cols,
-        tile_col0,
+    row_block, rows_idx, cols, tile_col0, grad = program_tile_grad(
         logits_ptr,
         stride_row,
         target_ptr,
@@ -358,12 +336,12 @@ def launch_cross_entropy_fwd(
         stats[LOG_SUM],
         n_cols,
         ignore_index,
-        fp32_bits(label_smoothing),
+        label_smoothing,
         class_weights,
         smooth_total,
-        fp32_bits(eps),
-        fp32_bits(z_loss),
-        **_fwd_feature_bits(z_loss, softcap),
+        eps,
+        z_loss,
+        **_fwd_feature_args(z_loss, softcap),
         BLOCK=block,
         HAS_SMOOTHING=label_smoothing > 0,
         HAS_WEIGHT=weight is not None,
@@ -379,22 +357,11 @@ def peel_align(logits: torch.Tensor) -> int:
     return 16 // logits.element_size() if logits.stride(0) % 16 != 0 and logits.shape[1] > 1 else 0
 
 
-def _fwd_feature_bits(z_loss: float, softcap: float) -> dict:
-    """:func:`feature_bits` without ``z_loss2``: the forward takes ``z`` itself."""
-    args = feature_bits(z_loss, softcap)
-    del args["z_loss2_bits"]
+def _fwd_feature_args(z_loss: float, softcap: float) -> dict:
+    """:func:`feature_args` without ``z_loss2``: the forward takes ``z`` itself."""
+    args = feature_args(z_loss, softcap)
+    del args["z_loss2"]
     return args
-
-
-def feature_bits(z_loss: float, softcap: float) -> dict:
-    """:func:`feature_args` with the float scalars as fp32 bit patterns under ``<name>_bits`` (the kernels
-    that compiled graphs launch: ``launch.fp32_bits``)."""
-    return {
-        f"{name}_bits" if isinstance(value, float) else name: fp32_bits(value)
-        if isinstance(value, float)
-        else value
-        for name, value in feature_args(z_loss, softcap).items()
-    }
 
 
 def _bwd_grid(rows: int, n_cols: int, block_cols: int) -> tuple[int]:
@@ -443,13 +410,13 @@ def cross_entropy_bwd_rows_kernel(
     ignore_index,
     vocab_start,
     vocab_total,
-    smoothing_eps_bits,
-    target_weight_bits,
+    smoothing_eps,
+    target_weight,
     weight_ptr,
     smooth_total_ptr,
-    z_loss2_bits,
-    softcap_bits,
-    softcap_rcp_bits,
+    z_loss2,
+    softcap,
+    softcap_rcp,
     BLOCK: tl.constexpr,
     ALIGN: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
@@ -461,13 +428,7 @@ def cross_entropy_bwd_rows_kernel(
     per row and ``BLOCK`` columns of the row's aligned body (from its first 16-byte boundary, ``ALIGN``
     elements, to its last whole ``ALIGN``-element vector), so loads and stores are vector-wide where a
     32-row tile's cannot be; the row's first program also does the up to ``2 (ALIGN - 1)`` ragged
-    elements at its two ends. The same op sequence as the tile kernel (``grad_of_logits``): the same bytes.
-    The float scalars arrive as fp32 bit patterns (``launch.fp32_bits``)."""
-    smoothing_eps = fp32_from_bits(smoothing_eps_bits)
-    target_weight = fp32_from_bits(target_weight_bits)
-    z_loss2 = fp32_from_bits(z_loss2_bits)
-    softcap = fp32_from_bits(softcap_bits)
-    softcap_rcp = fp32_from_bits(softcap_rcp_bits)
+    elements at its two ends. The same op sequence as the tile kernel (``grad_of_logits``): the same bytes."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     row_start = row * n_cols
@@ -543,11 +504,10 @@ def launch_cross_entropy_bwd(
     # The arguments after the logits (and their row stride), and the constexprs both kernels take.
     row_args = (
         target.contiguous(), *stats_rows(stats), grad_rows, grad_rows.stride(0), dlogits, rows, n_cols,
-        ignore_index, vocab_start, vocab_total, fp32_bits(eps), fp32_bits(target_weight), class_weights,
-        smooth_total,
+        ignore_index, vocab_start, vocab_total, eps, target_weight, class_weights, smooth_total,
     )  # fmt: skip
     features = {
-        **feature_bits(z_loss, softcap),
+        **feature_args(z_loss, softcap),
         "HAS_SMOOTHING": label_smoothing > 0,
         "HAS_WEIGHT": weight is not None,
         "num_warps": 4,

@@ -449,27 +449,7 @@ def row_terms(
 
 
 @triton.jit
-def fp32_from_bits(bits):
-    """The fp32 scalar whose int32 bit pattern is ``bits`` (``launch.fp32_bits``): a run-time argument,
-    or a constant where Inductor bakes the scalar arguments of the kernels it launches into them."""
-    return tl.cast(tl.cast(bits, tl.int32), tl.float32, bitcast=True)
-
-
-@triton.jit
-def program_tile(n_cols, BLOCK_COLS: tl.constexpr):
-    """This program's 32 x BLOCK_COLS tile: (row_block, rows_idx, cols, tile_col0). Kernels compute it
-    themselves rather than take it from :func:`tile_grad`, so that what they store depends on no
-    tensor they only read (Inductor's access analysis, ``docs/dispatch.md``)."""
-    row_block, col_tile = tile_coords(n_cols, BLOCK_COLS)
-    tile_col0 = col_tile * BLOCK_COLS
-    return row_block, row_block * 32 + tl.arange(0, 32), tile_col0 + tl.arange(0, BLOCK_COLS), tile_col0
-
-
-@triton.jit
-def tile_grad(
-    rows_idx,
-    cols,
-    tile_col0,
+def program_tile_grad(
     logits_ptr,
     stride_row,
     target_ptr,
@@ -496,8 +476,12 @@ def tile_grad(
     HAS_Z_LOSS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
 ):
-    """The fp32 gradient of the 32 x BLOCK_COLS tile at rows ``rows_idx``, columns ``cols`` (from
-    :func:`program_tile`), from :func:`grad_of_logits` (``z_loss2 = 2 z``)."""
+    """This program's 32 x BLOCK_COLS tile: (row_block, rows_idx, cols, tile_col0, fp32 gradient), the
+    gradient from :func:`grad_of_logits` (``z_loss2 = 2 z``)."""
+    row_block, col_tile = tile_coords(n_cols, BLOCK_COLS)
+    rows_idx = row_block * 32 + tl.arange(0, 32)
+    tile_col0 = col_tile * BLOCK_COLS
+    cols = tile_col0 + tl.arange(0, BLOCK_COLS)
     x = load_logits_tile(logits_ptr, stride_row, rows_idx, cols, rows, n_cols, EVEN).to(tl.float32)
     shift, log2_sum, target, row_scale, ignored, class_weight, alpha, factor = row_terms(
         target_ptr, shift_ptr, log_sum_ptr, grad_ptr, grad_stride, weight_ptr, smooth_total_ptr, rows_idx,
@@ -518,4 +502,4 @@ def tile_grad(
         smoothing_eps, target_weight, softcap, softcap_rcp, HAS_SMOOTHING, HAS_WEIGHT, HAS_Z_LOSS,
         HAS_SOFTCAP,
     )  # fmt: skip
-    return grad
+    return row_block, rows_idx, cols, tile_col0, grad

@@ -22,9 +22,7 @@ Inside a ``torch.compile`` graph an op whose kernels Inductor launches itself (`
 from __future__ import annotations
 
 import inspect
-import math
 import os
-import struct
 
 import torch
 import triton.language as tl
@@ -164,17 +162,6 @@ def _traced(args: tuple) -> bool:
     return False
 
 
-def fp32_bits(value: float) -> int:
-    """``value`` rounded to fp32 (as Triton passes a float argument), as its int32 bit pattern. Kernels
-    that compiled graphs launch take their float scalars this way: Inductor types a Python float
-    argument of a user kernel fp64, which would change their arithmetic (``fp32_from_bits`` in
-    ``cross_entropy_math`` reads them back)."""
-    try:
-        return struct.unpack("<i", struct.pack("<f", value))[0]
-    except OverflowError:  # beyond fp32's range: infinity, as the fp32 argument would be
-        return struct.unpack("<i", struct.pack("<f", math.copysign(math.inf, value)))[0]
-
-
 def _active_hook(hook):
     """``hook``, or None when there is nothing to call: Triton's knobs hold a ``HookChain`` (always truthy,
     possibly empty) where older releases held None or a function. With None the launch skips building
@@ -194,11 +181,4 @@ def rows_with_unit_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-__all__ = [
-    "INTERPRETING",
-    "INTERPRETING_CONSTEXPR",
-    "CachedLaunch",
-    "cached_launch",
-    "fp32_bits",
-    "rows_with_unit_stride",
-]
+__all__ = ["INTERPRETING", "INTERPRETING_CONSTEXPR", "CachedLaunch", "cached_launch", "rows_with_unit_stride"]
