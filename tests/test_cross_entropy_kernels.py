@@ -381,6 +381,69 @@ def test_gpu_mxfp8_grad_kernel_is_bytes_of_quantized_grad(
     )
 
 
+def spy_gluon_kernels(monkeypatch) -> list[tuple[str, tuple]]:
+    """Record (kernel name, grid) of every launch of the two Gluon MXFP8 kernels."""
+    from lowp_ops.kernels import cross_entropy_gluon
+
+    launches = []
+
+    class Spy:
+        def __init__(self, name):
+            self.name, self.kernel = name, getattr(cross_entropy_gluon, name)
+
+        def __getitem__(self, grid):
+            launches.append((self.name, grid))
+            return self.kernel[grid]
+
+    for name in ("cross_entropy_bwd_mxfp8_gluon_kernel", "cross_entropy_bwd_mxfp8_realigned_kernel"):
+        monkeypatch.setattr(cross_entropy_gluon, name, Spy(name))
+    return launches
+
+
+# (rows, n_cols, row stride, dtype): every n_cols mod 8, strides wider than n_cols, fp16 / fp32 logits
+REALIGNED_CASES = [
+    (100, 50257, 50257, torch.bfloat16),
+    (77, 4099, 4099, torch.bfloat16),
+    (64, 1026, 1026, torch.float16),
+    (33, 1028, 1028, torch.bfloat16),
+    (40, 1030, 1030, torch.bfloat16),
+    (31, 1029, 1029, torch.float32),
+    (50, 1031, 1031, torch.bfloat16),
+    (96, 3000, 3000, torch.bfloat16),
+    (65, 1000, 1003, torch.bfloat16),
+    (70, 1001, 1004, torch.float32),
+    (32, 130, 133, torch.bfloat16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("n_rows", "n_cols", "stride", "dtype"), REALIGNED_CASES)
+@pytest.mark.parametrize(("rowwise", "columnwise"), COPIES)
+def test_gpu_realigned_mxfp8_kernel_is_bytes_of_triton_kernel(
+    n_rows, n_cols, stride, dtype, rowwise, columnwise, monkeypatch
+):
+    """Rows that are not 16-byte aligned: the realigned Gluon kernel (spied) writes the Triton
+    kernel's bytes, with label smoothing, class weights, ignored and masked rows, both FP8 formats."""
+    launches = spy_gluon_kernels(monkeypatch)
+    buffer, target = ce_inputs(n_rows, stride, dtype, "cuda", seed=n_cols)
+    logits = buffer[:, :n_cols]
+    target = torch.where(target >= n_cols, target % n_cols, target)
+    gen = torch.Generator(device="cuda").manual_seed(n_rows)
+    weight = torch.rand(n_cols, generator=gen, device="cuda") + 0.5
+    for fp8_dtype, label_smoothing, class_weight, grad_kind in [
+        ("e4m3", 0.1, None, "dense"),
+        ("e5m2", 0.0, weight, "expanded"),
+    ]:
+        lse = ce_kernels.launch_cross_entropy_fwd(logits, target, label_smoothing, IGNORE, class_weight)[1]
+        args = (logits, target, lse, grad_rows_for(n_rows, "cuda", grad_kind), label_smoothing, IGNORE)
+        args += (fp8_dtype, rowwise, columnwise, "compact", 0, 0, class_weight)
+        got = ce_kernels.launch_cross_entropy_bwd_mxfp8(*args)
+        want = ce_kernels.launch_cross_entropy_bwd_mxfp8(*args, gluon=False)
+        for name, g, w in zip(("row_data", "row_scale", "col_data", "col_scale"), got, want, strict=True):
+            assert torch.equal(g, w), f"{fp8_dtype} {name}: {int((g != w).sum())} bytes differ"
+    assert [name for name, _ in launches] == ["cross_entropy_bwd_mxfp8_realigned_kernel"] * 2
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("scale_layout", "n_cols", "shard_start", "gluon_runs"),
@@ -397,24 +460,14 @@ def test_gpu_launcher_picks_the_gluon_kernel_for_compact_scales(
     """On CUDA the launcher runs the Gluon kernel (spied) for compact scales and >= 128 columns, also
     for a vocabulary shard (starting at ``shard_start``), the Triton one otherwise; the two write the
     same bytes."""
-    from lowp_ops.kernels import cross_entropy_gluon
-
-    launches = []
-    kernel = cross_entropy_gluon.cross_entropy_bwd_mxfp8_gluon_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(cross_entropy_gluon, "cross_entropy_bwd_mxfp8_gluon_kernel", Spy())
+    launches = spy_gluon_kernels(monkeypatch)
     logits, target = ce_inputs(100, n_cols, torch.bfloat16, "cuda", seed=5)
     lse = ce_kernels.launch_cross_entropy_fwd(logits, target, 0.1, IGNORE)[1]
     grad_rows = grad_rows_for(100, "cuda", "dense")
     shard = (shard_start, n_cols + 2 * shard_start) if shard_start else (0, 0)
     args = (logits, target, lse, grad_rows, 0.1, IGNORE, "e4m3", True, True, scale_layout, *shard)
     got = ce_kernels.launch_cross_entropy_bwd_mxfp8(*args)
-    assert launches == ([(4 * math.ceil(n_cols / 128),)] if gluon_runs else [])
+    assert [grid for _, grid in launches] == ([(4 * math.ceil(n_cols / 128),)] if gluon_runs else [])
     want = ce_kernels.launch_cross_entropy_bwd_mxfp8(*args, gluon=False)
     for name, g, w in zip(("row_data", "row_scale", "col_data", "col_scale"), got, want, strict=True):
         assert torch.equal(g, w), f"{name}: {int((g != w).sum())} bytes differ"

@@ -592,18 +592,30 @@ def launch_cross_entropy_bwd_mxfp8(
             and z_loss == 0
             and softcap == 0
         )
+    realigned = gluon and not (n_cols % 16 == 0 and logits.stride(0) % 16 == 0)
+    if realigned and logits.data_ptr() % 16 != 0:
+        gluon = realigned = False  # the realigned kernel needs a 16-byte aligned base
     if gluon:
         require(z_loss == 0 and softcap == 0, lambda: "the Gluon kernel has no z_loss / softcap: gluon=False")
-        kernel = cross_entropy_gluon.cross_entropy_bwd_mxfp8_gluon_kernel
         block_cols, num_warps = cross_entropy_gluon.BLOCK_COLS, cross_entropy_gluon.NUM_WARPS
-        tile_config = {"ALIGNED": n_cols % 16 == 0 and logits.stride(0) % 16 == 0}
+        if realigned:
+            kernel = cross_entropy_gluon.cross_entropy_bwd_mxfp8_realigned_kernel
+            per_16_bytes = 16 // logits.element_size()
+            tile_config = {"LOAD_MOD": logits.stride(0) % per_16_bytes, "STORE_MOD": n_cols % 8}
+        else:
+            kernel = cross_entropy_gluon.cross_entropy_bwd_mxfp8_gluon_kernel
+            tile_config = {"EVEN": rows % TILE_ROWS == 0 and n_cols % block_cols == 0}
     else:
         # H200, 4096 x 129280, grid along rows: 128 columns on 2 warps 83-84% of copy; 64 on 1 or 2
         # warps 70-82%, 256 on 2-4 warps 62-67%, 128 on 4 warps 61%.
         kernel = cross_entropy_bwd_mxfp8_kernel
         block_cols = block_cols or tile_cols(n_cols, widest=128)
         num_warps = num_warps or (2 if block_cols == 128 else 1)
-        tile_config = {"BLOCK_COLS": block_cols, **feature_args(z_loss, softcap)}
+        tile_config = {
+            "BLOCK_COLS": block_cols,
+            "EVEN": rows % TILE_ROWS == 0 and n_cols % block_cols == 0,
+            **feature_args(z_loss, softcap),
+        }
     kernel[_bwd_grid(rows, n_cols, block_cols)](
         logits,
         logits.stride(0),
@@ -629,7 +641,6 @@ def launch_cross_entropy_bwd_mxfp8(
         col_scale.shape[1] if columnwise else 0,
         **tile_config,
         HAS_SMOOTHING=label_smoothing > 0,
-        EVEN=rows % TILE_ROWS == 0 and n_cols % block_cols == 0,
         HAS_WEIGHT=weight is not None,
         FP8_MAX=FP8_MAX[fp8_dtype],
         MAX_RCP=FP8_MAX_RCP[fp8_dtype],

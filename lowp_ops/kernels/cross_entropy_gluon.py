@@ -21,6 +21,7 @@ and Triton builds without Gluon. GPU tests hold the two kernels to the same byte
 
 from __future__ import annotations
 
+from . import realign
 from .cross_entropy_math import (
     class_weighted_probs,
     cross_entropy_grad,
@@ -46,21 +47,10 @@ NUM_WARPS = 2
 if gluon is not None:
 
     @gluon.jit
-    def tile_offsets(row_block, tile_col0, rows, n_cols, stride_row, layout: gl.constexpr):
-        """The [32, 4, 32] tile (rows, 32-column blocks, columns in a block) of this program in ``layout``:
-        (int32 in-tile offsets into the logits, the same into the (rows, n_cols) outputs, in-bounds mask)."""
-        in_tile_rows = gl.arange(0, 32, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))[:, None, None]
-        blocks = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))[None, :, None]
-        in_block = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))[None, None, :]
-        cols = tile_col0 + blocks * 32 + in_block
-        in_bounds = (row_block * 32 + in_tile_rows < rows) & (cols < n_cols)
-        return in_tile_rows * stride_row + cols, in_tile_rows * n_cols + cols, in_bounds
-
-    @cached_launch
-    @gluon.jit
-    def cross_entropy_bwd_mxfp8_gluon_kernel(
-        logits_ptr,
-        stride_row,
+    def tile_gradient(
+        x,
+        row_block,
+        tile_col0,
         target_ptr,
         shift_ptr,
         log_sum_ptr,
@@ -75,62 +65,20 @@ if gluon is not None:
         target_weight,
         weight_ptr,
         smooth_total_ptr,
-        row_data_ptr,
-        row_scale_ptr,
-        row_scale_cols,
-        col_data_ptr,
-        col_scale_ptr,
-        col_scale_rows,
-        col_scale_cols,
+        DTYPE: gl.constexpr,
         HAS_SMOOTHING: gl.constexpr,
         EVEN: gl.constexpr,
         HAS_WEIGHT: gl.constexpr,
-        FP8_MAX: gl.constexpr,
-        MAX_RCP: gl.constexpr,
-        OUT_DTYPE: gl.constexpr,
-        ROWWISE: gl.constexpr,
-        COLWISE: gl.constexpr,
-        SWIZZLED: gl.constexpr,
-        ALIGNED: gl.constexpr,
     ):
-        """One program (2 warps): a 32 x 128 tile, read once; both copies from registers. Rows that are
-        not 16-byte aligned (``ALIGNED=False``) move between memory and the tile layout through a
-        layout of one element per lane, 32 lanes along a row, converted in shared memory."""
-        tile: gl.constexpr = gl.BlockedLayout([1, 1, 8], [2, 4, 4], [2, 1, 1], [2, 1, 0])
-        lanes_along_rows: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 1, 32], [2, 1, 1], [2, 1, 0])
-        by_row: gl.constexpr = gl.SliceLayout(2, tile)  # [32, 4]: row-wise scales
-        by_col: gl.constexpr = gl.SliceLayout(0, tile)  # [4, 32]: column-wise scales
-
-        # Tiles walk along the rows (as mxfp8.tile_coords): resident programs read long row segments.
-        n_col_tiles = gl.cdiv(n_cols, 128)
-        row_block = gl.program_id(0) // n_col_tiles
-        tile_col0 = (gl.program_id(0) % n_col_tiles) * 128
+        """The gradient of the [32, 4, 32] tile ``x`` (rows, 32-column blocks, columns in a block; any
+        layout) of row block ``row_block`` from column ``tile_col0``: fp32 values rounded to ``DTYPE``,
+        0 outside the logits."""
+        tile: gl.constexpr = x.type.layout
+        by_row: gl.constexpr = gl.SliceLayout(2, tile)
         rows_idx = row_block * 32 + gl.arange(0, 32, layout=gl.SliceLayout(1, by_row))
         blocks = tile_col0 // 32 + gl.arange(0, 4, layout=gl.SliceLayout(0, by_row))
         in_block = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, tile)))
         cols = blocks[None, :, None] * 32 + in_block[None, None, :]  # [1, 4, 32]
-        rows3 = rows_idx[:, None, None]
-        # 64-bit tile origins, 32-bit offsets inside the tile (the launcher checks 32 rows fit in int32).
-        tile_row0 = (row_block * 32).to(gl.int64)
-        in_tile_rows = rows3 - row_block * 32
-        out_origin = tile_row0 * n_cols
-        offsets = in_tile_rows * n_cols + cols
-        ptrs = logits_ptr + tile_row0 * stride_row + (in_tile_rows * stride_row + cols)
-        in_bounds = (rows3 < rows) & (cols < n_cols)
-        # evict_last although the logits are read once: measured faster (module docstring), cause not known.
-        hint: gl.constexpr = "evict_last"
-        if not ALIGNED:
-            # 8 elements per thread would be 8 scalar accesses, 16 bytes apart across the lanes.
-            io_offsets, io_out_offsets, io_in_bounds = tile_offsets(
-                row_block, tile_col0, rows, n_cols, stride_row, lanes_along_rows
-            )
-            x_io = gl.load(logits_ptr + tile_row0 * stride_row + io_offsets, mask=io_in_bounds, other=0.0)
-            x = gl.convert_layout(x_io, tile)
-        elif EVEN:
-            x = gl.load(ptrs, eviction_policy=hint)
-        else:
-            x = gl.load(ptrs, mask=in_bounds, other=0.0, eviction_policy=hint)
-
         # Target checks once per lane (each thread of the tile holds 8 rows: its int64 target checks
         # would cost ~5 instructions per element); the tile layout loads only the two floats it needs.
         one_row_per_lane: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
@@ -187,46 +135,207 @@ if gluon is not None:
             grad_rows = gl.load(first_row + (rows_idx - row_block * 32) * grad_stride, mask=row_ok, other=0.0)
             grad = p * grad_rows[:, None, None]
         # Quantize exactly what the bf16 kernel stores: the gradient rounded to the logits' dtype.
-        grad = round_to_dtype(grad, logits_ptr.dtype.element_ty)
+        grad = round_to_dtype(grad, DTYPE)
         if not EVEN:
-            grad = gl.where(in_bounds, grad, 0.0)
+            grad = gl.where((rows_idx[:, None, None] < rows) & (cols < n_cols), grad, 0.0)
+        return grad
 
+    @gluon.jit
+    def scale_rows(grad, MAX_RCP: gl.constexpr):
+        """(E8M0 codes [32, 4], the tile scaled for its FP8 cast) in 1x32 blocks."""
+        code = e8m0_from_amax(block_amax(grad, 2), MAX_RCP)
+        return code, grad * quantize_multiplier(code)[:, :, None]
+
+    @gluon.jit
+    def scale_columns(grad, MAX_RCP: gl.constexpr):
+        """(E8M0 codes [4, 32], the tile scaled for its FP8 cast) in 32x1 blocks."""
+        code = e8m0_from_amax(block_amax(grad, 0), MAX_RCP)
+        return code, grad * quantize_multiplier(code)[None, :, :]
+
+    @gluon.jit
+    def store_row_scales(code, row_block, tile_col0, rows, scale_ptr, scale_cols, SWIZZLED: gl.constexpr):
+        """The row-wise E8M0 codes [32, 4] of the tile at (row, 32-column block)."""
+        by_row: gl.constexpr = code.type.layout
+        scale_row = row_block * 32 + gl.arange(0, 32, layout=gl.SliceLayout(1, by_row))[:, None]
+        scale_col = tile_col0 // 32 + gl.arange(0, 4, layout=gl.SliceLayout(0, by_row))[None, :]
+        if SWIZZLED:
+            offset = swizzled_scale_offset(scale_row, scale_col, scale_cols // 4)
+        else:
+            offset = scale_row * scale_cols + scale_col
+        # A block wholly past n_cols (the last tile's tail) has code 0, the padding value.
+        mask = (scale_row < rows) & (scale_col < scale_cols)
+        gl.store(scale_ptr + offset, code.to(gl.uint8), mask=mask)
+
+    @gluon.jit
+    def store_column_scales(
+        code, row_block, tile_col0, n_cols, scale_ptr, scale_rows, scale_cols, SWIZZLED: gl.constexpr
+    ):
+        """The column-wise E8M0 codes [4, 32] of the tile at (32-row block, column)."""
+        by_col: gl.constexpr = code.type.layout
+        col_blocks = tile_col0 // 32 + gl.arange(0, 4, layout=gl.SliceLayout(1, by_col))
+        col_in_block = gl.arange(0, 32, layout=gl.SliceLayout(0, by_col))
+        scale_cols_idx = col_blocks[:, None] * 32 + col_in_block[None, :]
+        if SWIZZLED:
+            offset = swizzled_scale_offset(scale_cols_idx, row_block, scale_rows // 4)
+        else:
+            offset = row_block * scale_cols + scale_cols_idx
+        gl.store(scale_ptr + offset, code.to(gl.uint8), mask=scale_cols_idx < n_cols)
+
+    @cached_launch
+    @gluon.jit
+    def cross_entropy_bwd_mxfp8_gluon_kernel(
+        logits_ptr,
+        stride_row,
+        target_ptr,
+        shift_ptr,
+        log_sum_ptr,
+        grad_ptr,
+        grad_stride,
+        rows,
+        n_cols,
+        ignore_index,
+        vocab_start,
+        vocab_total,
+        smoothing_eps,
+        target_weight,
+        weight_ptr,
+        smooth_total_ptr,
+        row_data_ptr,
+        row_scale_ptr,
+        row_scale_cols,
+        col_data_ptr,
+        col_scale_ptr,
+        col_scale_rows,
+        col_scale_cols,
+        HAS_SMOOTHING: gl.constexpr,
+        EVEN: gl.constexpr,
+        HAS_WEIGHT: gl.constexpr,
+        FP8_MAX: gl.constexpr,
+        MAX_RCP: gl.constexpr,
+        OUT_DTYPE: gl.constexpr,
+        ROWWISE: gl.constexpr,
+        COLWISE: gl.constexpr,
+        SWIZZLED: gl.constexpr,
+    ):
+        """One program (2 warps): a 32 x 128 tile of 16-byte aligned rows, read once; both copies from
+        registers."""
+        tile: gl.constexpr = gl.BlockedLayout([1, 1, 8], [2, 4, 4], [2, 1, 1], [2, 1, 0])
+        by_row: gl.constexpr = gl.SliceLayout(2, tile)
+
+        # Tiles walk along the rows (as mxfp8.tile_coords): resident programs read long row segments.
+        n_col_tiles = gl.cdiv(n_cols, 128)
+        row_block = gl.program_id(0) // n_col_tiles
+        tile_col0 = (gl.program_id(0) % n_col_tiles) * 128
+        rows_idx = row_block * 32 + gl.arange(0, 32, layout=gl.SliceLayout(1, by_row))
+        blocks = tile_col0 // 32 + gl.arange(0, 4, layout=gl.SliceLayout(0, by_row))
+        in_block = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, tile)))
+        cols = blocks[None, :, None] * 32 + in_block[None, None, :]  # [1, 4, 32]
+        rows3 = rows_idx[:, None, None]
+        # 64-bit tile origins, 32-bit offsets inside the tile (the launcher checks 32 rows fit in int32).
+        tile_row0 = (row_block * 32).to(gl.int64)
+        in_tile_rows = rows3 - row_block * 32
+        out_origin = tile_row0 * n_cols
+        offsets = in_tile_rows * n_cols + cols
+        ptrs = logits_ptr + tile_row0 * stride_row + (in_tile_rows * stride_row + cols)
+        in_bounds = (rows3 < rows) & (cols < n_cols)
+        # evict_last although the logits are read once: measured faster (module docstring), cause not known.
+        hint: gl.constexpr = "evict_last"
+        if EVEN:
+            x = gl.load(ptrs, eviction_policy=hint)
+        else:
+            x = gl.load(ptrs, mask=in_bounds, other=0.0, eviction_policy=hint)
+        grad = tile_gradient(
+            x, row_block, tile_col0, target_ptr, shift_ptr, log_sum_ptr, grad_ptr, grad_stride, rows,
+            n_cols, ignore_index, vocab_start, vocab_total, smoothing_eps, target_weight, weight_ptr,
+            smooth_total_ptr,
+            logits_ptr.dtype.element_ty, HAS_SMOOTHING, EVEN, HAS_WEIGHT,
+        )  # fmt: skip
         if ROWWISE:
-            code = e8m0_from_amax(block_amax(grad, 2), MAX_RCP)
-            multiplier = quantize_multiplier(code)
-            scale_row = rows_idx[:, None]
-            scale_col = blocks[None, :]
-            data = cast_satfinite(grad * multiplier[:, :, None], FP8_MAX, OUT_DTYPE)
-            if not ALIGNED:
-                data_io = gl.convert_layout(data, lanes_along_rows)
-                gl.store(row_data_ptr + out_origin + io_out_offsets, data_io, mask=io_in_bounds)
-            elif EVEN:
+            code, scaled = scale_rows(grad, MAX_RCP)
+            data = cast_satfinite(scaled, FP8_MAX, OUT_DTYPE)
+            if EVEN:
                 gl.store(row_data_ptr + out_origin + offsets, data)
             else:
                 gl.store(row_data_ptr + out_origin + offsets, data, mask=in_bounds)
-            if SWIZZLED:
-                offset = swizzled_scale_offset(scale_row, scale_col, row_scale_cols // 4)
-            else:
-                offset = scale_row * row_scale_cols + scale_col
-            # A block wholly past n_cols (the last tile's tail) has code 0, the padding value.
-            mask = (scale_row < rows) & (scale_col < row_scale_cols)
-            gl.store(row_scale_ptr + offset, code.to(gl.uint8), mask=mask)
+            store_row_scales(code, row_block, tile_col0, rows, row_scale_ptr, row_scale_cols, SWIZZLED)
         if COLWISE:
-            code = e8m0_from_amax(block_amax(grad, 0), MAX_RCP)
-            multiplier = quantize_multiplier(code)
-            col_blocks = tile_col0 // 32 + gl.arange(0, 4, layout=gl.SliceLayout(1, by_col))
-            col_in_block = gl.arange(0, 32, layout=gl.SliceLayout(0, by_col))
-            data = cast_satfinite(grad * multiplier[None, :, :], FP8_MAX, OUT_DTYPE)
-            if not ALIGNED:
-                data_io = gl.convert_layout(data, lanes_along_rows)
-                gl.store(col_data_ptr + out_origin + io_out_offsets, data_io, mask=io_in_bounds)
-            elif EVEN:
+            code, scaled = scale_columns(grad, MAX_RCP)
+            data = cast_satfinite(scaled, FP8_MAX, OUT_DTYPE)
+            if EVEN:
                 gl.store(col_data_ptr + out_origin + offsets, data)
             else:
                 gl.store(col_data_ptr + out_origin + offsets, data, mask=in_bounds)
-            scale_cols_idx = col_blocks[:, None] * 32 + col_in_block[None, :]
-            if SWIZZLED:
-                offset = swizzled_scale_offset(scale_cols_idx, row_block, col_scale_rows // 4)
-            else:
-                offset = row_block * col_scale_cols + scale_cols_idx
-            gl.store(col_scale_ptr + offset, code.to(gl.uint8), mask=scale_cols_idx < n_cols)
+            store_column_scales(
+                code, row_block, tile_col0, n_cols, col_scale_ptr, col_scale_rows, col_scale_cols, SWIZZLED
+            )
+
+    @cached_launch
+    @gluon.jit
+    def cross_entropy_bwd_mxfp8_realigned_kernel(
+        logits_ptr,
+        stride_row,
+        target_ptr,
+        shift_ptr,
+        log_sum_ptr,
+        grad_ptr,
+        grad_stride,
+        rows,
+        n_cols,
+        ignore_index,
+        vocab_start,
+        vocab_total,
+        smoothing_eps,
+        target_weight,
+        weight_ptr,
+        smooth_total_ptr,
+        row_data_ptr,
+        row_scale_ptr,
+        row_scale_cols,
+        col_data_ptr,
+        col_scale_ptr,
+        col_scale_rows,
+        col_scale_cols,
+        HAS_SMOOTHING: gl.constexpr,
+        HAS_WEIGHT: gl.constexpr,
+        FP8_MAX: gl.constexpr,
+        MAX_RCP: gl.constexpr,
+        OUT_DTYPE: gl.constexpr,
+        ROWWISE: gl.constexpr,
+        COLWISE: gl.constexpr,
+        SWIZZLED: gl.constexpr,
+        LOAD_MOD: gl.constexpr,
+        STORE_MOD: gl.constexpr,
+    ):
+        """``cross_entropy_bwd_mxfp8_gluon_kernel`` for rows that are not 16-byte aligned (the logits'
+        row stride or ``n_cols`` not a multiple of 16; the logits' base 16-byte aligned): the same
+        gradient and bytes, with vector-wide memory access (``realign``). Each thread holds 8
+        consecutive rows, one per residue of the row index mod 8, so that every row's misalignment is
+        a compile-time constant (``LOAD_MOD`` = row stride mod the elements per 16 bytes,
+        ``STORE_MOD`` = ``n_cols`` mod 8)."""
+        tile: gl.constexpr = gl.BlockedLayout([8, 1, 8], [2, 4, 4], [2, 1, 1], [2, 1, 0])
+        split: gl.constexpr = realign.SPLIT_TILE
+        n_col_tiles = gl.cdiv(n_cols, 128)
+        row_block = gl.program_id(0) // n_col_tiles
+        tile_col0 = (gl.program_id(0) % n_col_tiles) * 128
+        tile_row0 = (row_block * 32).to(gl.int64)
+        x = realign.load_tile(logits_ptr, stride_row, tile_row0, tile_col0, rows, n_cols, LOAD_MOD, split)
+        x = gl.convert_layout(gl.reshape(x, [32, 4, 32]), tile)
+        grad = tile_gradient(
+            x, row_block, tile_col0, target_ptr, shift_ptr, log_sum_ptr, grad_ptr, grad_stride, rows,
+            n_cols, ignore_index, vocab_start, vocab_total, smoothing_eps, target_weight, weight_ptr,
+            smooth_total_ptr, logits_ptr.dtype.element_ty, HAS_SMOOTHING, False, HAS_WEIGHT,
+        )  # fmt: skip
+        if ROWWISE:
+            code, scaled = scale_rows(grad, MAX_RCP)
+            realign.store_tile(
+                row_data_ptr, scaled, tile_row0, tile_col0, rows, n_cols, OUT_DTYPE, STORE_MOD, split
+            )
+            store_row_scales(code, row_block, tile_col0, rows, row_scale_ptr, row_scale_cols, SWIZZLED)
+        if COLWISE:
+            code, scaled = scale_columns(grad, MAX_RCP)
+            realign.store_tile(
+                col_data_ptr, scaled, tile_row0, tile_col0, rows, n_cols, OUT_DTYPE, STORE_MOD, split
+            )
+            store_column_scales(
+                code, row_block, tile_col0, n_cols, col_scale_ptr, col_scale_rows, col_scale_cols, SWIZZLED
+            )
