@@ -253,11 +253,11 @@ if gluon is not None:
                 gl.store(word_ptr, word, mask=row4 < rows)
             else:
                 src = (lane + 15) % 16 + gl.zeros([4, 8, 4, 4], gl.int32, layout=words)
-                aligned = _funnel_words(word, previous_lane_u64(word, src), STORE_MOD)
+                aligned, tails = _funnel_words(word, previous_lane_u64(word, src), STORE_MOD)
                 # Lane 0's word also holds the previous tile's last bytes: it stores its own bytes
                 # alone, as lane 15 does for the word after the tile.
                 gl.store(word_ptr, aligned, mask=(row4 < rows) & ((lane > 0) | (skew == 0)))
-                edge = gl.where(lane == 0, aligned, _tails(word, STORE_MOD))[:, :, :, :, None]
+                edge = gl.where(lane == 0, aligned, tails)[:, :, :, :, None]
                 edge_bytes = ((edge >> (e * 8).to(gl.uint64)) & 0xFF).to(gl.uint8)
                 lane5 = lane[:, :, :, :, None]
                 skew5 = skew[:, :, :, :, None]
@@ -268,33 +268,17 @@ if gluon is not None:
 
     @gluon.jit
     def _funnel_words(word, prev, STORE_MOD: gl.constexpr):
-        """Per row, the aligned word of :func:`_funnel` with that row's constant misalignment."""
+        """Per row, with that row's constant misalignment, both words of :func:`_funnel`."""
         w = _words_by_residue(word)
         p = _words_by_residue(prev)
-        out = _words_from_residues(
-            _funnel(w[0], p[0], (0 * STORE_MOD) % 8)[0],
-            _funnel(w[1], p[1], (1 * STORE_MOD) % 8)[0],
-            _funnel(w[2], p[2], (2 * STORE_MOD) % 8)[0],
-            _funnel(w[3], p[3], (3 * STORE_MOD) % 8)[0],
-            _funnel(w[4], p[4], (4 * STORE_MOD) % 8)[0],
-            _funnel(w[5], p[5], (5 * STORE_MOD) % 8)[0],
-            _funnel(w[6], p[6], (6 * STORE_MOD) % 8)[0],
-            _funnel(w[7], p[7], (7 * STORE_MOD) % 8)[0],
-        )
-        return gl.convert_layout(out, word.type.layout)
-
-    @gluon.jit
-    def _tails(word, STORE_MOD: gl.constexpr):
-        """Per row, ``word``'s last ``skew`` bytes moved to the start of a word (:func:`_funnel`)."""
-        w = _words_by_residue(word)
-        out = _words_from_residues(
-            _funnel(w[0], w[0], (0 * STORE_MOD) % 8)[1],
-            _funnel(w[1], w[1], (1 * STORE_MOD) % 8)[1],
-            _funnel(w[2], w[2], (2 * STORE_MOD) % 8)[1],
-            _funnel(w[3], w[3], (3 * STORE_MOD) % 8)[1],
-            _funnel(w[4], w[4], (4 * STORE_MOD) % 8)[1],
-            _funnel(w[5], w[5], (5 * STORE_MOD) % 8)[1],
-            _funnel(w[6], w[6], (6 * STORE_MOD) % 8)[1],
-            _funnel(w[7], w[7], (7 * STORE_MOD) % 8)[1],
-        )
-        return gl.convert_layout(out, word.type.layout)
+        f0 = _funnel(w[0], p[0], (0 * STORE_MOD) % 8)
+        f1 = _funnel(w[1], p[1], (1 * STORE_MOD) % 8)
+        f2 = _funnel(w[2], p[2], (2 * STORE_MOD) % 8)
+        f3 = _funnel(w[3], p[3], (3 * STORE_MOD) % 8)
+        f4 = _funnel(w[4], p[4], (4 * STORE_MOD) % 8)
+        f5 = _funnel(w[5], p[5], (5 * STORE_MOD) % 8)
+        f6 = _funnel(w[6], p[6], (6 * STORE_MOD) % 8)
+        f7 = _funnel(w[7], p[7], (7 * STORE_MOD) % 8)
+        aligned = _words_from_residues(f0[0], f1[0], f2[0], f3[0], f4[0], f5[0], f6[0], f7[0])
+        tails = _words_from_residues(f0[1], f1[1], f2[1], f3[1], f4[1], f5[1], f6[1], f7[1])
+        return gl.convert_layout(aligned, word.type.layout), gl.convert_layout(tails, word.type.layout)
