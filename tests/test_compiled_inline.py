@@ -132,3 +132,30 @@ def test_inductor_launches_the_kernels_with_the_eager_bytes(name, shape):
     assert len(code) == 2, "the forward and the backward graph"
     assert "torch.ops.lowp" not in "\n".join(code), "an op was left in a compiled graph"
     assert not counters["graph_break"]
+
+
+@pytest.mark.cudagraph
+def test_reduce_overhead_replays_the_inlined_kernels_with_the_eager_bytes():
+    """Under ``mode="reduce-overhead"`` the kernels Inductor launches for the softmax ops are captured
+    (no cudagraph skip) and each replay with new inputs gives the eager bytes."""
+    fn = CALLS["log_softmax zero rows"]
+    counters.clear()
+    with torch._inductor.config.patch({"triton.cudagraph_or_error": True}):
+        compiled = torch.compile(fn, mode="reduce-overhead", fullgraph=True)
+        for seed in range(4):
+            logits, target = _inputs("cuda", 64, 8191)
+            logits = logits * (seed + 1)  # new values, the same shape: one graph, replayed
+            gen = torch.Generator("cuda").manual_seed(seed)
+            dy = torch.randn(logits.shape, device="cuda", generator=gen).to(logits.dtype)
+            torch.compiler.cudagraph_mark_step_begin()
+            leaf = logits.clone().requires_grad_()
+            out = compiled(leaf, target)
+            (grad,) = torch.autograd.grad(out, leaf, grad_outputs=dy)
+            out, grad = out.detach().clone(), grad.clone()  # cudagraph outputs are reused next step
+            eager_leaf = logits.clone().requires_grad_()
+            want = fn(eager_leaf, target)
+            (want_grad,) = torch.autograd.grad(want, eager_leaf, grad_outputs=dy)
+            assert _same_bits(out, want.detach()), f"output differs at step {seed}"
+            assert _same_bits(grad, want_grad), f"gradient differs at step {seed}"
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert not counters["graph_break"]

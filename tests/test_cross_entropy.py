@@ -895,7 +895,11 @@ def test_manual_capture_of_cross_entropy_forward_backward_replays_like_eager():
 
 
 @pytest.mark.cudagraph
-def test_manual_capture_of_cross_entropy_with_mxfp8_grad_replays_like_eager():
+@pytest.mark.parametrize(
+    ("n_cols", "scale_layout"),
+    [(32000, "swizzled"), (50257, "compact")],  # the Triton kernel; the realigned Gluon one
+)
+def test_manual_capture_of_cross_entropy_with_mxfp8_grad_replays_like_eager(n_cols, scale_layout):
     def step(logits, target, grad_loss):
         return lowp_ops.cross_entropy_with_mxfp8_grad(
             logits,
@@ -904,10 +908,10 @@ def test_manual_capture_of_cross_entropy_with_mxfp8_grad_replays_like_eager():
             label_smoothing=0.1,
             reduction="none",
             fp8_dtype="e4m3",
-            scale_layout="swizzled",
+            scale_layout=scale_layout,
         )
 
-    static_logits, static_target = ce_inputs(0)
+    static_logits, static_target = ce_inputs(0, n_cols=n_cols)
     static_grad_loss = torch.rand(static_target.shape, device="cuda")
     warm_up(step, static_logits, static_target, static_grad_loss)
     graph = torch.cuda.CUDAGraph()
@@ -915,7 +919,7 @@ def test_manual_capture_of_cross_entropy_with_mxfp8_grad_replays_like_eager():
         static_loss, static_payload = step(static_logits, static_target, static_grad_loss)
 
     for seed in (1, 2, 3):
-        logits, target = ce_inputs(seed)
+        logits, target = ce_inputs(seed, n_cols=n_cols)
         grad_loss = torch.rand(target.shape, device="cuda") - 0.5
         static_logits.copy_(logits)
         static_target.copy_(target)
