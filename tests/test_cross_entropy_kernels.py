@@ -15,6 +15,7 @@ the math before rounding (the GPU's ``exp`` is approximate). The byte contract i
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -398,6 +399,46 @@ def spy_gluon_kernels(monkeypatch) -> list[tuple[str, tuple]]:
     for name in ("cross_entropy_bwd_mxfp8_gluon_kernel", "cross_entropy_bwd_mxfp8_realigned_kernel"):
         monkeypatch.setattr(cross_entropy_gluon, name, Spy(name))
     return launches
+
+
+def sm90_ptx(kernel, constexprs: dict, dtypes: dict) -> str:
+    """PTX of a Gluon kernel compiled for sm_90 on this machine (no GPU needed): pointers 16-byte
+    aligned, other run-time arguments i32 unless ``dtypes`` says otherwise, 2 warps."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental import gluon
+
+    names = [p.name for p in kernel.jit_function.params]
+    signature = {n: "constexpr" if n in constexprs else dtypes.get(n, "i32") for n in names}
+    values = {(i,): constexprs[n] for i, n in enumerate(names) if n in constexprs}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if signature[n].startswith("*")}
+    source = gluon._runtime.GluonASTSource(kernel.jit_function, signature, values, attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2}).asm["ptx"]
+
+
+@pytest.mark.parametrize(("load_mod", "store_mod"), [(1, 1), (3, 5), (0, 4)])
+def test_realigned_mxfp8_kernel_accesses_memory_vector_wide(load_mod, store_mod):
+    """The realigned kernel's sm_90 code (compiled here, run on the GPU by the test below): per thread,
+    two 16-byte logits loads per 8 columns of its 8 rows (one where the row stride is aligned), one
+    64-bit store per row and copy, a lane exchange per word, and no local memory (no spills)."""
+    import triton.language as tl
+
+    from lowp_ops.kernels import cross_entropy_gluon
+
+    pointers = ("target_ptr", "shift_ptr", "log_sum_ptr", "grad_ptr", "weight_ptr", "smooth_total_ptr")
+    dtypes = {name: "*fp32" for name in pointers} | {"target_ptr": "*i64", "logits_ptr": "*bf16"}
+    dtypes |= {"row_data_ptr": "*fp8e4nv", "col_data_ptr": "*fp8e4nv", "row_scale_ptr": "*u8"}
+    dtypes |= {"col_scale_ptr": "*u8", "smoothing_eps": "fp32", "target_weight": "fp32"}
+    constexprs = {"HAS_SMOOTHING": True, "HAS_WEIGHT": False, "FP8_MAX": 448.0, "MAX_RCP": 1 / 448.0}
+    constexprs |= {"OUT_DTYPE": tl.float8e4nv, "ROWWISE": True, "COLWISE": True, "SWIZZLED": False}
+    constexprs |= {"LOAD_MOD": load_mod, "STORE_MOD": store_mod}
+    ptx = sm90_ptx(cross_entropy_gluon.cross_entropy_bwd_mxfp8_realigned_kernel, constexprs, dtypes)
+    assert len(re.findall(r"ld\.global[.\w:]*\.v4\.b32", ptx)) == (8 if load_mod == 0 else 16)
+    assert len(re.findall(r"st\.global[.\w:]*\.b64", ptx)) == 16
+    assert len(re.findall(r"ld\.global[.\w:]*\.b16", ptx)) == 0, "a logits element loaded alone"
+    skewed_rows = sum((k * store_mod) % 8 != 0 for k in range(8))  # the others need no neighbour
+    assert len(re.findall(r"shfl\.sync\.idx", ptx)) == 2 * 2 * skewed_rows  # 2 x 32 bits, 2 copies
+    assert ".local" not in ptx, "spills"
 
 
 # (rows, n_cols, row stride, dtype): every n_cols mod 8, strides wider than n_cols, fp16 / fp32 logits
