@@ -604,18 +604,16 @@ def launch_cross_entropy_bwd_mxfp8(
             tile_config = {"LOAD_MOD": logits.stride(0) % per_16_bytes, "STORE_MOD": n_cols % 8}
         else:
             kernel = cross_entropy_gluon.cross_entropy_bwd_mxfp8_gluon_kernel
-            tile_config = {"EVEN": rows % TILE_ROWS == 0 and n_cols % block_cols == 0}
+            tile_config = {}
     else:
         # H200, 4096 x 129280, grid along rows: 128 columns on 2 warps 83-84% of copy; 64 on 1 or 2
         # warps 70-82%, 256 on 2-4 warps 62-67%, 128 on 4 warps 61%.
         kernel = cross_entropy_bwd_mxfp8_kernel
         block_cols = block_cols or tile_cols(n_cols, widest=128)
         num_warps = num_warps or (2 if block_cols == 128 else 1)
-        tile_config = {
-            "BLOCK_COLS": block_cols,
-            "EVEN": rows % TILE_ROWS == 0 and n_cols % block_cols == 0,
-            **feature_args(z_loss, softcap),
-        }
+        tile_config = {"BLOCK_COLS": block_cols, **feature_args(z_loss, softcap)}
+    if not realigned:  # the realigned kernel masks every tile
+        tile_config["EVEN"] = rows % TILE_ROWS == 0 and n_cols % block_cols == 0
     kernel[_bwd_grid(rows, n_cols, block_cols)](
         logits,
         logits.stride(0),

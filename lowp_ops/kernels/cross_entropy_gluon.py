@@ -37,7 +37,14 @@ from .cross_entropy_math import (
     weighted_cross_entropy_grad,
 )
 from .launch import cached_launch
-from .mxfp8 import block_amax, cast_satfinite, e8m0_from_amax, quantize_multiplier, swizzled_scale_offset
+from .mxfp8 import (
+    block_amax,
+    cast_satfinite,
+    e8m0_from_amax,
+    quantize_multiplier,
+    store_column_scale_codes,
+    store_row_scale_codes,
+)
 
 try:
     from triton.experimental import gluon
@@ -163,13 +170,7 @@ if gluon is not None:
         by_row: gl.constexpr = code.type.layout
         scale_row = row_block * 32 + gl.arange(0, 32, layout=gl.SliceLayout(1, by_row))[:, None]
         scale_col = tile_col0 // 32 + gl.arange(0, 4, layout=gl.SliceLayout(0, by_row))[None, :]
-        if SWIZZLED:
-            offset = swizzled_scale_offset(scale_row, scale_col, scale_cols // 4)
-        else:
-            offset = scale_row * scale_cols + scale_col
-        # A block wholly past n_cols (the last tile's tail) has code 0, the padding value.
-        mask = (scale_row < rows) & (scale_col < scale_cols)
-        gl.store(scale_ptr + offset, code.to(gl.uint8), mask=mask)
+        store_row_scale_codes(scale_ptr, code, scale_row, scale_col, rows, scale_cols, SWIZZLED)
 
     @gluon.jit
     def store_column_scales(
@@ -179,12 +180,10 @@ if gluon is not None:
         by_col: gl.constexpr = code.type.layout
         col_blocks = tile_col0 // 32 + gl.arange(0, 4, layout=gl.SliceLayout(1, by_col))
         col_in_block = gl.arange(0, 32, layout=gl.SliceLayout(0, by_col))
-        scale_cols_idx = col_blocks[:, None] * 32 + col_in_block[None, :]
-        if SWIZZLED:
-            offset = swizzled_scale_offset(scale_cols_idx, row_block, scale_rows // 4)
-        else:
-            offset = row_block * scale_cols + scale_cols_idx
-        gl.store(scale_ptr + offset, code.to(gl.uint8), mask=scale_cols_idx < n_cols)
+        cols_idx = col_blocks[:, None] * 32 + col_in_block[None, :]
+        store_column_scale_codes(
+            scale_ptr, code, cols_idx, row_block, n_cols, scale_rows, scale_cols, SWIZZLED
+        )
 
     @cached_launch
     @gluon.jit
@@ -333,13 +332,13 @@ if gluon is not None:
         if ROWWISE:
             code, scaled = scale_rows(grad, MAX_RCP)
             realign.store_tile(
-                row_data_ptr, scaled, tile_row0, tile_col0, rows, n_cols, OUT_DTYPE, STORE_MOD, split
+                row_data_ptr, scaled, tile_row0, tile_col0, rows, n_cols, FP8_MAX, OUT_DTYPE, STORE_MOD, split
             )
             store_row_scales(code, row_block, tile_col0, rows, row_scale_ptr, row_scale_cols, SWIZZLED)
         if COLWISE:
             code, scaled = scale_columns(grad, MAX_RCP)
             realign.store_tile(
-                col_data_ptr, scaled, tile_row0, tile_col0, rows, n_cols, OUT_DTYPE, STORE_MOD, split
+                col_data_ptr, scaled, tile_row0, tile_col0, rows, n_cols, FP8_MAX, OUT_DTYPE, STORE_MOD, split
             )
             store_column_scales(
                 code, row_block, tile_col0, n_cols, col_scale_ptr, col_scale_rows, col_scale_cols, SWIZZLED

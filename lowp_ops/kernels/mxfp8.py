@@ -169,6 +169,30 @@ def quantize_columns(x, FP8_MAX: tl.constexpr, MAX_RCP: tl.constexpr, OUT_DTYPE:
 
 
 @triton.jit
+def store_row_scale_codes(scale_ptr, code, scale_row, scale_col, rows, scale_cols, SWIZZLED: tl.constexpr):
+    """E8M0 ``code`` at row-wise scale (``scale_row``, ``scale_col``), index tensors broadcastable to it.
+    A block wholly past the data (a last tile's tail) has code 0, which is the padding value."""
+    if SWIZZLED:
+        offset = swizzled_scale_offset(scale_row, scale_col, scale_cols // 4)
+    else:
+        offset = scale_row * scale_cols + scale_col
+    tl.store(scale_ptr + offset, code.to(tl.uint8), mask=(scale_row < rows) & (scale_col < scale_cols))
+
+
+@triton.jit
+def store_column_scale_codes(
+    scale_ptr, code, cols_idx, row_block, cols, scale_rows, scale_cols, SWIZZLED: tl.constexpr
+):
+    """E8M0 ``code`` of columns ``cols_idx`` at column-wise scale (``row_block``, column)."""
+    if SWIZZLED:
+        # Column-wise scales are swizzled as their transpose: i = column, j = 32-row block.
+        offset = swizzled_scale_offset(cols_idx, row_block, scale_rows // 4)
+    else:
+        offset = row_block * scale_cols + cols_idx
+    tl.store(scale_ptr + offset, code.to(tl.uint8), mask=cols_idx < cols)
+
+
+@triton.jit
 def quantize_tile_rowwise(
     x,
     rows_idx,
@@ -192,14 +216,8 @@ def quantize_tile_rowwise(
     N_BLOCKS: tl.constexpr = BLOCK_COLS // 32
     code, data = quantize_rows(x, BLOCK_COLS, FP8_MAX, MAX_RCP, OUT_DTYPE)
     store_tile(data_ptr, rows_idx, cols_idx, rows, cols, tl.reshape(data, [32, BLOCK_COLS]), EVEN)
-    scale_row = rows_idx[:, None]
     scale_col = tile_col0 // 32 + tl.arange(0, N_BLOCKS)[None, :]
-    if SWIZZLED:
-        offset = swizzled_scale_offset(scale_row, scale_col, scale_cols // 4)
-    else:
-        offset = scale_row * scale_cols + scale_col
-    # A block wholly past `cols` (the last tile's tail) has code 0, which is the padding value.
-    tl.store(scale_ptr + offset, code.to(tl.uint8), mask=(scale_row < rows) & (scale_col < scale_cols))
+    store_row_scale_codes(scale_ptr, code, rows_idx[:, None], scale_col, rows, scale_cols, SWIZZLED)
 
 
 @triton.jit
@@ -224,12 +242,7 @@ def quantize_tile_columnwise(
     (not transposed) at ``data_ptr[row * cols + col]``, E8M0 codes at column-wise scale (row_block, col)."""
     code, data = quantize_columns(x, FP8_MAX, MAX_RCP, OUT_DTYPE)
     store_tile(data_ptr, rows_idx, cols_idx, rows, cols, data, EVEN)
-    if SWIZZLED:
-        # Column-wise scales are swizzled as their transpose: i = column, j = 32-row block.
-        offset = swizzled_scale_offset(cols_idx, row_block, scale_rows // 4)
-    else:
-        offset = row_block * scale_cols + cols_idx
-    tl.store(scale_ptr + offset, code.to(tl.uint8), mask=cols_idx < cols)
+    store_column_scale_codes(scale_ptr, code, cols_idx, row_block, cols, scale_rows, scale_cols, SWIZZLED)
 
 
 @triton.jit

@@ -19,6 +19,8 @@ per register row. So:
 
 from __future__ import annotations
 
+from .mxfp8 import cast_satfinite
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -226,8 +228,8 @@ if gluon is not None:
 
     @gluon.jit
     def store_tile(
-        ptr, scaled, tile_row0, tile_col0, rows, n_cols, OUT_DTYPE: gl.constexpr, STORE_MOD: gl.constexpr,
-        layout: gl.constexpr,
+        ptr, scaled, tile_row0, tile_col0, rows, n_cols, FP8_MAX: gl.constexpr, OUT_DTYPE: gl.constexpr,
+        STORE_MOD: gl.constexpr, layout: gl.constexpr,
     ):  # fmt: skip
         """Store the fp32 tile ``scaled`` [32, 4, 32] (rows, 32-column blocks, columns), cast to FP8 as
         ``mxfp8.cast_satfinite`` casts it, at rows ``tile_row0 + r``, columns ``tile_col0 + c`` of the
@@ -239,7 +241,8 @@ if gluon is not None:
         if tile_col0 + 128 > n_cols:
             # The row's last tile: byte stores (one tile in n_cols / 128).
             cols = tile_col0 + blk * 32 + q * 8 + e
-            gl.store(ptr + row * n_cols + cols, x.to(OUT_DTYPE), mask=(row < rows) & (cols < n_cols))
+            data = cast_satfinite(x, FP8_MAX, OUT_DTYPE)
+            gl.store(ptr + row * n_cols + cols, data, mask=(row < rows) & (cols < n_cols))
         else:
             words: gl.constexpr = gl.SliceLayout(4, layout)
             word = gl.convert_layout(fp8_words(x, OUT_DTYPE), words)
