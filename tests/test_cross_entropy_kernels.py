@@ -382,28 +382,29 @@ def test_gpu_mxfp8_grad_kernel_is_bytes_of_quantized_grad(
     )
 
 
-def spy_gluon_kernels(monkeypatch) -> list[tuple[str, tuple]]:
-    """Record (kernel name, grid) of every launch of the two Gluon MXFP8 kernels."""
+def spy_gluon_kernels(monkeypatch) -> list[tuple[int, tuple]]:
+    """Record (``LOAD_MOD``, grid) of every launch of the Gluon MXFP8 kernel (-1: aligned rows)."""
     from lowp_ops.kernels import cross_entropy_gluon
 
     launches = []
+    kernel = cross_entropy_gluon.cross_entropy_bwd_mxfp8_gluon_kernel
 
     class Spy:
-        def __init__(self, name):
-            self.name, self.kernel = name, getattr(cross_entropy_gluon, name)
-
         def __getitem__(self, grid):
-            launches.append((self.name, grid))
-            return self.kernel[grid]
+            def launch(*args, **meta):
+                launches.append((meta["LOAD_MOD"], grid))
+                return kernel[grid](*args, **meta)
 
-    for name in ("cross_entropy_bwd_mxfp8_gluon_kernel", "cross_entropy_bwd_mxfp8_realigned_kernel"):
-        monkeypatch.setattr(cross_entropy_gluon, name, Spy(name))
+            return launch
+
+    monkeypatch.setattr(cross_entropy_gluon, "cross_entropy_bwd_mxfp8_gluon_kernel", Spy())
     return launches
 
 
-def sm90_ptx(kernel, constexprs: dict, dtypes: dict) -> str:
-    """PTX of a Gluon kernel compiled for sm_90 on this machine (no GPU needed): pointers 16-byte
-    aligned, other run-time arguments i32 unless ``dtypes`` says otherwise, 2 warps."""
+def sm90_ptx(kernel, constexprs: dict, dtypes: dict, divisible: tuple[str, ...] = ()) -> str:
+    """PTX of a Gluon kernel compiled for sm_90 on this machine (no GPU needed): pointers and the
+    integers named in ``divisible`` multiples of 16, other run-time arguments i32 unless ``dtypes``
+    says otherwise, 2 warps."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental import gluon
@@ -411,16 +412,21 @@ def sm90_ptx(kernel, constexprs: dict, dtypes: dict) -> str:
     names = [p.name for p in kernel.jit_function.params]
     signature = {n: "constexpr" if n in constexprs else dtypes.get(n, "i32") for n in names}
     values = {(i,): constexprs[n] for i, n in enumerate(names) if n in constexprs}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if signature[n].startswith("*")}
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(names)
+        if signature[n].startswith("*") or n in divisible
+    }
     source = gluon._runtime.GluonASTSource(kernel.jit_function, signature, values, attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2}).asm["ptx"]
 
 
-@pytest.mark.parametrize(("load_mod", "store_mod"), [(1, 1), (3, 5), (0, 4)])
-def test_realigned_mxfp8_kernel_accesses_memory_vector_wide(load_mod, store_mod):
-    """The realigned kernel's sm_90 code (compiled here, run on the GPU by the test below): per thread,
-    two 16-byte logits loads per 8 columns of its 8 rows (one where the row stride is aligned), one
-    64-bit store per row and copy, a lane exchange per word, and no local memory (no spills)."""
+@pytest.mark.parametrize("load_mod", [-1, 0, 1, 3])
+def test_gluon_mxfp8_kernel_accesses_memory_vector_wide(load_mod):
+    """The Gluon kernel's sm_90 code (compiled here, run on the GPU by the tests below): per thread,
+    one 16-byte logits load per 8 columns of its 8 rows where rows are aligned or realigned from an
+    aligned row stride, two where the stride is skewed; one 8-byte store per row and copy (the FP8
+    rows are padded to 16 bytes), and no local memory (no spills)."""
     import triton.language as tl
 
     from lowp_ops.kernels import cross_entropy_gluon
@@ -431,13 +437,14 @@ def test_realigned_mxfp8_kernel_accesses_memory_vector_wide(load_mod, store_mod)
     dtypes |= {"col_scale_ptr": "*u8", "smoothing_eps": "fp32", "target_weight": "fp32"}
     constexprs = {"HAS_SMOOTHING": True, "HAS_WEIGHT": False, "FP8_MAX": 448.0, "MAX_RCP": 1 / 448.0}
     constexprs |= {"OUT_DTYPE": tl.float8e4nv, "ROWWISE": True, "COLWISE": True, "SWIZZLED": False}
-    constexprs |= {"LOAD_MOD": load_mod, "STORE_MOD": store_mod}
-    ptx = sm90_ptx(cross_entropy_gluon.cross_entropy_bwd_mxfp8_realigned_kernel, constexprs, dtypes)
-    assert len(re.findall(r"ld\.global[.\w:]*\.v4\.b32", ptx)) == (8 if load_mod == 0 else 16)
-    assert len(re.findall(r"st\.global[.\w:]*\.b64", ptx)) == 16
+    constexprs |= {"LOAD_MOD": load_mod, "EVEN": False}
+    # The launcher's integers as Triton specializes them: the FP8 row stride a multiple of 16.
+    divisible = ("data_stride",) + (("stride_row", "n_cols") if load_mod < 0 else ())
+    ptx = sm90_ptx(cross_entropy_gluon.cross_entropy_bwd_mxfp8_gluon_kernel, constexprs, dtypes, divisible)
+    assert len(re.findall(r"ld\.global[.\w:]*\.v4\.b32", ptx)) == (16 if load_mod > 0 else 8)
     assert len(re.findall(r"ld\.global[.\w:]*\.b16", ptx)) == 0, "a logits element loaded alone"
-    skewed_rows = sum((k * store_mod) % 8 != 0 for k in range(8))  # the others need no neighbour
-    assert len(re.findall(r"shfl\.sync\.idx", ptx)) == 2 * 2 * skewed_rows  # 2 x 32 bits, 2 copies
+    stores = re.findall(r"st\.global[.\w:]*\s", ptx)
+    assert sum(op.rstrip().endswith((".v2.b32", ".b64")) for op in stores) == 16, stores
     assert ".local" not in ptx, "spills"
 
 
@@ -454,16 +461,17 @@ REALIGNED_CASES = [
     (65, 1000, 1003, torch.bfloat16),
     (70, 1001, 1004, torch.float32),
     (32, 130, 133, torch.bfloat16),
+    (40, 1000, 1008, torch.bfloat16),  # an aligned row stride, n_cols not a multiple of 16
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("n_rows", "n_cols", "stride", "dtype"), REALIGNED_CASES)
 @pytest.mark.parametrize(("rowwise", "columnwise"), COPIES)
-def test_gpu_realigned_mxfp8_kernel_is_bytes_of_triton_kernel(
+def test_gpu_realigned_mxfp8_gluon_kernel_is_bytes_of_triton_kernel(
     n_rows, n_cols, stride, dtype, rowwise, columnwise, monkeypatch
 ):
-    """Rows that are not 16-byte aligned: the realigned Gluon kernel (spied) writes the Triton
+    """Rows that are not 16-byte aligned: the Gluon kernel (spied), realigning them, writes the Triton
     kernel's bytes, with label smoothing, class weights, ignored and masked rows, both FP8 formats."""
     launches = spy_gluon_kernels(monkeypatch)
     buffer, target = ce_inputs(n_rows, stride, dtype, "cuda", seed=n_cols)
@@ -482,7 +490,8 @@ def test_gpu_realigned_mxfp8_kernel_is_bytes_of_triton_kernel(
         want = ce_kernels.launch_cross_entropy_bwd_mxfp8(*args, gluon=False)
         for name, g, w in zip(("row_data", "row_scale", "col_data", "col_scale"), got, want, strict=True):
             assert torch.equal(g, w), f"{fp8_dtype} {name}: {int((g != w).sum())} bytes differ"
-    assert [name for name, _ in launches] == ["cross_entropy_bwd_mxfp8_realigned_kernel"] * 2
+    per_16_bytes = 16 // logits.element_size()
+    assert [load_mod for load_mod, _ in launches] == [stride % per_16_bytes] * 2
 
 
 @pytest.mark.gpu

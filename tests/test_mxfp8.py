@@ -8,6 +8,7 @@ never by calling the code under test.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
 from fractions import Fraction
@@ -715,6 +716,35 @@ def test_compile_aot_eager_one_graph_no_recompiles():
 @pytest.mark.slow
 def test_compile_inductor_one_graph_no_recompiles():
     assert_compiles_once_without_breaks("inductor")
+
+
+# ---------------------------------------------------------------------------------------- data layout
+
+
+@pytest.mark.parametrize("shape", [(5, 50), (3, 4, 33), (40, 64), (2, 17), (50,)], ids=str)
+def test_data_rows_are_padded_to_16_bytes_and_hold_the_contiguous_bytes(shape):
+    """Rows of MXFP8 data are ``ceil(cols / 16) * 16`` bytes apart (an FP8 GEMM's leading dimension),
+    from the quantizer and the fused cross-entropy backward alike; the last row's padding is allocated;
+    the values are those of unpadded data (the copy ``.contiguous()`` makes)."""
+    x = spread_values(shape, torch.bfloat16, seed=1, max_exp=10)
+    rows, cols = math.prod(shape[:-1]), shape[-1]
+    pitch = -(-cols // 16) * 16
+    q = lowp_ops.mxfp8_quantize(x)
+    target = torch.randint(0, cols, (rows,))
+    _, grad = lowp_ops.cross_entropy_with_mxfp8_grad(x.reshape(rows, cols), target)
+    for data in (q.row_data, q.col_data, grad.row_data, grad.col_data):
+        assert data.stride(-1) == 1
+        if rows > 1:  # one row (1-D x) needs no padding
+            assert data.stride(-2) == pitch and data.untyped_storage().nbytes() >= rows * pitch
+    for use in ("rowwise", "columnwise"):
+        data = q.row_data if use == "rowwise" else q.col_data
+        compact = dataclasses.replace(
+            q, **{"row_data" if use == "rowwise" else "col_data": data.contiguous()}
+        )
+        assert torch.equal(
+            lowp_ops.mxfp8_dequantize(q, torch.float32, use=use),
+            lowp_ops.mxfp8_dequantize(compact, torch.float32, use=use),
+        )
 
 
 # --------------------------------------------------------------------------------------- empty input

@@ -27,6 +27,7 @@ from ..meta.cross_entropy import (
     cross_entropy_reduce_outputs,
     cross_entropy_scale_grad_output,
 )
+from ..meta.mxfp8 import mxfp8_data_pitch
 from ..reference.cross_entropy import cross_entropy_reduce, smoothing_weight_total
 from . import cross_entropy_gluon
 from .bf16_pairs import to_dtype_rne
@@ -167,8 +168,9 @@ def cross_entropy_bwd_kernel(
         HAS_SOFTCAP,
     )
     store_tile(
-        dlogits_ptr, rows_idx, cols, rows, n_cols, to_dtype_rne(grad, dlogits_ptr.dtype.element_ty), EVEN
-    )
+        dlogits_ptr, rows_idx, cols, rows, n_cols, n_cols, to_dtype_rne(grad, dlogits_ptr.dtype.element_ty),
+        EVEN,
+    )  # fmt: skip
 
 
 @cached_launch
@@ -190,6 +192,7 @@ def cross_entropy_bwd_mxfp8_kernel(
     target_weight,
     weight_ptr,
     smooth_total_ptr,
+    data_stride,
     row_data_ptr,
     row_scale_ptr,
     row_scale_cols,
@@ -250,6 +253,7 @@ def cross_entropy_bwd_mxfp8_kernel(
         cols,
         rows,
         n_cols,
+        data_stride,
         tile_col0,
         row_block,
         row_data_ptr,
@@ -592,19 +596,15 @@ def launch_cross_entropy_bwd_mxfp8(
             and z_loss == 0
             and softcap == 0
         )
-    realigned = gluon and not (n_cols % 16 == 0 and logits.stride(0) % 16 == 0)
-    if realigned and logits.data_ptr() % 16 != 0:
-        gluon = realigned = False  # the realigned kernel needs a 16-byte aligned base
+    aligned_rows = n_cols % 16 == 0 and logits.stride(0) % 16 == 0
+    if gluon and not aligned_rows and logits.data_ptr() % 16 != 0:
+        gluon = False  # rows that are not 16-byte aligned are realigned from a 16-byte aligned base
     if gluon:
         require(z_loss == 0 and softcap == 0, lambda: "the Gluon kernel has no z_loss / softcap: gluon=False")
+        kernel = cross_entropy_gluon.cross_entropy_bwd_mxfp8_gluon_kernel
         block_cols, num_warps = cross_entropy_gluon.BLOCK_COLS, cross_entropy_gluon.NUM_WARPS
-        if realigned:
-            kernel = cross_entropy_gluon.cross_entropy_bwd_mxfp8_realigned_kernel
-            per_16_bytes = 16 // logits.element_size()
-            tile_config = {"LOAD_MOD": logits.stride(0) % per_16_bytes, "STORE_MOD": n_cols % 8}
-        else:
-            kernel = cross_entropy_gluon.cross_entropy_bwd_mxfp8_gluon_kernel
-            tile_config = {}
+        per_16_bytes = 16 // logits.element_size()
+        tile_config = {"LOAD_MOD": -1 if aligned_rows else logits.stride(0) % per_16_bytes}
     else:
         # H200, 4096 x 129280, grid along rows: 128 columns on 2 warps 83-84% of copy; 64 on 1 or 2
         # warps 70-82%, 256 on 2-4 warps 62-67%, 128 on 4 warps 61%.
@@ -612,8 +612,7 @@ def launch_cross_entropy_bwd_mxfp8(
         block_cols = block_cols or tile_cols(n_cols, widest=128)
         num_warps = num_warps or (2 if block_cols == 128 else 1)
         tile_config = {"BLOCK_COLS": block_cols, **feature_args(z_loss, softcap)}
-    if not realigned:  # the realigned kernel masks every tile
-        tile_config["EVEN"] = rows % TILE_ROWS == 0 and n_cols % block_cols == 0
+    tile_config["EVEN"] = rows % TILE_ROWS == 0 and n_cols % block_cols == 0
     kernel[_bwd_grid(rows, n_cols, block_cols)](
         logits,
         logits.stride(0),
@@ -630,6 +629,7 @@ def launch_cross_entropy_bwd_mxfp8(
         target_weight,
         class_weights,
         smooth_total,
+        mxfp8_data_pitch(n_cols),
         row_data.view(data_dtype),
         row_scale,
         row_scale.shape[1] if rowwise else 0,

@@ -18,10 +18,10 @@ bursts and +1.5-3% back to back, with new logits buffers every call; no cost abo
 GEMMs run right after it (2026-11-30). Also Triton's: the CPU interpreter, thin inputs (< 128 columns)
 and Triton builds without Gluon. GPU tests hold the two kernels to the same bytes.
 
-Rows that are not 16-byte aligned (the row stride or ``n_cols`` not a multiple of 16) take
-``cross_entropy_bwd_mxfp8_realigned_kernel``: the same gradient and quantization (``tile_gradient``,
-``scale_rows`` / ``scale_columns``) in a layout of 8 consecutive rows per thread, with the loads and
-stores of ``realign`` (H200, 8192 x 50257, 2026-12-03: 39.0% of copy, 33.0% before; RESULTS.md).
+Rows that are not 16-byte aligned (the logits' row stride or ``n_cols`` not a multiple of 16) are
+loaded through ``realign.load_tile`` (constexpr ``LOAD_MOD``): the same gradient and bytes from a
+layout of 8 consecutive rows per thread. The FP8 rows are always 16-byte aligned (padded,
+``meta.mxfp8.mxfp8_data_pitch``), so the stores are the same for both.
 """
 
 from __future__ import annotations
@@ -204,6 +204,7 @@ if gluon is not None:
         target_weight,
         weight_ptr,
         smooth_total_ptr,
+        data_stride,
         row_data_ptr,
         row_scale_ptr,
         row_scale_cols,
@@ -220,9 +221,16 @@ if gluon is not None:
         ROWWISE: gl.constexpr,
         COLWISE: gl.constexpr,
         SWIZZLED: gl.constexpr,
+        LOAD_MOD: gl.constexpr,
     ):
-        """One program (2 warps): a 32 x 128 tile of 16-byte aligned rows, read once; both copies from
-        registers."""
+        """One program (2 warps): a 32 x 128 tile of the logits, read once; both copies from registers.
+
+        ``LOAD_MOD`` -1: 16-byte aligned rows (``n_cols`` and the row stride multiples of 16 elements),
+        loaded in the tile's layout. Otherwise the row stride mod the elements per 16 bytes: rows that
+        are not 16-byte aligned (the logits' base is), loaded through :func:`realign.load_tile`. The FP8
+        rows are ``data_stride`` bytes apart, a multiple of 16 (``meta.mxfp8.mxfp8_data_pitch``), so
+        every thread stores its 8 bytes of a row as one aligned word either way, the row's padding
+        included (zeros)."""
         tile: gl.constexpr = gl.BlockedLayout([1, 1, 8], [2, 4, 4], [2, 1, 1], [2, 1, 0])
         by_row: gl.constexpr = gl.SliceLayout(2, tile)
 
@@ -238,108 +246,47 @@ if gluon is not None:
         # 64-bit tile origins, 32-bit offsets inside the tile (the launcher checks 32 rows fit in int32).
         tile_row0 = (row_block * 32).to(gl.int64)
         in_tile_rows = rows3 - row_block * 32
-        out_origin = tile_row0 * n_cols
-        offsets = in_tile_rows * n_cols + cols
-        ptrs = logits_ptr + tile_row0 * stride_row + (in_tile_rows * stride_row + cols)
-        in_bounds = (rows3 < rows) & (cols < n_cols)
-        # evict_last although the logits are read once: measured faster (module docstring), cause not known.
-        hint: gl.constexpr = "evict_last"
-        if EVEN:
-            x = gl.load(ptrs, eviction_policy=hint)
+        if LOAD_MOD < 0:
+            ptrs = logits_ptr + tile_row0 * stride_row + (in_tile_rows * stride_row + cols)
+            # evict_last although the logits are read once: measured faster (module docstring).
+            hint: gl.constexpr = "evict_last"
+            if EVEN:
+                x = gl.load(ptrs, eviction_policy=hint)
+            else:
+                x = gl.load(ptrs, mask=(rows3 < rows) & (cols < n_cols), other=0.0, eviction_policy=hint)
         else:
-            x = gl.load(ptrs, mask=in_bounds, other=0.0, eviction_policy=hint)
+            split: gl.constexpr = realign.SPLIT_TILE
+            x = realign.load_tile(logits_ptr, stride_row, tile_row0, tile_col0, rows, n_cols, LOAD_MOD, split)
+            x = gl.convert_layout(gl.reshape(x, [32, 4, 32]), tile)
         grad = tile_gradient(
             x, row_block, tile_col0, target_ptr, shift_ptr, log_sum_ptr, grad_ptr, grad_stride, rows,
             n_cols, ignore_index, vocab_start, vocab_total, smoothing_eps, target_weight, weight_ptr,
             smooth_total_ptr,
             logits_ptr.dtype.element_ty, HAS_SMOOTHING, EVEN, HAS_WEIGHT,
         )  # fmt: skip
+        out_origin = tile_row0 * data_stride
+        offsets = in_tile_rows * data_stride + cols
+        # Bounded by the padded row (grad is 0 past n_cols): whole words, as the compiler knows
+        # data_stride is a multiple of 16.
+        out_bounds = (rows3 < rows) & (cols < data_stride)
         if ROWWISE:
             code, scaled = scale_rows(grad, MAX_RCP)
-            data = cast_satfinite(scaled, FP8_MAX, OUT_DTYPE)
-            if EVEN:
-                gl.store(row_data_ptr + out_origin + offsets, data)
-            else:
-                gl.store(row_data_ptr + out_origin + offsets, data, mask=in_bounds)
+            store_fp8(row_data_ptr + out_origin + offsets, scaled, out_bounds, FP8_MAX, OUT_DTYPE, EVEN)
             store_row_scales(code, row_block, tile_col0, rows, row_scale_ptr, row_scale_cols, SWIZZLED)
         if COLWISE:
             code, scaled = scale_columns(grad, MAX_RCP)
-            data = cast_satfinite(scaled, FP8_MAX, OUT_DTYPE)
-            if EVEN:
-                gl.store(col_data_ptr + out_origin + offsets, data)
-            else:
-                gl.store(col_data_ptr + out_origin + offsets, data, mask=in_bounds)
+            store_fp8(col_data_ptr + out_origin + offsets, scaled, out_bounds, FP8_MAX, OUT_DTYPE, EVEN)
             store_column_scales(
                 code, row_block, tile_col0, n_cols, col_scale_ptr, col_scale_rows, col_scale_cols, SWIZZLED
             )
 
-    @cached_launch
     @gluon.jit
-    def cross_entropy_bwd_mxfp8_realigned_kernel(
-        logits_ptr,
-        stride_row,
-        target_ptr,
-        shift_ptr,
-        log_sum_ptr,
-        grad_ptr,
-        grad_stride,
-        rows,
-        n_cols,
-        ignore_index,
-        vocab_start,
-        vocab_total,
-        smoothing_eps,
-        target_weight,
-        weight_ptr,
-        smooth_total_ptr,
-        row_data_ptr,
-        row_scale_ptr,
-        row_scale_cols,
-        col_data_ptr,
-        col_scale_ptr,
-        col_scale_rows,
-        col_scale_cols,
-        HAS_SMOOTHING: gl.constexpr,
-        HAS_WEIGHT: gl.constexpr,
-        FP8_MAX: gl.constexpr,
-        MAX_RCP: gl.constexpr,
-        OUT_DTYPE: gl.constexpr,
-        ROWWISE: gl.constexpr,
-        COLWISE: gl.constexpr,
-        SWIZZLED: gl.constexpr,
-        LOAD_MOD: gl.constexpr,
-        STORE_MOD: gl.constexpr,
+    def store_fp8(
+        ptrs, scaled, in_bounds, FP8_MAX: gl.constexpr, OUT_DTYPE: gl.constexpr, EVEN: gl.constexpr
     ):
-        """``cross_entropy_bwd_mxfp8_gluon_kernel`` for rows that are not 16-byte aligned (the logits'
-        row stride or ``n_cols`` not a multiple of 16; the logits' base 16-byte aligned): the same
-        gradient and bytes, with vector-wide memory access (``realign``). Each thread holds 8
-        consecutive rows, one per residue of the row index mod 8, so that every row's misalignment is
-        a compile-time constant (``LOAD_MOD`` = row stride mod the elements per 16 bytes,
-        ``STORE_MOD`` = ``n_cols`` mod 8)."""
-        tile: gl.constexpr = gl.BlockedLayout([8, 1, 8], [2, 4, 4], [2, 1, 1], [2, 1, 0])
-        split: gl.constexpr = realign.SPLIT_TILE
-        n_col_tiles = gl.cdiv(n_cols, 128)
-        row_block = gl.program_id(0) // n_col_tiles
-        tile_col0 = (gl.program_id(0) % n_col_tiles) * 128
-        tile_row0 = (row_block * 32).to(gl.int64)
-        x = realign.load_tile(logits_ptr, stride_row, tile_row0, tile_col0, rows, n_cols, LOAD_MOD, split)
-        x = gl.convert_layout(gl.reshape(x, [32, 4, 32]), tile)
-        grad = tile_gradient(
-            x, row_block, tile_col0, target_ptr, shift_ptr, log_sum_ptr, grad_ptr, grad_stride, rows,
-            n_cols, ignore_index, vocab_start, vocab_total, smoothing_eps, target_weight, weight_ptr,
-            smooth_total_ptr, logits_ptr.dtype.element_ty, HAS_SMOOTHING, False, HAS_WEIGHT,
-        )  # fmt: skip
-        if ROWWISE:
-            code, scaled = scale_rows(grad, MAX_RCP)
-            realign.store_tile(
-                row_data_ptr, scaled, tile_row0, tile_col0, rows, n_cols, FP8_MAX, OUT_DTYPE, STORE_MOD, split
-            )
-            store_row_scales(code, row_block, tile_col0, rows, row_scale_ptr, row_scale_cols, SWIZZLED)
-        if COLWISE:
-            code, scaled = scale_columns(grad, MAX_RCP)
-            realign.store_tile(
-                col_data_ptr, scaled, tile_row0, tile_col0, rows, n_cols, FP8_MAX, OUT_DTYPE, STORE_MOD, split
-            )
-            store_column_scales(
-                code, row_block, tile_col0, n_cols, col_scale_ptr, col_scale_rows, col_scale_cols, SWIZZLED
-            )
+        """``scaled`` cast to FP8 (``cast_satfinite``) at ``ptrs``; EVEN: every element in bounds."""
+        data = cast_satfinite(scaled, FP8_MAX, OUT_DTYPE)
+        if EVEN:
+            gl.store(ptrs, data)
+        else:
+            gl.store(ptrs, data, mask=in_bounds)

@@ -18,6 +18,7 @@ import triton.language as tl
 from ..formats import FP8_DTYPES, FP8_MAX, FP8_MAX_RCP, MXFP8_BLOCK_SIZE, ceil_div, next_power_of_2
 from ..meta.mxfp8 import (
     flat_2d_dims,
+    mxfp8_data_pitch,
     mxfp8_dequantize_output,
     mxfp8_quantize_outputs,
     mxfp8_round_trip_outputs,
@@ -128,9 +129,10 @@ def tile_coords(cols, BLOCK_COLS: tl.constexpr):
 
 
 @triton.jit
-def store_tile(ptr, rows_idx, cols_idx, rows, cols, values, EVEN: tl.constexpr):
-    """Store a [32, BLOCK_COLS] tile row-major into a (rows, cols) buffer; EVEN: the tile is in bounds."""
-    ptrs = ptr + rows_idx[:, None].to(tl.int64) * cols + cols_idx[None, :]
+def store_tile(ptr, rows_idx, cols_idx, rows, cols, row_stride, values, EVEN: tl.constexpr):
+    """Store a [32, BLOCK_COLS] tile into a (rows, cols) buffer whose rows are ``row_stride`` apart;
+    EVEN: the tile is in bounds."""
+    ptrs = ptr + rows_idx[:, None].to(tl.int64) * row_stride + cols_idx[None, :]
     if EVEN:
         tl.store(ptrs, values)
     else:
@@ -199,6 +201,7 @@ def quantize_tile_rowwise(
     cols_idx,
     rows,
     cols,
+    data_stride,
     tile_col0,
     data_ptr,
     scale_ptr,
@@ -211,11 +214,12 @@ def quantize_tile_rowwise(
     EVEN: tl.constexpr,
 ):
     """Quantize an fp32 tile ``x`` [32, BLOCK_COLS] (out-of-bounds lanes hold 0; the tile starts on a
-    32-column boundary) in 1x32 blocks: data at ``data_ptr[row * cols + col]``, E8M0 codes at
+    32-column boundary) in 1x32 blocks: data at ``data_ptr[row * data_stride + col]``, E8M0 codes at
     row-wise scale (row, col // 32)."""
     N_BLOCKS: tl.constexpr = BLOCK_COLS // 32
     code, data = quantize_rows(x, BLOCK_COLS, FP8_MAX, MAX_RCP, OUT_DTYPE)
-    store_tile(data_ptr, rows_idx, cols_idx, rows, cols, tl.reshape(data, [32, BLOCK_COLS]), EVEN)
+    data = tl.reshape(data, [32, BLOCK_COLS])
+    store_tile(data_ptr, rows_idx, cols_idx, rows, cols, data_stride, data, EVEN)
     scale_col = tile_col0 // 32 + tl.arange(0, N_BLOCKS)[None, :]
     store_row_scale_codes(scale_ptr, code, rows_idx[:, None], scale_col, rows, scale_cols, SWIZZLED)
 
@@ -227,6 +231,7 @@ def quantize_tile_columnwise(
     cols_idx,
     rows,
     cols,
+    data_stride,
     row_block,
     data_ptr,
     scale_ptr,
@@ -239,9 +244,10 @@ def quantize_tile_columnwise(
     EVEN: tl.constexpr,
 ):
     """Quantize an fp32 tile ``x`` [32, BLOCK_COLS] in 32x1 blocks (the tile is one block high): data
-    (not transposed) at ``data_ptr[row * cols + col]``, E8M0 codes at column-wise scale (row_block, col)."""
+    (not transposed) at ``data_ptr[row * data_stride + col]``, E8M0 codes at column-wise scale
+    (row_block, col)."""
     code, data = quantize_columns(x, FP8_MAX, MAX_RCP, OUT_DTYPE)
-    store_tile(data_ptr, rows_idx, cols_idx, rows, cols, data, EVEN)
+    store_tile(data_ptr, rows_idx, cols_idx, rows, cols, data_stride, data, EVEN)
     store_column_scale_codes(scale_ptr, code, cols_idx, row_block, cols, scale_rows, scale_cols, SWIZZLED)
 
 
@@ -252,6 +258,7 @@ def quantize_tile(
     cols_idx,
     rows,
     cols,
+    data_stride,
     tile_col0,
     row_block,
     row_data_ptr,
@@ -279,6 +286,7 @@ def quantize_tile(
             cols_idx,
             rows,
             cols,
+            data_stride,
             tile_col0,
             row_data_ptr,
             row_scale_ptr,
@@ -297,6 +305,7 @@ def quantize_tile(
             cols_idx,
             rows,
             cols,
+            data_stride,
             row_block,
             col_data_ptr,
             col_scale_ptr,
@@ -317,6 +326,7 @@ def mxfp8_quantize_kernel(
     stride_row,
     rows,
     cols,
+    data_stride,
     row_data_ptr,
     row_scale_ptr,
     row_scale_cols,
@@ -346,6 +356,7 @@ def mxfp8_quantize_kernel(
         cols_idx,
         rows,
         cols,
+        data_stride,
         tile_col0,
         row_block,
         row_data_ptr,
@@ -370,6 +381,7 @@ def mxfp8_quantize_kernel(
 @triton.jit
 def mxfp8_dequantize_kernel(
     data_ptr,
+    data_stride,
     scale_ptr,
     out_ptr,
     rows,
@@ -383,8 +395,9 @@ def mxfp8_dequantize_kernel(
     rows_idx = tl.program_id(0) * 32 + tl.arange(0, 32)
     cols_idx = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     in_bounds = (rows_idx[:, None] < rows) & (cols_idx[None, :] < cols)
-    offsets = rows_idx[:, None].to(tl.int64) * cols + cols_idx[None, :]
-    values = tl.load(data_ptr + offsets, mask=in_bounds, other=0.0).to(tl.float32)
+    rows64 = rows_idx[:, None].to(tl.int64)
+    values = tl.load(data_ptr + rows64 * data_stride + cols_idx[None, :], mask=in_bounds, other=0.0)
+    values = values.to(tl.float32)
     if COLUMNWISE:
         i = cols_idx[None, :]
         j = rows_idx[:, None] // 32
@@ -398,7 +411,8 @@ def mxfp8_dequantize_kernel(
     scale_offset = swizzled_scale_offset(i, j, n_tiles_x) if SWIZZLED else compact
     code = tl.load(scale_ptr + scale_offset, mask=in_bounds, other=0).to(tl.int32)
     out = values * dequantize_multiplier(code)
-    tl.store(out_ptr + offsets, to_dtype_rne(out, out_ptr.dtype.element_ty), mask=in_bounds)
+    out_ptrs = out_ptr + rows64 * cols + cols_idx[None, :]
+    tl.store(out_ptrs, to_dtype_rne(out, out_ptr.dtype.element_ty), mask=in_bounds)
 
 
 @cached_launch
@@ -429,13 +443,13 @@ def mxfp8_round_trip_kernel(
         code, data = quantize_rows(x, BLOCK_COLS, FP8_MAX, MAX_RCP, OUT_DTYPE)
         values = tl.reshape(data.to(tl.float32) * dequantize_multiplier(code)[:, :, None], [32, BLOCK_COLS])
         values = to_dtype_rne(values, row_out_ptr.dtype.element_ty)
-        store_tile(row_out_ptr, rows_idx, cols_idx, rows, cols, values, EVEN)
+        store_tile(row_out_ptr, rows_idx, cols_idx, rows, cols, cols, values, EVEN)
     if COLWISE:
         code, data = quantize_columns(x, FP8_MAX, MAX_RCP, OUT_DTYPE)
         values = to_dtype_rne(
             data.to(tl.float32) * dequantize_multiplier(code)[None, :], col_out_ptr.dtype.element_ty
         )
-        store_tile(col_out_ptr, rows_idx, cols_idx, rows, cols, values, EVEN)
+        store_tile(col_out_ptr, rows_idx, cols_idx, rows, cols, cols, values, EVEN)
 
 
 TRITON_FP8 = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
@@ -490,6 +504,7 @@ def launch_mxfp8_quantize(
         x2d.stride(0),
         rows,
         cols,
+        mxfp8_data_pitch(cols),
         row_data.view(FP8_DTYPES[fp8_dtype]),
         row_scale,
         row_scale.shape[1] if rowwise else 0,
@@ -528,8 +543,12 @@ def launch_mxfp8_dequantize(
         return out
     block_cols = tile_cols(cols)
     grid = (ceil_div(rows, TILE_ROWS), ceil_div(cols, block_cols))
+    data2d = data.reshape(rows, cols)  # a view for the padded rows of MXFP8 data (mxfp8_data_pitch)
+    if data2d.stride(1) != 1:
+        data2d = data2d.contiguous()
     mxfp8_dequantize_kernel[grid](
-        data.contiguous().view(FP8_DTYPES[fp8_dtype]),
+        data2d.view(FP8_DTYPES[fp8_dtype]),
+        data2d.stride(0),
         scale.contiguous(),
         out,
         rows,

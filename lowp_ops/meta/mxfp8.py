@@ -91,13 +91,39 @@ def check_quantize_args(
     require(rowwise or columnwise, lambda: "at least one of rowwise and columnwise must be True")
 
 
+MXFP8_ROW_ALIGN = 16
+"""Bytes a row of MXFP8 data is padded to (:func:`mxfp8_data_pitch`)."""
+
+
+def mxfp8_data_pitch(cols):
+    """The row stride of MXFP8 data with ``cols`` columns: ``cols`` rounded up to 16 bytes.
+
+    An FP8 GEMM needs its operands' leading dimension in multiples of 16 bytes (cuBLASLt), and a kernel
+    whose rows start 16-byte aligned stores whole words; rows of a width such as 50257 (GPT-2's
+    vocabulary) would otherwise start at every byte offset. The padding bytes are not part of the
+    tensor (a strided view); ``.contiguous()`` gives the unpadded copy."""
+    return round_up(cols, MXFP8_ROW_ALIGN)
+
+
+def mxfp8_data_empty(x: torch.Tensor, shape) -> torch.Tensor:
+    """Uninitialized uint8 MXFP8 data of ``shape`` on x's device, rows :func:`mxfp8_data_pitch` apart: a
+    view of a ``(..., pitch)`` buffer, so the last row's padding is allocated too (kernels may write a
+    whole word or sector across the row's end)."""
+    cols = shape[-1]
+    pitch = mxfp8_data_pitch(cols)
+    if len(shape) < 2 or pitch == cols:
+        return x.new_empty(shape, dtype=torch.uint8)
+    return x.new_empty((*shape[:-1], pitch), dtype=torch.uint8)[..., :cols]
+
+
 def mxfp8_quantize_outputs(
     x: torch.Tensor, fp8_dtype: str, rowwise: bool, columnwise: bool, scale_layout: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Allocate ``(row_data, row_scale, col_data, col_scale)``; a copy not asked for is a 0-element tensor.
 
-    Data have x's shape (contiguous) and hold FP8 bit patterns as uint8 (``opcheck`` cannot compare
-    float8 tensors; the public API views them as float8_e4m3fn / float8_e5m2). Scales are uint8 E8M0
+    Data have x's shape, rows :func:`mxfp8_data_pitch` apart (contiguous when ``cols`` is a multiple of
+    16), and hold FP8 bit patterns as uint8 (``opcheck`` cannot compare float8 tensors; the public API
+    views them as float8_e4m3fn / float8_e5m2). Scales are uint8 E8M0
     codes; a scale tensor with padding is zero-filled (the kernels and the reference write every code
     of a real block, none of the padding), one without is left for the kernel to fill: a fill of both
     scale tensors at 4096 x 129280 cost 12 us, 2% of the fused CE backward.
@@ -108,7 +134,7 @@ def mxfp8_quantize_outputs(
     col_blocks = ceil_div(cols, MXFP8_BLOCK_SIZE)
 
     def data(wanted: bool) -> torch.Tensor:
-        return x.new_empty(x.shape if wanted else (0,), dtype=torch.uint8)
+        return mxfp8_data_empty(x, x.shape) if wanted else x.new_empty((0,), dtype=torch.uint8)
 
     def scale(wanted: bool, shape, codes) -> torch.Tensor:
         if not wanted:
