@@ -231,7 +231,12 @@ if gluon is not None:
         rows are ``data_stride`` bytes apart, a multiple of 16 (``meta.mxfp8.mxfp8_data_pitch``), so
         every thread stores its 8 bytes of a row as one aligned word either way, the row's padding
         included (zeros)."""
-        tile: gl.constexpr = gl.BlockedLayout([1, 1, 8], [2, 4, 4], [2, 1, 1], [2, 1, 0])
+        # Realigned rows keep the layout realign.load_tile reads them in (8 consecutive rows a thread, the
+        # same tile as realign.SPLIT_TILE): no shared-memory round trip between the load and the math.
+        if LOAD_MOD < 0:
+            tile: gl.constexpr = gl.BlockedLayout([1, 1, 8], [2, 4, 4], [2, 1, 1], [2, 1, 0])
+        else:
+            tile: gl.constexpr = gl.BlockedLayout([8, 1, 8], [2, 4, 4], [2, 1, 1], [2, 1, 0])
         by_row: gl.constexpr = gl.SliceLayout(2, tile)
 
         # Tiles walk along the rows (as mxfp8.tile_coords): resident programs read long row segments.

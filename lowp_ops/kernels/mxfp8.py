@@ -543,7 +543,8 @@ def launch_mxfp8_dequantize(
         return out
     block_cols = tile_cols(cols)
     grid = (ceil_div(rows, TILE_ROWS), ceil_div(cols, block_cols))
-    data2d = data.reshape(rows, cols)  # a view for the padded rows of MXFP8 data (mxfp8_data_pitch)
+    # Rows are read through their stride: the padded rows of MXFP8 data (mxfp8_data_pitch) too.
+    data2d = data if data.dim() == 2 else data.reshape(rows, cols)
     if data2d.stride(1) != 1:
         data2d = data2d.contiguous()
     mxfp8_dequantize_kernel[grid](

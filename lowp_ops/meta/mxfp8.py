@@ -153,6 +153,32 @@ def mxfp8_quantize_outputs(
 def check_dequantize_args(
     data: torch.Tensor, scale: torch.Tensor, fp8_dtype: str, use: str, scale_layout: str, dtype: torch.dtype
 ) -> None:
+    # One expression for the valid case (a dequantize is a small kernel: its checks are host time).
+    valid = (
+        data.dtype == torch.uint8
+        and scale.dtype == torch.uint8
+        and type(fp8_dtype) is str
+        and fp8_dtype in FP8_DTYPES
+        and use in MXFP8_USES
+        and scale_layout in SCALE_LAYOUTS
+        and dtype in HIGH_PRECISION_DTYPES
+        and data.dim() >= 1
+    )
+    if not valid:
+        _explain_dequantize_args(data, scale, fp8_dtype, use, scale_layout, dtype)
+    rows, cols = flat_2d_dims(data.shape)
+    expected = row_scale_shape(rows, cols) if use == "rowwise" else col_scale_shape(rows, cols)
+    if tuple(scale.shape) != tuple(expected):
+        raise ValueError(
+            f"scale must have shape {tuple(expected)} for {use} data of shape {tuple(data.shape)}, "
+            f"got {tuple(scale.shape)}"
+        )
+
+
+def _explain_dequantize_args(
+    data: torch.Tensor, scale: torch.Tensor, fp8_dtype: str, use: str, scale_layout: str, dtype: torch.dtype
+) -> None:
+    """Raise the ValueError that names the first bad argument of :func:`check_dequantize_args`."""
     require(data.dtype == torch.uint8, lambda: f"data must be uint8 FP8 bit patterns, got {data.dtype}")
     check_fp8_dtype(fp8_dtype)
     require(data.dim() >= 1, lambda: "data must have at least one dimension, got a 0-d tensor")
@@ -161,15 +187,6 @@ def check_dequantize_args(
     check_scale_layout(scale_layout)
     require(
         dtype in HIGH_PRECISION_DTYPES, lambda: f"dtype must be float32, bfloat16 or float16, got {dtype}"
-    )
-    rows, cols = flat_2d_dims(data.shape)
-    expected = row_scale_shape(rows, cols) if use == "rowwise" else col_scale_shape(rows, cols)
-    require(
-        tuple(scale.shape) == tuple(expected),
-        lambda: (
-            f"scale must have shape {tuple(expected)} for {use} data of shape {tuple(data.shape)}, "
-            f"got {tuple(scale.shape)}"
-        ),
     )
 
 
