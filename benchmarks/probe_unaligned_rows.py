@@ -30,6 +30,12 @@ def variants(x, target, stats, grad_rows):
             ),
             4.0625,
         ),
+        "bwd->mxfp8 gluon swizzled": (
+            lambda v: ce.launch_cross_entropy_bwd_mxfp8(
+                v, target, stats, grad_rows, 0.0, -100, "e4m3", True, True, "swizzled", gluon=True
+            ),
+            4.0625,
+        ),
         "bwd->mxfp8 triton": (
             lambda v: ce.launch_cross_entropy_bwd_mxfp8(
                 v, target, stats, grad_rows, 0.0, -100, "e4m3", True, True, "compact", gluon=False

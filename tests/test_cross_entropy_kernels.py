@@ -472,20 +472,21 @@ def test_gpu_realigned_mxfp8_gluon_kernel_is_bytes_of_triton_kernel(
     n_rows, n_cols, stride, dtype, rowwise, columnwise, monkeypatch
 ):
     """Rows that are not 16-byte aligned: the Gluon kernel (spied), realigning them, writes the Triton
-    kernel's bytes, with label smoothing, class weights, ignored and masked rows, both FP8 formats."""
+    kernel's bytes, with label smoothing, class weights, ignored and masked rows, both FP8 formats and
+    both scale layouts."""
     launches = spy_gluon_kernels(monkeypatch)
     buffer, target = ce_inputs(n_rows, stride, dtype, "cuda", seed=n_cols)
     logits = buffer[:, :n_cols]
     target = torch.where(target >= n_cols, target % n_cols, target)
     gen = torch.Generator(device="cuda").manual_seed(n_rows)
     weight = torch.rand(n_cols, generator=gen, device="cuda") + 0.5
-    for fp8_dtype, label_smoothing, class_weight, grad_kind in [
-        ("e4m3", 0.1, None, "dense"),
-        ("e5m2", 0.0, weight, "expanded"),
+    for fp8_dtype, label_smoothing, class_weight, grad_kind, scale_layout in [
+        ("e4m3", 0.1, None, "dense", "compact"),
+        ("e5m2", 0.0, weight, "expanded", "swizzled"),
     ]:
         lse = ce_kernels.launch_cross_entropy_fwd(logits, target, label_smoothing, IGNORE, class_weight)[1]
         args = (logits, target, lse, grad_rows_for(n_rows, "cuda", grad_kind), label_smoothing, IGNORE)
-        args += (fp8_dtype, rowwise, columnwise, "compact", 0, 0, class_weight)
+        args += (fp8_dtype, rowwise, columnwise, scale_layout, 0, 0, class_weight)
         got = ce_kernels.launch_cross_entropy_bwd_mxfp8(*args)
         want = ce_kernels.launch_cross_entropy_bwd_mxfp8(*args, gluon=False)
         for name, g, w in zip(("row_data", "row_scale", "col_data", "col_scale"), got, want, strict=True):
@@ -499,17 +500,18 @@ def test_gpu_realigned_mxfp8_gluon_kernel_is_bytes_of_triton_kernel(
     ("scale_layout", "n_cols", "shard_start", "gluon_runs"),
     [
         ("compact", 3000, 0, True),
-        ("swizzled", 3000, 0, False),
+        ("swizzled", 3072, 0, False),
+        ("swizzled", 3000, 0, True),  # rows that are not 16-byte aligned
         ("compact", 100, 0, False),
         ("compact", 3000, 64, True),
     ],
 )
-def test_gpu_launcher_picks_the_gluon_kernel_for_compact_scales(
+def test_gpu_launcher_picks_the_gluon_kernel(
     scale_layout, n_cols, shard_start, gluon_runs, monkeypatch
 ):
-    """On CUDA the launcher runs the Gluon kernel (spied) for compact scales and >= 128 columns, also
-    for a vocabulary shard (starting at ``shard_start``), the Triton one otherwise; the two write the
-    same bytes."""
+    """On CUDA the launcher runs the Gluon kernel (spied) for >= 128 columns with compact scales or rows
+    that are not 16-byte aligned, also for a vocabulary shard (starting at ``shard_start``), the Triton
+    one otherwise; the two write the same bytes."""
     launches = spy_gluon_kernels(monkeypatch)
     logits, target = ce_inputs(100, n_cols, torch.bfloat16, "cuda", seed=5)
     lse = ce_kernels.launch_cross_entropy_fwd(logits, target, 0.1, IGNORE)[1]
