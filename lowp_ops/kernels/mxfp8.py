@@ -214,12 +214,13 @@ def quantize_tile_rowwise(
     EVEN: tl.constexpr,
 ):
     """Quantize an fp32 tile ``x`` [32, BLOCK_COLS] (out-of-bounds lanes hold 0; the tile starts on a
-    32-column boundary) in 1x32 blocks: data at ``data_ptr[row * data_stride + col]``, E8M0 codes at
-    row-wise scale (row, col // 32)."""
+    32-column boundary) in 1x32 blocks: data at ``data_ptr[row * data_stride + col]`` (zeros in the
+    row's padding up to ``data_stride``), E8M0 codes at row-wise scale (row, col // 32)."""
     N_BLOCKS: tl.constexpr = BLOCK_COLS // 32
     code, data = quantize_rows(x, BLOCK_COLS, FP8_MAX, MAX_RCP, OUT_DTYPE)
     data = tl.reshape(data, [32, BLOCK_COLS])
-    store_tile(data_ptr, rows_idx, cols_idx, rows, cols, data_stride, data, EVEN)
+    # Bounded by the padded row (the tile holds zeros past cols): Triton then proves whole 8-byte runs.
+    store_tile(data_ptr, rows_idx, cols_idx, rows, data_stride, data_stride, data, EVEN)
     scale_col = tile_col0 // 32 + tl.arange(0, N_BLOCKS)[None, :]
     store_row_scale_codes(scale_ptr, code, rows_idx[:, None], scale_col, rows, scale_cols, SWIZZLED)
 
@@ -244,10 +245,10 @@ def quantize_tile_columnwise(
     EVEN: tl.constexpr,
 ):
     """Quantize an fp32 tile ``x`` [32, BLOCK_COLS] in 32x1 blocks (the tile is one block high): data
-    (not transposed) at ``data_ptr[row * data_stride + col]``, E8M0 codes at column-wise scale
-    (row_block, col)."""
+    (not transposed) at ``data_ptr[row * data_stride + col]`` (zeros in the padding), E8M0 codes at
+    column-wise scale (row_block, col)."""
     code, data = quantize_columns(x, FP8_MAX, MAX_RCP, OUT_DTYPE)
-    store_tile(data_ptr, rows_idx, cols_idx, rows, cols, data_stride, data, EVEN)
+    store_tile(data_ptr, rows_idx, cols_idx, rows, data_stride, data_stride, data, EVEN)
     store_column_scale_codes(scale_ptr, code, cols_idx, row_block, cols, scale_rows, scale_cols, SWIZZLED)
 
 

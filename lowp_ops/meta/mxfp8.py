@@ -107,11 +107,11 @@ def mxfp8_data_pitch(cols):
 
 def mxfp8_data_empty(x: torch.Tensor, shape) -> torch.Tensor:
     """Uninitialized uint8 MXFP8 data of ``shape`` on x's device, rows :func:`mxfp8_data_pitch` apart: a
-    view of a ``(..., pitch)`` buffer, so the last row's padding is allocated too (kernels may write a
-    whole word or sector across the row's end)."""
+    view of a ``(..., pitch)`` buffer, so the last row's padding is allocated too (kernels write whole
+    words up to the padded row's end)."""
     cols = shape[-1]
     pitch = mxfp8_data_pitch(cols)
-    if len(shape) < 2 or pitch == cols:
+    if pitch == cols:
         return x.new_empty(shape, dtype=torch.uint8)
     return x.new_empty((*shape[:-1], pitch), dtype=torch.uint8)[..., :cols]
 
