@@ -56,9 +56,9 @@ for entry in "${pids[@]}"; do
 done
 cat "$raw"/gpu_*.log > "$OUT/gpu_groups.log"
 grep -h -E "^(FAILED|ERROR)|^E   " "$raw"/gpu_*.log > "$OUT/gpu_failures.log"
-# Each cudagraph test in its own process, four at a time.
+# Each cudagraph test in its own process, CUDAGRAPH_JOBS (default four) at a time.
 mapfile -t ids < <(python3 -m pytest --collect-only -q -m cudagraph "${cudagraph_files[@]}" 2>/dev/null | grep "::")
-printf '%s\n' "${ids[@]}" | xargs -P 4 -I{} bash -c \
+printf '%s\n' "${ids[@]}" | xargs -P "${CUDAGRAPH_JOBS:-4}" -I{} bash -c \
     'out="$(timeout 300 python3 -m pytest -q "$1" 2>&1)"; s=$?; printf -- "---- %s\n%s\n" "$1" "$out" >> "$2/cudagraph_$BASHPID.log";
      last="$(tail -n 1 <<< "$out")"
      if [ $s -ne 0 ]; then echo "FAIL (exit $s) $1"; elif grep -q passed <<< "$last"; then echo "PASS $1"; else echo "SKIP $1 ($last)"; fi' \
