@@ -506,9 +506,7 @@ def test_gpu_realigned_mxfp8_gluon_kernel_is_bytes_of_triton_kernel(
         ("compact", 3000, 64, True),
     ],
 )
-def test_gpu_launcher_picks_the_gluon_kernel(
-    scale_layout, n_cols, shard_start, gluon_runs, monkeypatch
-):
+def test_gpu_launcher_picks_the_gluon_kernel(scale_layout, n_cols, shard_start, gluon_runs, monkeypatch):
     """On CUDA the launcher runs the Gluon kernel (spied) for >= 128 columns with compact scales or rows
     that are not 16-byte aligned, also for a vocabulary shard (starting at ``shard_start``), the Triton
     one otherwise; the two write the same bytes."""
