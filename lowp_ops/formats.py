@@ -137,6 +137,9 @@ class MXFP8Tensor:
     - ``col_data``: ``shape`` (not transposed), FP8; 32x1 blocks along the rows. ``col_scale``: uint8,
       ``[roundup(ceil(rows / 32), 4), roundup(cols, 128)]``.
     - A copy that was not asked for is ``None``. Scale padding is zero.
+    - Data made here have rows ``ceil(cols / 16) * 16`` bytes apart (``row_data.stride(-2)``; the
+      padding is not part of the tensor): the leading dimension an FP8 GEMM needs. Any data of the
+      right shape and dtype are accepted.
     - ``scale_layout == "swizzled"``: the scale bytes are in the GEMM-swizzled order (128x4 tiles of
       512 bytes; column-wise scales swizzled as their transpose); the buffers keep the compact shapes.
     - ``fp8_dtype``: ``"e4m3"`` / ``"e5m2"`` (``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` are
