@@ -596,7 +596,7 @@ def launch_cross_entropy_bwd_mxfp8(
             and cross_entropy_gluon.gluon is not None
             and (scale_layout == "compact" or not aligned_rows)
             and n_cols >= cross_entropy_gluon.BLOCK_COLS
-            and 32 * max(n_cols, logits.stride(0)) < 2**31  # its in-tile offsets are int32
+            and 32 * max(mxfp8_data_pitch(n_cols), logits.stride(0)) < 2**31  # in-tile offsets are int32
             and z_loss == 0
             and softcap == 0
         )
