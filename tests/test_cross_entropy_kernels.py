@@ -421,12 +421,13 @@ def sm90_ptx(kernel, constexprs: dict, dtypes: dict, divisible: tuple[str, ...] 
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2}).asm["ptx"]
 
 
-@pytest.mark.parametrize("load_mod", [-1, 0, 1, 3])
-def test_gluon_mxfp8_kernel_accesses_memory_vector_wide(load_mod):
+@pytest.mark.parametrize(("load_mod", "even"), [(-1, False), (-1, True), (0, False), (1, False), (3, True)])
+def test_gluon_mxfp8_kernel_accesses_memory_vector_wide(load_mod, even):
     """The Gluon kernel's sm_90 code (compiled here, run on the GPU by the tests below): per thread,
     one 16-byte logits load per 8 columns of its 8 rows where rows are aligned or realigned from an
     aligned row stride, two where the stride is skewed; one 8-byte store per row and copy (the FP8
-    rows are padded to 16 bytes), and no local memory (no spills)."""
+    rows are padded to 16 bytes), and no local memory (no spills); ``EVEN`` (whole tiles, maskless
+    stores) the same."""
     import triton.language as tl
 
     from lowp_ops.kernels import cross_entropy_gluon
@@ -437,7 +438,7 @@ def test_gluon_mxfp8_kernel_accesses_memory_vector_wide(load_mod):
     dtypes |= {"col_scale_ptr": "*u8", "smoothing_eps": "fp32", "target_weight": "fp32"}
     constexprs = {"HAS_SMOOTHING": True, "HAS_WEIGHT": False, "FP8_MAX": 448.0, "MAX_RCP": 1 / 448.0}
     constexprs |= {"OUT_DTYPE": tl.float8e4nv, "ROWWISE": True, "COLWISE": True, "SWIZZLED": False}
-    constexprs |= {"LOAD_MOD": load_mod, "EVEN": False}
+    constexprs |= {"LOAD_MOD": load_mod, "EVEN": even}
     # The launcher's integers as Triton specializes them: the FP8 row stride a multiple of 16.
     divisible = ("data_stride",) + (("stride_row", "n_cols") if load_mod < 0 else ())
     ptx = sm90_ptx(cross_entropy_gluon.cross_entropy_bwd_mxfp8_gluon_kernel, constexprs, dtypes, divisible)
