@@ -588,6 +588,7 @@ def launch_cross_entropy_bwd_mxfp8(
     class_weights, smooth_total = class_weight_args(weight, eps, grad_rows)
     data_dtype = FP8_DTYPES[fp8_dtype]
     aligned_rows = n_cols % 16 == 0 and logits.stride(0) % 16 == 0
+    data_stride = mxfp8_data_pitch(n_cols)  # the FP8 rows' stride, as the outputs were allocated
     if gluon is None:
         # Swizzled scales of aligned rows: the Triton kernel (80.3% of copy against the Gluon one's 79.0%
         # on the H200); of other rows the Gluon one (65% against 9% at 8192 x 50257).
@@ -596,7 +597,7 @@ def launch_cross_entropy_bwd_mxfp8(
             and cross_entropy_gluon.gluon is not None
             and (scale_layout == "compact" or not aligned_rows)
             and n_cols >= cross_entropy_gluon.BLOCK_COLS
-            and 32 * max(mxfp8_data_pitch(n_cols), logits.stride(0)) < 2**31  # in-tile offsets are int32
+            and 32 * max(data_stride, logits.stride(0)) < 2**31  # its in-tile offsets are int32
             and z_loss == 0
             and softcap == 0
         )
@@ -632,7 +633,7 @@ def launch_cross_entropy_bwd_mxfp8(
         target_weight,
         class_weights,
         smooth_total,
-        mxfp8_data_pitch(n_cols),
+        data_stride,
         row_data.view(data_dtype),
         row_scale,
         row_scale.shape[1] if rowwise else 0,

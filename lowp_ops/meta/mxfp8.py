@@ -105,15 +105,15 @@ def mxfp8_data_pitch(cols):
     return round_up(cols, MXFP8_ROW_ALIGN)
 
 
-def mxfp8_data_empty(x: torch.Tensor, shape) -> torch.Tensor:
-    """Uninitialized uint8 MXFP8 data of ``shape`` on x's device, rows :func:`mxfp8_data_pitch` apart: a
+def mxfp8_data_empty(x: torch.Tensor) -> torch.Tensor:
+    """Uninitialized uint8 MXFP8 data of x's shape and device, rows :func:`mxfp8_data_pitch` apart: a
     view of a ``(..., pitch)`` buffer, so the last row's padding is allocated too (kernels write whole
     words up to the padded row's end)."""
-    cols = shape[-1]
+    cols = x.shape[-1]
     pitch = mxfp8_data_pitch(cols)
     if pitch == cols:
-        return x.new_empty(shape, dtype=torch.uint8)
-    return x.new_empty((*shape[:-1], pitch), dtype=torch.uint8)[..., :cols]
+        return x.new_empty(x.shape, dtype=torch.uint8)
+    return x.new_empty((*x.shape[:-1], pitch), dtype=torch.uint8)[..., :cols]
 
 
 def mxfp8_quantize_outputs(
@@ -134,7 +134,7 @@ def mxfp8_quantize_outputs(
     col_blocks = ceil_div(cols, MXFP8_BLOCK_SIZE)
 
     def data(wanted: bool) -> torch.Tensor:
-        return mxfp8_data_empty(x, x.shape) if wanted else x.new_empty((0,), dtype=torch.uint8)
+        return mxfp8_data_empty(x) if wanted else x.new_empty((0,), dtype=torch.uint8)
 
     def scale(wanted: bool, shape, codes) -> torch.Tensor:
         if not wanted:
