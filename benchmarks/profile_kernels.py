@@ -1,12 +1,12 @@
 """Which GPU kernels one call launches and how long each runs (torch.profiler), to find the small
 kernels around the big ones (not a timed benchmark):
 
-    python benchmarks/profile_kernels.py ce_mxfp8 | ce_fwd_bwd
+    python benchmarks/profile_kernels.py [--shape 4096x129280] ce_mxfp8 | ce_fwd_bwd
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -20,9 +20,17 @@ CASES = {
 
 
 def main() -> None:
-    x = (torch.randn(4096, 129280, device="cuda") * 3).to(torch.bfloat16)
-    t = torch.randint(0, 129280, (4096,), device="cuda")
-    for name in sys.argv[1:] or list(CASES):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("cases", nargs="*", help=f"any of {', '.join(CASES)} (default: all)")
+    parser.add_argument("--shape", default="4096x129280", help="rows x classes of the bf16 logits")
+    args = parser.parse_args()
+    unknown = set(args.cases) - set(CASES)
+    if unknown:
+        parser.error(f"unknown cases {sorted(unknown)}; known: {list(CASES)}")
+    rows, classes = map(int, args.shape.split("x"))
+    x = (torch.randn(rows, classes, device="cuda") * 3).to(torch.bfloat16)
+    t = torch.randint(0, classes, (rows,), device="cuda")
+    for name in args.cases or list(CASES):
         logits = x.clone().requires_grad_(name == "ce_fwd_bwd")
         for _ in range(3):
             CASES[name](logits, t)

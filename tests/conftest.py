@@ -42,6 +42,21 @@ def _reset_dynamo():
 
 
 @pytest.fixture
+def poisoned_empty():
+    """While the test runs, ``torch.empty`` / ``new_empty`` fill their memory (0xFF bytes, NaN floats;
+    torch's deterministic mode): an output byte a kernel leaves unwritten then fails a byte comparison
+    instead of passing on memory that happened to hold zeros."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    yield
+    torch.utils.deterministic.fill_uninitialized_memory = fill
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
+@pytest.fixture
 def kernel_device() -> str:
     """Where the Triton kernels run: CUDA on a GPU machine, CPU tensors under the interpreter."""
     return "cuda" if HAS_CUDA and not INTERPRET else "cpu"

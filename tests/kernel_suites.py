@@ -27,3 +27,21 @@ def kernel_property_settings(interp_examples: int, gpu_examples: int = 60) -> se
         phases=[phase for phase in Phase if phase != Phase.shrink or not INTERPRET],
         suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
     )
+
+
+def assert_mxfp8_scale_padding_is_zero(row_scale, col_scale, rows: int, cols: int, scale_layout: str) -> None:
+    """The scale codes outside the data's blocks (rows and columns padded to 128) are 0, in either
+    layout; a 0-element scale tensor (a copy not asked for) is skipped."""
+    import math
+
+    from lowp_ops.reference import mxfp8 as reference
+
+    swizzled = scale_layout == "swizzled"
+    if row_scale.numel():
+        compact = reference.unswizzle_scales(row_scale.cpu()) if swizzled else row_scale.cpu()
+        assert not compact[rows:].any(), "row-wise scales: rows past the data are not 0"
+        assert not compact[:, math.ceil(cols / 32) :].any(), "row-wise scales: blocks past the data are not 0"
+    if col_scale.numel():
+        compact = reference.unswizzle_col_scales(col_scale.cpu()) if swizzled else col_scale.cpu()
+        assert not compact[math.ceil(rows / 32) :].any(), "column-wise scales: blocks past the data are not 0"
+        assert not compact[:, cols:].any(), "column-wise scales: columns past the data are not 0"

@@ -30,6 +30,7 @@ from ce_softmax_oracles import (
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kernel_suites import assert_mxfp8_scale_padding_is_zero
 
 import lowp_ops
 from lowp_ops.reference import cross_entropy as ce_ref
@@ -119,7 +120,8 @@ def check_ce_backward(logits, target, lse, grad_rows, label_smoothing):
 def check_mxfp8_contract(
     logits, target, lse, grad_rows, label_smoothing, fp8_dtype, rowwise, columnwise, scale_layout, gluon=None
 ):
-    """launch_cross_entropy_bwd_mxfp8 == launch_mxfp8_quantize(launch_cross_entropy_bwd), byte for byte.
+    """launch_cross_entropy_bwd_mxfp8 == launch_mxfp8_quantize(launch_cross_entropy_bwd), byte for byte,
+    and the scales' padding holds zeros (with ``poisoned_empty``, a byte no launch wrote shows).
     ``gluon``: which fused kernel (None: the launcher's choice, Gluon on CUDA)."""
     fused = ce_kernels.launch_cross_entropy_bwd_mxfp8(
         logits,
@@ -141,6 +143,7 @@ def check_mxfp8_contract(
     ):
         assert got.dtype == want.dtype == torch.uint8 and got.shape == want.shape, name
         assert torch.equal(got, want), f"{name}: {int((got != want).sum())} bytes differ"
+    assert_mxfp8_scale_padding_is_zero(fused[1], fused[3], *logits.shape, scale_layout)
     if rowwise:
         assert fused[0].numel() == logits.numel()
     if columnwise:
@@ -243,6 +246,7 @@ def test_interp_cross_entropy_forward_reads_strided_rows():
 @pytest.mark.interp
 @pytest.mark.parametrize(("rowwise", "columnwise"), COPIES)
 @pytest.mark.parametrize(("fp8_dtype", "scale_layout"), FP8_LAYOUTS)
+@pytest.mark.usefixtures("poisoned_empty")
 def test_interp_mxfp8_grad_kernel_is_bytes_of_quantized_grad(fp8_dtype, scale_layout, rowwise, columnwise):
     for n_rows, n_cols in [(37, 333), (64, 256)]:  # ragged tiles; whole tiles only
         logits, target = ce_inputs(n_rows, n_cols, torch.bfloat16, "cpu")
@@ -359,10 +363,12 @@ def test_gpu_cross_entropy_kernels_match_reference(n_rows, n_cols, dtype, label_
     [
         (4096, 129280, 0.0, "expanded"),
         (1000, 50257, 0.1, "dense"),
+        (1000, 50257, 0.0, "expanded"),  # one dloss for every row, rows not 16-byte aligned
         (77, 333, 0.1, "dense"),
         (40, 256, 0.0, "dense"),
     ],
 )
+@pytest.mark.usefixtures("poisoned_empty")
 def test_gpu_mxfp8_grad_kernel_is_bytes_of_quantized_grad(
     fp8_dtype, scale_layout, n_rows, n_cols, label_smoothing, grad_kind, gluon
 ):
@@ -470,6 +476,7 @@ REALIGNED_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize(("n_rows", "n_cols", "stride", "dtype"), REALIGNED_CASES)
 @pytest.mark.parametrize(("rowwise", "columnwise"), COPIES)
+@pytest.mark.usefixtures("poisoned_empty")
 def test_gpu_realigned_mxfp8_gluon_kernel_is_bytes_of_triton_kernel(
     n_rows, n_cols, stride, dtype, rowwise, columnwise, monkeypatch
 ):
@@ -493,6 +500,7 @@ def test_gpu_realigned_mxfp8_gluon_kernel_is_bytes_of_triton_kernel(
         want = ce_kernels.launch_cross_entropy_bwd_mxfp8(*args, gluon=False)
         for name, g, w in zip(("row_data", "row_scale", "col_data", "col_scale"), got, want, strict=True):
             assert torch.equal(g, w), f"{fp8_dtype} {name}: {int((g != w).sum())} bytes differ"
+        assert_mxfp8_scale_padding_is_zero(got[1], got[3], n_rows, n_cols, scale_layout)
     per_16_bytes = 16 // logits.element_size()
     assert [load_mod for load_mod, _ in launches] == [stride % per_16_bytes] * 2
 
@@ -508,6 +516,7 @@ def test_gpu_realigned_mxfp8_gluon_kernel_is_bytes_of_triton_kernel(
         ("compact", 3000, 64, True),
     ],
 )
+@pytest.mark.usefixtures("poisoned_empty")
 def test_gpu_launcher_picks_the_gluon_kernel(scale_layout, n_cols, shard_start, gluon_runs, monkeypatch):
     """On CUDA the launcher runs the Gluon kernel (spied) for >= 128 columns with compact scales or rows
     that are not 16-byte aligned, also for a vocabulary shard (starting at ``shard_start``), the Triton
@@ -523,6 +532,7 @@ def test_gpu_launcher_picks_the_gluon_kernel(scale_layout, n_cols, shard_start, 
     want = ce_kernels.launch_cross_entropy_bwd_mxfp8(*args, gluon=False)
     for name, g, w in zip(("row_data", "row_scale", "col_data", "col_scale"), got, want, strict=True):
         assert torch.equal(g, w), f"{name}: {int((g != w).sum())} bytes differ"
+    assert_mxfp8_scale_padding_is_zero(got[1], got[3], 100, n_cols, scale_layout)
 
 
 @pytest.mark.gpu
@@ -653,3 +663,55 @@ def test_gpu_select_free_tiles_equal_the_full_formula(n_cols, dtype, label_smoot
 )
 def test_gpu_row_segment_backward_equals_the_tile_kernel(n_rows, n_cols, dtype):
     check_row_segments_equal_tiles(n_rows, n_cols, dtype, "cuda")
+
+
+@pytest.mark.parametrize("gluon", [True, False], ids=["gluon", "triton"])
+@pytest.mark.parametrize(("n_cols", "scale_layout"), [(300, "compact"), (301, "swizzled"), (256, "compact")])
+def test_mxfp8_launcher_arguments_bind_to_the_kernel_parameters(gluon, n_cols, scale_layout, monkeypatch):
+    """The launcher's positional and keyword arguments bind one to one to the kernel it picks (Gluon or
+    Triton), checked on this machine without running either: a kernel that gains or loses a parameter
+    the launcher does not follow fails here, not only on a GPU."""
+    import inspect
+
+    from lowp_ops.kernels import cross_entropy_gluon
+
+    if gluon and cross_entropy_gluon.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    module, name = (
+        (cross_entropy_gluon, "cross_entropy_bwd_mxfp8_gluon_kernel")
+        if gluon
+        else (ce_kernels, "cross_entropy_bwd_mxfp8_kernel")
+    )
+    kernel = getattr(module, name)
+    params = [p.name for p in kernel.jit_function.params]
+    bound = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, num_warps, **meta):
+                signature = inspect.Signature(
+                    [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params]
+                )
+                bound.append(signature.bind(*args, **meta).arguments)
+
+            return launch
+
+    monkeypatch.setattr(module, name, Spy())
+    logits, target = ce_inputs(40, n_cols, torch.bfloat16, "cpu")
+    lse = ce_ref.cross_entropy_fwd(logits, target, 0.0, IGNORE)[1]
+    args = (
+        logits,
+        target,
+        lse,
+        grad_rows_for(40, "cpu", "dense"),
+        0.0,
+        IGNORE,
+        "e4m3",
+        True,
+        True,
+        scale_layout,
+    )
+    ce_kernels.launch_cross_entropy_bwd_mxfp8(*args, gluon=gluon)
+    assert len(bound) == 1 and list(bound[0]) == params
+    assert bound[0]["n_cols"] == n_cols and bound[0]["rows"] == 40
+    assert bound[0]["row_scale_cols"] == math.ceil(math.ceil(n_cols / 32) / 4) * 4

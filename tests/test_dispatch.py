@@ -262,10 +262,12 @@ CUDA_KERNELS = {
     # H200 at commit 9d8cd5f with two more fills: the zero gradients of the non-differentiable outputs,
     # which set_materialize_grads(False) no longer creates; CPU: tests/test_dispatch.py below)
     "cross_entropy fwd+bwd": 6,
-    "cross_entropy_with_mxfp8_grad": 5,  # fwd, reduce, 2 scale-padding fills, fused MXFP8 bwd
+    # fwd, reduce, fused MXFP8 bwd (the Triton kernel at 96 classes: it writes the scales' padding, 5
+    # kernels with the 2 fills that preceded it); the Gluon kernel (>= 128 classes) keeps the 2 fills
+    "cross_entropy_with_mxfp8_grad": 3,
     "softmax fwd+bwd": 3,  # fwd, bwd, grad accumulation
     "logsumexp fwd": 1,
-    "mxfp8_quantize": 3,  # 2 scale-padding fills (8 rows pad to 128), the kernel
+    "mxfp8_quantize": 1,  # the kernel, which writes the scales' padding too (8 rows pad to 128)
     "mxfp8_dequantize": 1,
     "nvfp4_dequantize": 1,
     # the kernel, which also writes the given amaxes to the outputs, and the 2 scale-padding fills

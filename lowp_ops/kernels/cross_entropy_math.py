@@ -18,7 +18,6 @@ from triton.language.extra import libdevice
 
 from .bf16_pairs import round_pairs_to_bf16, to_dtype_rne
 from .launch import INTERPRETING_CONSTEXPR as INTERPRETING
-from .mxfp8 import tile_coords
 from .softmax import online_softmax_update, rebase_shifted_sum
 
 
@@ -450,6 +449,8 @@ def row_terms(
 
 @triton.jit
 def program_tile_grad(
+    row_block,
+    col_tile,
     logits_ptr,
     stride_row,
     target_ptr,
@@ -476,9 +477,8 @@ def program_tile_grad(
     HAS_Z_LOSS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
 ):
-    """This program's 32 x BLOCK_COLS tile: (row_block, rows_idx, cols, tile_col0, fp32 gradient), the
+    """The 32 x BLOCK_COLS tile (``row_block``, ``col_tile``): (rows_idx, cols, fp32 gradient), the
     gradient from :func:`grad_of_logits` (``z_loss2 = 2 z``)."""
-    row_block, col_tile = tile_coords(n_cols, BLOCK_COLS)
     rows_idx = row_block * 32 + tl.arange(0, 32)
     tile_col0 = col_tile * BLOCK_COLS
     cols = tile_col0 + tl.arange(0, BLOCK_COLS)
@@ -502,4 +502,4 @@ def program_tile_grad(
         smoothing_eps, target_weight, softcap, softcap_rcp, HAS_SMOOTHING, HAS_WEIGHT, HAS_Z_LOSS,
         HAS_SOFTCAP,
     )  # fmt: skip
-    return row_block, rows_idx, cols, tile_col0, grad
+    return rows_idx, cols, grad

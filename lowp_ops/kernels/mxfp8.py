@@ -15,7 +15,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import FP8_DTYPES, FP8_MAX, FP8_MAX_RCP, MXFP8_BLOCK_SIZE, ceil_div, next_power_of_2
+from ..formats import (
+    FP8_DTYPES,
+    FP8_MAX,
+    FP8_MAX_RCP,
+    MXFP8_BLOCK_SIZE,
+    SCALE_TILE_COLS,
+    SCALE_TILE_ROWS,
+    ceil_div,
+    next_power_of_2,
+    round_up,
+)
 from ..meta.mxfp8 import (
     flat_2d_dims,
     mxfp8_data_pitch,
@@ -129,6 +139,13 @@ def tile_coords(cols, BLOCK_COLS: tl.constexpr):
 
 
 @triton.jit
+def scale_tile_coords(cols, BLOCK_COLS: tl.constexpr):
+    """:func:`tile_coords` on the grid of :func:`scale_padded_grid`, whose columns run to a multiple of
+    128 (4 scale columns of 32: the scales' padding)."""
+    return tile_coords(tl.cdiv(cols, 128) * 128, BLOCK_COLS)
+
+
+@triton.jit
 def store_tile(ptr, rows_idx, cols_idx, rows, cols, row_stride, values, EVEN: tl.constexpr):
     """Store a [32, BLOCK_COLS] tile into a (rows, cols) buffer whose rows are ``row_stride`` apart;
     EVEN: the tile is in bounds."""
@@ -172,8 +189,10 @@ def quantize_columns(x, FP8_MAX: tl.constexpr, MAX_RCP: tl.constexpr, OUT_DTYPE:
 
 @triton.jit
 def store_row_scale_codes(scale_ptr, code, scale_row, scale_col, rows, scale_cols, SWIZZLED: tl.constexpr):
-    """E8M0 ``code`` at row-wise scale (``scale_row``, ``scale_col``), index tensors broadcastable to it.
-    A block wholly past the data (a last tile's tail) has code 0, which is the padding value."""
+    """E8M0 ``code`` at row-wise scale (``scale_row``, ``scale_col``), index tensors broadcastable to it,
+    for rows below ``rows`` (the data's, or the padded scale rows to write the padding too). A block
+    wholly past the data (a last tile's tail, rows past the data) has code 0, which is the padding
+    value."""
     if SWIZZLED:
         offset = swizzled_scale_offset(scale_row, scale_col, scale_cols // 4)
     else:
@@ -185,13 +204,55 @@ def store_row_scale_codes(scale_ptr, code, scale_row, scale_col, rows, scale_col
 def store_column_scale_codes(
     scale_ptr, code, cols_idx, row_block, cols, scale_rows, scale_cols, SWIZZLED: tl.constexpr
 ):
-    """E8M0 ``code`` of columns ``cols_idx`` at column-wise scale (``row_block``, column)."""
+    """E8M0 ``code`` of columns ``cols_idx`` below ``cols`` (the data's, or ``scale_cols`` to write the
+    padding too) at column-wise scale (``row_block``, column); columns past the data have code 0, the
+    padding value."""
     if SWIZZLED:
         # Column-wise scales are swizzled as their transpose: i = column, j = 32-row block.
         offset = swizzled_scale_offset(cols_idx, row_block, scale_rows // 4)
     else:
         offset = row_block * scale_cols + cols_idx
     tl.store(scale_ptr + offset, code.to(tl.uint8), mask=cols_idx < cols)
+
+
+@triton.jit
+def store_padding_scales(
+    row_block,
+    tile_col0,
+    row_scale_ptr,
+    row_scale_rows,
+    row_scale_cols,
+    col_scale_ptr,
+    col_scale_rows,
+    col_scale_cols,
+    BLOCK_COLS: tl.constexpr,
+    ROWWISE: tl.constexpr,
+    COLWISE: tl.constexpr,
+    SWIZZLED: tl.constexpr,
+):
+    """Zero codes for the scales of a 32-row x BLOCK_COLS tile wholly past the data (the scales' rows
+    and columns padded to 128): the programs of :func:`scale_padded_grid` that hold no data write
+    them, so no launch fills the scale tensors first."""
+    if ROWWISE:
+        scale_row = row_block * 32 + tl.arange(0, 32)[:, None]
+        scale_col = tile_col0 // 32 + tl.arange(0, BLOCK_COLS // 32)[None, :]
+        zeros = tl.zeros([32, BLOCK_COLS // 32], tl.int32)
+        store_row_scale_codes(
+            row_scale_ptr, zeros, scale_row, scale_col, row_scale_rows, row_scale_cols, SWIZZLED
+        )
+    if COLWISE:
+        cols_idx = tile_col0 + tl.arange(0, BLOCK_COLS)
+        zeros = tl.zeros([BLOCK_COLS], tl.int32)
+        store_column_scale_codes(
+            col_scale_ptr,
+            zeros,
+            cols_idx,
+            row_block,
+            col_scale_cols,
+            col_scale_rows,
+            col_scale_cols,
+            SWIZZLED,
+        )
 
 
 @triton.jit
@@ -204,6 +265,7 @@ def quantize_tile_rowwise(
     tile_col0,
     data_ptr,
     scale_ptr,
+    scale_rows,
     scale_cols,
     BLOCK_COLS: tl.constexpr,
     FP8_MAX: tl.constexpr,
@@ -214,14 +276,15 @@ def quantize_tile_rowwise(
 ):
     """Quantize an fp32 tile ``x`` [32, BLOCK_COLS] (out-of-bounds lanes hold 0; the tile starts on a
     32-column boundary) in 1x32 blocks: data at ``data_ptr[row * data_stride + col]`` (zeros in the
-    row's padding up to ``data_stride``), E8M0 codes at row-wise scale (row, col // 32)."""
+    row's padding up to ``data_stride``), E8M0 codes at row-wise scale (row, col // 32) of the
+    (``scale_rows``, ``scale_cols``) scales, the tile's share of their padding included."""
     N_BLOCKS: tl.constexpr = BLOCK_COLS // 32
     code, data = quantize_rows(x, BLOCK_COLS, FP8_MAX, MAX_RCP, OUT_DTYPE)
     data = tl.reshape(data, [32, BLOCK_COLS])
     # Bounded by the padded row (the tile holds zeros past cols): Triton then proves whole 8-byte runs.
     store_tile(data_ptr, rows_idx, cols_idx, rows, data_stride, data_stride, data, EVEN)
     scale_col = tile_col0 // 32 + tl.arange(0, N_BLOCKS)[None, :]
-    store_row_scale_codes(scale_ptr, code, rows_idx[:, None], scale_col, rows, scale_cols, SWIZZLED)
+    store_row_scale_codes(scale_ptr, code, rows_idx[:, None], scale_col, scale_rows, scale_cols, SWIZZLED)
 
 
 @triton.jit
@@ -230,7 +293,6 @@ def quantize_tile_columnwise(
     rows_idx,
     cols_idx,
     rows,
-    cols,
     data_stride,
     row_block,
     data_ptr,
@@ -248,7 +310,9 @@ def quantize_tile_columnwise(
     column-wise scale (row_block, col)."""
     code, data = quantize_columns(x, FP8_MAX, MAX_RCP, OUT_DTYPE)
     store_tile(data_ptr, rows_idx, cols_idx, rows, data_stride, data_stride, data, EVEN)
-    store_column_scale_codes(scale_ptr, code, cols_idx, row_block, cols, scale_rows, scale_cols, SWIZZLED)
+    store_column_scale_codes(
+        scale_ptr, code, cols_idx, row_block, scale_cols, scale_rows, scale_cols, SWIZZLED
+    )
 
 
 @triton.jit
@@ -257,12 +321,12 @@ def quantize_tile(
     rows_idx,
     cols_idx,
     rows,
-    cols,
     data_stride,
     tile_col0,
     row_block,
     row_data_ptr,
     row_scale_ptr,
+    row_scale_rows,
     row_scale_cols,
     col_data_ptr,
     col_scale_ptr,
@@ -289,6 +353,7 @@ def quantize_tile(
             tile_col0,
             row_data_ptr,
             row_scale_ptr,
+            row_scale_rows,
             row_scale_cols,
             BLOCK_COLS,
             FP8_MAX,
@@ -303,7 +368,6 @@ def quantize_tile(
             rows_idx,
             cols_idx,
             rows,
-            cols,
             data_stride,
             row_block,
             col_data_ptr,
@@ -328,6 +392,7 @@ def mxfp8_quantize_kernel(
     data_stride,
     row_data_ptr,
     row_scale_ptr,
+    row_scale_rows,
     row_scale_cols,
     col_data_ptr,
     col_scale_ptr,
@@ -343,37 +408,54 @@ def mxfp8_quantize_kernel(
     EVEN: tl.constexpr,
 ):
     """One program: a 32 x BLOCK_COLS tile read once; both copies come from registers. EVEN: every tile
-    is in bounds (rows % 32 == 0, cols % BLOCK_COLS == 0), so no masks are evaluated."""
-    row_block, col_tile = tile_coords(cols, BLOCK_COLS)
+    of data is in bounds (rows % 32 == 0, cols % BLOCK_COLS == 0), so no masks are evaluated. The grid
+    is :func:`scale_padded_grid`'s: a program past the data writes its share of the scales' padding."""
+    row_block, col_tile = scale_tile_coords(cols, BLOCK_COLS)
     tile_col0 = col_tile * BLOCK_COLS
-    rows_idx = row_block * 32 + tl.arange(0, 32)
-    cols_idx = tile_col0 + tl.arange(0, BLOCK_COLS)
-    x = load_tile_fp32(x_ptr, stride_row, rows_idx, cols_idx, rows, cols, EVEN, X_EVICTION)
-    quantize_tile(
-        x,
-        rows_idx,
-        cols_idx,
-        rows,
-        cols,
-        data_stride,
-        tile_col0,
-        row_block,
-        row_data_ptr,
-        row_scale_ptr,
-        row_scale_cols,
-        col_data_ptr,
-        col_scale_ptr,
-        col_scale_rows,
-        col_scale_cols,
-        BLOCK_COLS,
-        FP8_MAX,
-        MAX_RCP,
-        OUT_DTYPE,
-        ROWWISE,
-        COLWISE,
-        SWIZZLED,
-        EVEN,
-    )
+    if (row_block * 32 < rows) & (tile_col0 < cols):
+        rows_idx = row_block * 32 + tl.arange(0, 32)
+        cols_idx = tile_col0 + tl.arange(0, BLOCK_COLS)
+        x = load_tile_fp32(x_ptr, stride_row, rows_idx, cols_idx, rows, cols, EVEN, X_EVICTION)
+        quantize_tile(
+            x,
+            rows_idx,
+            cols_idx,
+            rows,
+            data_stride,
+            tile_col0,
+            row_block,
+            row_data_ptr,
+            row_scale_ptr,
+            row_scale_rows,
+            row_scale_cols,
+            col_data_ptr,
+            col_scale_ptr,
+            col_scale_rows,
+            col_scale_cols,
+            BLOCK_COLS,
+            FP8_MAX,
+            MAX_RCP,
+            OUT_DTYPE,
+            ROWWISE,
+            COLWISE,
+            SWIZZLED,
+            EVEN,
+        )
+    else:
+        store_padding_scales(
+            row_block,
+            tile_col0,
+            row_scale_ptr,
+            row_scale_rows,
+            row_scale_cols,
+            col_scale_ptr,
+            col_scale_rows,
+            col_scale_cols,
+            BLOCK_COLS,
+            ROWWISE,
+            COLWISE,
+            SWIZZLED,
+        )
 
 
 @cached_launch
@@ -459,6 +541,16 @@ def tile_cols(cols: int, widest: int = 128) -> int:
     return max(32, min(widest, next_power_of_2(cols)))
 
 
+def scale_padded_grid(rows: int, cols: int, block_cols: int) -> tuple[int]:
+    """1-D grid of 32-row x ``block_cols`` tiles over the data and the scales' padding (rows and columns
+    to multiples of 128, ``meta.mxfp8.row_scale_shape``), walked along the rows
+    (:func:`scale_tile_coords`). The kernels write every scale code: no fill precedes them (a fill of
+    both scale tensors at 8192 x 50257 took 2 x 4.9 us on the H200)."""
+    padded_rows = round_up(rows, SCALE_TILE_ROWS)
+    padded_cols = round_up(cols, SCALE_TILE_COLS * MXFP8_BLOCK_SIZE)
+    return (padded_rows // TILE_ROWS * ceil_div(padded_cols, block_cols),)
+
+
 def quantize_config(cols: int, rowwise: bool = True, columnwise: bool = True) -> tuple[int, int]:
     """(BLOCK_COLS, num_warps) of the quantize kernel, per mode. Measured on the H200 at 16384 x 16384
     bf16 (grid along rows, % of copy): row+col 128 cols / 2 warps 86.1 (128/1 85.4, 256/2 85.9, 256/4
@@ -485,7 +577,7 @@ def launch_mxfp8_quantize(
     """``lowp::mxfp8_quantize`` on a CUDA (or interpreted CPU) tensor. Any strides: rows are read through
     their stride, an input whose last dim is not unit-stride is copied first. ``block_cols`` and
     ``num_warps`` override the launch configuration (for benchmarks)."""
-    outputs = mxfp8_quantize_outputs(x, fp8_dtype, rowwise, columnwise, scale_layout)
+    outputs = mxfp8_quantize_outputs(x, fp8_dtype, rowwise, columnwise, scale_layout, zero_padding=False)
     row_data, row_scale, col_data, col_scale = outputs
     rows, cols = flat_2d_dims(x.shape)
     if rows == 0 or cols == 0:
@@ -497,8 +589,7 @@ def launch_mxfp8_quantize(
         x2d = x2d.contiguous()
     default_cols, default_warps = quantize_config(cols, rowwise, columnwise)
     block_cols, num_warps = block_cols or default_cols, num_warps or default_warps
-    grid = (ceil_div(rows, TILE_ROWS) * ceil_div(cols, block_cols),)
-    mxfp8_quantize_kernel[grid](
+    mxfp8_quantize_kernel[scale_padded_grid(rows, cols, block_cols)](
         x2d,
         x2d.stride(0),
         rows,
@@ -506,6 +597,7 @@ def launch_mxfp8_quantize(
         mxfp8_data_pitch(cols),
         row_data.view(FP8_DTYPES[fp8_dtype]),
         row_scale,
+        row_scale.shape[0] if rowwise else 0,
         row_scale.shape[1] if rowwise else 0,
         col_data.view(FP8_DTYPES[fp8_dtype]),
         col_scale,

@@ -275,12 +275,14 @@ def cross_entropy_bwd_mxfp8_outputs(
     weight: torch.Tensor | None = None,
     z_loss: float = 0.0,
     softcap: float = 0.0,
+    zero_padding: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The MXFP8 payload of dlogits, as :func:`lowp_ops.meta.mxfp8.mxfp8_quantize_outputs` of logits."""
+    """The MXFP8 payload of dlogits, as :func:`lowp_ops.meta.mxfp8.mxfp8_quantize_outputs` of logits
+    (``zero_padding`` as there)."""
     _check_bwd_inputs(
         logits, target, stats, grad_rows, ignore_index, vocab_start, vocab_total, weight, z_loss, softcap
     )
-    return mxfp8_quantize_outputs(logits, fp8_dtype, rowwise, columnwise, scale_layout)
+    return mxfp8_quantize_outputs(logits, fp8_dtype, rowwise, columnwise, scale_layout, zero_padding)
 
 
 def cross_entropy_reduce_outputs(
