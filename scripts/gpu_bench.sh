@@ -27,6 +27,7 @@ declare -A jobs=(
     [single_pass]="python3 benchmarks/probe_single_pass.py"
     [probe]="python3 benchmarks/probe_autograd_thread.py"
     [unaligned]="python3 benchmarks/probe_unaligned_rows.py && python3 benchmarks/bench_cross_entropy.py --shapes 8192x50257 --json $json/ce_unaligned.json"
+    [mxfp8_call_parts]="python3 benchmarks/probe_mxfp8_call_parts.py"
     [rms_norm]="python3 benchmarks/bench_rms_norm.py --json $json/rms_norm.json"
     [transformers_vs_liger]="python3 benchmarks/bench_transformers.py --models ${TRANSFORMERS_MODELS:-llama,qwen3moe} --impls liger,lowp --modes eager,compiled --steps 6 --warmup 2 --budget-seconds ${TRANSFORMERS_SECONDS:-200} --json $json/transformers_vs_liger.json"
     [host_profile_ce]="python3 benchmarks/bench_host_overhead.py --no-compile --calls 100 --only cross_entropy --profile"

@@ -22,6 +22,7 @@ echo "== gpu tests exit $?"; grep -E "passed|failed" "$OUT/gpu_tests.log" | tail
 timeout 90 python3 benchmarks/bench_cross_entropy.py --shapes 8192x50257 > "$OUT/bench_ce.log" 2>&1
 echo "== bench_cross_entropy exit $?"; grep -E "^\| 8192|copy" "$OUT/bench_ce.log"
 timeout 60 python3 benchmarks/probe_unaligned_rows.py --shapes 8192x50257,4096x129280 2>&1 | grep -v Warn | tee "$OUT/probe.log"
+timeout 60 python3 benchmarks/probe_mxfp8_call_parts.py --shapes 8192x50257 2>&1 | grep -v Warn | tee "$OUT/call_parts.log"
 [ "${QUICK:-0}" = 1 ] && exit 0
 timeout 100 python3 benchmarks/bench_mxfp8.py --no-sweep --no-compile 2>&1 | grep -E "^\|" | tee "$OUT/bench_mxfp8.log"
 timeout 100 python3 benchmarks/bench_host_overhead.py --no-compile --calls 100 \
