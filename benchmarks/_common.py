@@ -28,6 +28,18 @@ def rotating(buffers: list, fn):
     return lambda: fn(next(turn))
 
 
+def ce_probe_inputs(shape: str):
+    """``(n, v, logits, target, row_stats)`` of a cross-entropy probe at ``"NxV"``: seeded bf16 logits
+    (randn x 3) and targets on CUDA, and the forward's row statistics."""
+    from lowp_ops.kernels.cross_entropy import launch_cross_entropy_fwd
+
+    n, v = map(int, shape.split("x"))
+    torch.manual_seed(0)
+    logits = (torch.randn(n, v, device="cuda") * 3).to(torch.bfloat16)
+    target = torch.randint(0, v, (n,), device="cuda")
+    return n, v, logits, target, launch_cross_entropy_fwd(logits, target, 0.0, -100)[1]
+
+
 def capture_graph(fn, calls: int) -> torch.cuda.CUDAGraph:
     """A CUDA graph of ``calls`` calls of ``fn``, after three warm-up calls on a side stream. Raises if
     ``fn`` cannot be captured (e.g. it syncs with the host)."""

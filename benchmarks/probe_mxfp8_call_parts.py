@@ -14,18 +14,14 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _common import copy_bandwidth_tbs, graph_ms, rotating
+from _common import ce_probe_inputs, copy_bandwidth_tbs, graph_ms, rotating
 
 import lowp_ops
 from lowp_ops.kernels import cross_entropy as ce
 
 
 def time_parts(shape: str) -> None:
-    n, v = map(int, shape.split("x"))
-    torch.manual_seed(0)
-    x = (torch.randn(n, v, device="cuda") * 3).to(torch.bfloat16)
-    target = torch.randint(0, v, (n,), device="cuda")
-    _, stats = ce.launch_cross_entropy_fwd(x, target, 0.0, -100)
+    n, _, x, target, stats = ce_probe_inputs(shape)
     dense = torch.full((n,), 1.0 / n, device="cuda")
     broadcast = torch.full((1,), 1.0 / n, device="cuda").expand(n)
     copies = [x] + [x.clone() for _ in range(3)]

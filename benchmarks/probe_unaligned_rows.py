@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _common import copy_bandwidth_tbs, graph_ms, rotating
+from _common import ce_probe_inputs, copy_bandwidth_tbs, graph_ms, rotating
 
 from lowp_ops.kernels import cross_entropy as ce
 
@@ -53,11 +53,7 @@ def main() -> None:
     _, copy_tbs = (0.0, 0.0) if args.ncu else copy_bandwidth_tbs()
     print(f"copy {copy_tbs:.3f} TB/s")
     for shape in args.shapes.split(","):
-        n, v = map(int, shape.split("x"))
-        torch.manual_seed(0)
-        x = (torch.randn(n, v, device="cuda") * 3).to(torch.bfloat16)
-        target = torch.randint(0, v, (n,), device="cuda")
-        _, stats = ce.launch_cross_entropy_fwd(x, target, 0.0, -100)
+        n, v, x, target, stats = ce_probe_inputs(shape)
         grad_rows = torch.full((n,), 1.0 / n, device="cuda")
         copies = [x] + [x.clone() for _ in range(3)]
         for name, (fn, bytes_per_elem) in variants(x, target, stats, grad_rows).items():

@@ -136,31 +136,28 @@ def mxfp8_quantize_outputs(
     """
     check_quantize_args(x, fp8_dtype, rowwise, columnwise, scale_layout)
     rows, cols = flat_2d_dims(x.shape)
-    row_blocks = ceil_div(rows, MXFP8_BLOCK_SIZE)
-    col_blocks = ceil_div(cols, MXFP8_BLOCK_SIZE)
 
     def data(wanted: bool) -> torch.Tensor:
         return mxfp8_data_empty(x) if wanted else x.new_empty((0,), dtype=torch.uint8)
 
-    def scale(wanted: bool, shape, codes) -> torch.Tensor:
-        if not wanted:
-            return x.new_empty((0, 0), dtype=torch.uint8)
-        if zero_padding and tuple(shape) != codes:
-            return x.new_zeros(shape, dtype=torch.uint8)
-        return x.new_empty(shape, dtype=torch.uint8)
+    def scale(wanted: bool, shape) -> torch.Tensor:
+        return x.new_empty(shape if wanted else (0, 0), dtype=torch.uint8)
 
-    return (
+    outputs = (
         data(rowwise),
-        scale(rowwise, row_scale_shape(rows, cols), (rows, col_blocks)),
+        scale(rowwise, row_scale_shape(rows, cols)),
         data(columnwise),
-        scale(columnwise, col_scale_shape(rows, cols), (row_blocks, cols)),
+        scale(columnwise, col_scale_shape(rows, cols)),
     )
+    if zero_padding:
+        zero_scale_padding(outputs[1], outputs[3], rows, cols)
+    return outputs
 
 
 def zero_scale_padding(row_scale: torch.Tensor, col_scale: torch.Tensor, rows: int, cols: int) -> None:
-    """Zero-fill, in place, each scale tensor of :func:`mxfp8_quantize_outputs` (``zero_padding=False``)
-    that has padding, for a kernel that writes the codes of the data's blocks only; a 0-element tensor
-    (a copy not asked for) is left alone."""
+    """Zero-fill, in place, each scale tensor of :func:`mxfp8_quantize_outputs` that has padding (what
+    ``zero_padding=True`` does there), for writers of the data's blocks only; a tensor without padding is
+    left for the writer to fill, a 0-element one (a copy not asked for) alone."""
     if row_scale.numel() and tuple(row_scale.shape) != (rows, ceil_div(cols, MXFP8_BLOCK_SIZE)):
         row_scale.zero_()
     if col_scale.numel() and tuple(col_scale.shape) != (ceil_div(rows, MXFP8_BLOCK_SIZE), cols):
