@@ -1,5 +1,6 @@
 """The cross entropy with the gradient written over the logits (``overwrite_logits=True``): the one-pass
-kernel (``cross_entropy_single_pass``, rows of at most 8192 classes) against the forward, reduction and
+kernels (``cross_entropy_single_pass``, rows of at most 8192 classes; ``cross_entropy_wide_pass``, up
+to 32768) against the forward, reduction and
 in-place backward it replaces. CUDA-graph GPU time and % of a same-run copy at each variant's byte
 floor (bf16: forward 2, two passes 6, one pass 4 bytes per element); wider rows show the fallback.
 The LM head's chunk step (per-row gradient factors) the same way, and ``--lm-head N,H,V``: the whole
@@ -20,6 +21,7 @@ from _common import ClockWatch, copy_bandwidth_tbs, graph_ms, rotating
 
 from lowp_ops.kernels import cross_entropy as ce
 from lowp_ops.kernels import cross_entropy_single_pass as single
+from lowp_ops.kernels import cross_entropy_wide_pass as wide
 from lowp_ops.kernels import linear_cross_entropy as lce
 from lowp_ops.reference import linear_cross_entropy as lce_ref
 
@@ -73,7 +75,9 @@ def lm_head(n: int, h: int, v: int, chunk: int = 4096, rounds: int = 3) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shapes", default="16384x8192,8192x8000,65536x2048,32768x4096,8192x32000")
+    parser.add_argument(
+        "--shapes", default="16384x8192,8192x8000,65536x2048,32768x4096,8192x32000,8192x32768,4096x129280"
+    )
     parser.add_argument("--lm-head", default="16384,4096,8192", help="N,H,V; empty: skip")
     args = parser.parse_args()
     _, copy_tbs = copy_bandwidth_tbs()
@@ -86,15 +90,16 @@ def main() -> None:
         copies = [x] + [x.clone() for _ in range(3)]
         for name, (fn, bytes_per_elem) in variants(target).items():
             ms = graph_ms(rotating(copies, fn))
-            tbs = bytes_per_elem * n * v / ms / 1e9
-            print(f"{shape:>12} {name:<20} {ms:8.4f} ms {100 * tbs / copy_tbs:6.1f}% of copy", flush=True)
+            pct = 100 * bytes_per_elem * n * v / ms / 1e9 / copy_tbs
+            print(f"{shape:>12} {name:<20} {ms:8.4f} ms {pct:6.1f}% of copy", flush=True)
     if args.lm_head:
         lm_head(*map(int, args.lm_head.split(",")))
-    name = single.cross_entropy_fwd_bwd_kernel.jit_function.fn.__name__
-    for key, entry in single.cross_entropy_fwd_bwd_kernel._binaries.items():
-        if entry is not None:
-            binary = entry[0]
-            print(f"{name} {dict(key[2])}: {binary.n_regs} registers, {binary.n_spills} spilled")
+    for kernel in (single.cross_entropy_fwd_bwd_kernel, wide.cross_entropy_fwd_bwd_wide_kernel):
+        name = kernel.jit_function.fn.__name__
+        for key, entry in kernel._binaries.items():
+            if entry is not None:
+                binary = entry[0]
+                print(f"{name} {dict(key[2])}: {binary.n_regs} registers, {binary.n_spills} spilled")
 
 
 if __name__ == "__main__":

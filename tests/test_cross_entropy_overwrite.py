@@ -221,7 +221,7 @@ def test_overwrite_compiles_without_graph_breaks():
 
 
 @pytest.mark.cudagraph
-@pytest.mark.parametrize("cols", [32000, 8000])  # two passes; one pass
+@pytest.mark.parametrize("cols", [32000, 8000, 32004])  # wide one pass; one pass; two passes
 def test_cudagraph_overwrite_replays_with_grad_loss_one_and_not_one(cols):
     """Capture forward + backward of ``scale * loss`` with the scale a static tensor; replays with scale 1
     and 0.75 equal eager calls (the scaling runs or not by the device's decision)."""
@@ -270,6 +270,7 @@ def _check_single_pass(
     """``launch_cross_entropy_fwd_bwd_`` takes the one-pass kernel (counted) and gives the three-launch
     path's loss, row statistics and gradient bytes."""
     from lowp_ops.kernels import cross_entropy_single_pass as single
+    from lowp_ops.kernels import cross_entropy_wide_pass as wide
 
     logits, target = inputs(rows, cols, device, dtype)
     logits = logits * scale
@@ -281,6 +282,8 @@ def _check_single_pass(
     want_loss, want_stats = single._two_passes(two, target, *args, *features)
     one = logits.clone()
     kernel = single.cross_entropy_fwd_bwd_kernel
+    if cols > single.SINGLE_PASS_MAX_COLS:
+        kernel = wide.cross_entropy_fwd_bwd_wide_kernel
     launches = []
     original = kernel.launch
     kernel.launch = lambda *a: (launches.append(a), original(*a))
@@ -324,6 +327,46 @@ def test_gpu_single_pass_equals_the_two_passes_in_fp32(options):
 @pytest.mark.gpu
 def test_gpu_single_pass_equals_the_two_passes_at_large_magnitudes():
     _check_single_pass("cuda", 256, 8000, {"reduction": "mean", "label_smoothing": 0.1}, scale=3e4)
+
+
+# Rows of 2 blocks (the last holding 8 classes), 3, and 4 (the widest; at 16 mod 8 and 0 mod 16).
+WIDE_SHAPES = [(33, 8200), (40, 24584), (96, 32768), (70, 32000)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", WIDE_SHAPES)
+@pytest.mark.parametrize("options", SINGLE_PASS_OPTIONS)
+def test_gpu_wide_single_pass_equals_the_two_passes(shape, options):
+    _check_single_pass("cuda", *shape, options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_wide_single_pass_equals_the_two_passes_at_large_magnitudes(dtype):
+    _check_single_pass(
+        "cuda",
+        48,
+        129280,
+        {"reduction": "mean", "label_smoothing": 0.1},
+        3e4 if dtype == torch.bfloat16 else 5e3,
+        dtype,
+    )
+
+
+@pytest.mark.gpu
+def test_gpu_wide_single_pass_declines_what_it_cannot_hold():
+    """Rows wider than ``MAX_BLOCKS`` blocks, fp32 logits and rows that are not 16-byte aligned take the
+    two passes."""
+    from lowp_ops.kernels import cross_entropy_wide_pass as wide
+
+    def applies(cols: int, dtype=torch.bfloat16) -> bool:
+        return wide.wide_pass_applies(torch.empty(2, cols, dtype=dtype, device="cuda"), 0.0, None, 0.0)
+
+    widest = wide.MAX_BLOCKS * wide.BLOCK
+    assert applies(widest) and applies(wide.BLOCK + 8) and applies(widest, torch.float16)
+    assert not applies(widest + 8)
+    assert not applies(widest, torch.float32)
+    assert not applies(wide.BLOCK + 4)
 
 
 def test_single_pass_declines_what_it_cannot_repeat():

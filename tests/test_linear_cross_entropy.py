@@ -613,6 +613,21 @@ def test_chunk_step_in_one_pass_is_bytes_of_two_launches(device, case, dtype, ke
     _check_one_pass_chunks(kernel_device, case, dtype=dtype)
 
 
+WIDE_ONE_PASS_CASES = [  # rows past one 8192-class block: the wide one pass on CUDA, bf16 logits
+    (16400, "mean", 0.0, 0.0, 0.0, False, True),
+    (16392, "rows", 0.1, 1e-3, 0.0, False, True),  # a length of 8 mod 16
+    (24576, "rows", 0.0, 0.0, 0.0, True, True),
+    (16400, "mean", 0.1, 0.0, 0.0, True, False),  # class weights with smoothing: two launches
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", WIDE_ONE_PASS_CASES)
+def test_gpu_chunk_step_in_the_wide_one_pass_is_bytes_of_two_launches(case):
+    """As above for rows wider than one block (``kernels/cross_entropy_wide_pass.py``)."""
+    _check_one_pass_chunks("cuda", case)
+
+
 @pytest.mark.parametrize("device", SUITES)
 @kernel_property_settings(6, 200)
 @given(

@@ -7,8 +7,9 @@ and the gradient for the given row factors over the row it read: 4 bytes of traf
 where the forward, the reduction and the in-place backward take 6. Its block and warps are the
 forward's (``cross_entropy.fwd_config``) and it calls the same helpers in the same order
 (``fold_masked_block``, ``store_row_loss``, ``grad_of_logits``), so its loss, statistics and gradient are the
-two-pass path's bytes. Wider rows, soft-capping, class weights with label smoothing and rows that are
-not 16-byte aligned take the two passes (``launch_cross_entropy_fwd_bwd_``).
+two-pass path's bytes. Rows of up to 32768 classes take the same pass through shared memory
+(``cross_entropy_wide_pass``, CUDA); wider rows, soft-capping, class weights with label smoothing and
+rows that are not 16-byte aligned take the two passes (``launch_cross_entropy_fwd_bwd_``).
 
 Why 8192 classes: wider rows are several blocks in the forward, whose reduction order a one-row
 program can repeat only holding every block at once. On the H200 (2026-12-02; benchmarks/RESULTS.md,
@@ -45,6 +46,7 @@ from .cross_entropy_math import (
     target_terms,
     z_loss_factor_of,
 )
+from .cross_entropy_wide_pass import launch_wide_pass, wide_pass_applies
 from .launch import cached_launch
 from .softmax import finish_log_sum, fold_masked_block, masked_safe_shift
 
@@ -133,8 +135,10 @@ def single_pass_applies(
     configuration, whose reduction order it repeats), no soft-capping and not class weights with label
     smoothing (those forwards fold the row in other helpers)."""
     n_cols = logits.shape[1]
+    if n_cols > SINGLE_PASS_MAX_COLS:
+        return wide_pass_applies(logits, label_smoothing, weight, softcap)
     return (
-        0 < n_cols <= SINGLE_PASS_MAX_COLS
+        n_cols > 0
         and logits.is_contiguous()
         and peel_align(logits) == 0
         and softcap == 0.0
@@ -209,19 +213,28 @@ def launch_cross_entropy_rows_fwd_bwd_(
 def _launch_one_pass(
     logits, target, loss_rows, stats, grad_rows, label_smoothing, ignore_index, weight, z_loss
 ) -> None:
-    """:func:`cross_entropy_fwd_bwd_kernel` over every row; ``grad_rows`` None: row factors of 1."""
+    """:func:`cross_entropy_fwd_bwd_kernel` (or, past one block, the wide kernel) over every row;
+    ``grad_rows`` None: row factors of 1."""
     n_cols = logits.shape[1]
-    block, num_warps = fwd_config(n_cols)
     eps = round_to_fp32(label_smoothing / n_cols)
     class_weights, smooth_total = class_weight_args(weight, eps, loss_rows)
     # Without row factors HAS_GRAD_ROWS=False never reads the placeholder pointer.
     grad_ptr, grad_stride = (loss_rows, 0) if grad_rows is None else (grad_rows, grad_rows.stride(0))
-    cross_entropy_fwd_bwd_kernel[(logits.shape[0],)](
+    args = (
         logits, target, loss_rows, stats[SHIFT], stats[LOG_SUM], grad_ptr, grad_stride, n_cols, ignore_index,
         label_smoothing, eps, 1.0 - label_smoothing, class_weights, smooth_total, z_loss, 2.0 * z_loss,
-        BLOCK=block, HAS_GRAD_ROWS=grad_rows is not None, HAS_SMOOTHING=label_smoothing > 0,
-        HAS_WEIGHT=weight is not None, HAS_Z_LOSS=z_loss > 0, num_warps=num_warps,
     )  # fmt: skip
+    flags = {
+        "HAS_GRAD_ROWS": grad_rows is not None,
+        "HAS_SMOOTHING": label_smoothing > 0,
+        "HAS_WEIGHT": weight is not None,
+        "HAS_Z_LOSS": z_loss > 0,
+    }
+    if n_cols > SINGLE_PASS_MAX_COLS:
+        launch_wide_pass(args, flags)
+        return
+    block, num_warps = fwd_config(n_cols)
+    cross_entropy_fwd_bwd_kernel[(logits.shape[0],)](*args, BLOCK=block, **flags, num_warps=num_warps)
 
 
 def _two_passes(logits, target, label_smoothing, ignore_index, reduction, weight, z_loss, softcap):
