@@ -12,7 +12,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 tests=(tests/test_cross_entropy_overwrite.py)
 [ "${QUICK:-0}" = 1 ] || tests+=(tests/test_cross_entropy_kernels.py tests/test_linear_cross_entropy.py
     tests/test_linear_cross_entropy_kernels.py tests/test_vocab_parallel.py tests/test_dispatch.py)
-timeout "${TEST_SECONDS:-240}" python3 -m pytest -q -m "gpu and not cudagraph" -n 12 -p no:cacheprovider \
+timeout "${TEST_SECONDS:-240}" python3 -m pytest -q -m "gpu and not cudagraph" -n 6 -p no:cacheprovider \
     "${tests[@]}" > "$OUT/gpu_tests.log" 2>&1
 echo "== gpu tests exit $?"; grep -E "passed|failed" "$OUT/gpu_tests.log" | tail -1; grep -E "^FAILED" "$OUT/gpu_tests.log" | head
 if [ "${QUICK:-0}" != 1 ]; then
