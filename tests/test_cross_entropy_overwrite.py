@@ -370,8 +370,9 @@ def test_gpu_wide_single_pass_declines_what_it_cannot_hold():
 
 
 def test_single_pass_declines_what_it_cannot_repeat():
-    """Soft-capping, class weights with smoothing, rows not 16-byte aligned and rows wider than one
-    block take the two passes."""
+    """Soft-capping, class weights with smoothing, rows not 16-byte aligned and, off CUDA, rows wider
+    than one block take the two passes (on CUDA the wide one pass takes those up to 32768 classes:
+    ``test_gpu_wide_single_pass_declines_what_it_cannot_hold``)."""
     from lowp_ops.kernels.cross_entropy_single_pass import SINGLE_PASS_MAX_COLS, single_pass_applies
 
     aligned = torch.empty(4, 64, dtype=torch.bfloat16)
