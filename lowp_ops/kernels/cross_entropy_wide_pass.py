@@ -16,7 +16,7 @@ an unmasked block's bits) and forms the loss and gradient through the Triton one
 (``store_row_loss``, ``grad_of_logits``). GPU tests hold it to the two-pass bytes.
 
 Why ``MAX_BLOCKS = 4``: on the H200 (2026-12-03, benchmarks/RESULTS.md, "One pass for rows of up to
-32768 classes") the one pass took 0.315 ms against 0.392 ms for the two passes at 8192 x 32768, but rows
+32768 classes") the one pass took 0.274 ms against 0.392 ms for the two passes at 8192 x 32768, but rows
 of 14-16 blocks (one program per SM, 224 KB of shared memory) ran at 46-54% of copy at its 4-byte floor,
 slower than the two passes, with or without the next row's copies issued during a row's stores, 8
 warps or two programs per SM re-reading half the row from L2.
