@@ -1,15 +1,13 @@
 """The cross entropy with the gradient written over the logits (``overwrite_logits=True``): the one-pass
 kernels (``cross_entropy_single_pass``, rows of at most 8192 classes; ``cross_entropy_wide_pass``, up
-to 32768; ``cross_entropy_row_blocks`` past that, also at each ``--programs-per-sm``) against the
-forward, reduction and in-place backward it replaces. CUDA-graph GPU time and % of a same-run copy at
-each variant's byte floor (bf16: forward 2, two passes 6, one pass 4 bytes per element); rows no
-kernel holds show the fallback.
+to 32768) against the forward, reduction and
+in-place backward it replaces. CUDA-graph GPU time and % of a same-run copy at each variant's byte
+floor (bf16: forward 2, two passes 6, one pass 4 bytes per element); wider rows show the fallback.
 The LM head's chunk step (per-row gradient factors) the same way, and ``--lm-head N,H,V``: the whole
 gradient-in-the-forward schedule (three GEMMs a chunk, explicit chunk) with that step against the
 forward and backward launches it replaces.
 
     python benchmarks/probe_single_pass.py [--shapes 16384x8192,8192x8000] [--lm-head 16384,4096,8192]
-        [--programs-per-sm 4,8,16]
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ import torch
 from _common import ClockWatch, copy_bandwidth_tbs, graph_ms, rotating
 
 from lowp_ops.kernels import cross_entropy as ce
-from lowp_ops.kernels import cross_entropy_row_blocks as row_blocks
 from lowp_ops.kernels import cross_entropy_single_pass as single
 from lowp_ops.kernels import cross_entropy_wide_pass as wide
 from lowp_ops.kernels import linear_cross_entropy as lce
@@ -36,27 +33,10 @@ def chunk_step_two_launches(logits, target, grad_rows, label_smoothing, ignore_i
     return loss, stats, logits
 
 
-def row_blocks_pass(logits, target, programs_per_sm: int, maxnreg: int | None):
-    """The row-blocks kernel alone (no mean's scale, no reduction) at ``programs_per_sm``, registers
-    capped at ``maxnreg``."""
-    rows = logits.shape[0]
-    loss, stats = torch.empty(rows, device=logits.device), torch.empty(2, rows, device=logits.device)
-    n_cols = logits.shape[1]
-    args = (logits, target, loss, stats[0], stats[1], loss, 0, n_cols, -100, 0.0, 0.0, 1.0, loss, loss)
-    flags = {"HAS_GRAD_ROWS": False, "HAS_SMOOTHING": False, "HAS_WEIGHT": False, "HAS_Z_LOSS": False}
-    row_blocks.launch_row_blocks_pass((*args, 0.0, 0.0), flags, programs_per_sm, maxnreg)
-    return loss
-
-
-def variants(target, programs_per_sm=()):
+def variants(target):
     rows = torch.rand(target.shape[0], device=target.device) + 0.5
     chunk_args = (target, rows, 0.0, -100)
-    blocks = {
-        f"row blocks, {p}/SM {r or ''}": (lambda v, p=p, r=r: row_blocks_pass(v, target, p, r), 4.0)
-        for p, r in programs_per_sm
-    }
     return {
-        **blocks,
         "forward alone": (lambda v: ce.launch_cross_entropy_fwd(v, target, 0.0, -100), 2.0),
         "two passes, mean": (lambda v: single._two_passes(v, target, 0.0, -100, "mean", None, 0.0, 0.0), 6.0),
         "one pass, mean": (lambda v: single.launch_cross_entropy_fwd_bwd_(v, target, 0.0, -100, "mean"), 4.0),
@@ -99,11 +79,7 @@ def main() -> None:
         "--shapes", default="16384x8192,8192x8000,65536x2048,32768x4096,8192x32000,8192x32768,4096x129280"
     )
     parser.add_argument("--lm-head", default="16384,4096,8192", help="N,H,V; empty: skip")
-    parser.add_argument(
-        "--programs-per-sm", default="", help="row-blocks grids to time alone, [:register cap] each: 3,4:128"
-    )
     args = parser.parse_args()
-    programs_per_sm = [(*map(int, p.split(":")), None)[:2] for p in args.programs_per_sm.split(",") if p]
     _, copy_tbs = copy_bandwidth_tbs()
     print(f"copy {copy_tbs:.3f} TB/s")
     for shape in args.shapes.split(","):
@@ -112,19 +88,13 @@ def main() -> None:
         x = (torch.randn(n, v, device="cuda") * 3).to(torch.bfloat16)
         target = torch.randint(0, v, (n,), device="cuda")
         copies = [x] + [x.clone() for _ in range(3)]
-        wide_rows = row_blocks.row_blocks_applies(x, 0.0, None, 0.0)
-        for name, (fn, bytes_per_elem) in variants(target, programs_per_sm if wide_rows else ()).items():
+        for name, (fn, bytes_per_elem) in variants(target).items():
             ms = graph_ms(rotating(copies, fn))
             pct = 100 * bytes_per_elem * n * v / ms / 1e9 / copy_tbs
             print(f"{shape:>12} {name:<20} {ms:8.4f} ms {pct:6.1f}% of copy", flush=True)
     if args.lm_head:
         lm_head(*map(int, args.lm_head.split(",")))
-    kernels = (
-        single.cross_entropy_fwd_bwd_kernel,
-        wide.cross_entropy_fwd_bwd_wide_kernel,
-        row_blocks.cross_entropy_fwd_bwd_row_blocks_kernel,
-    )
-    for kernel in kernels:
+    for kernel in (single.cross_entropy_fwd_bwd_kernel, wide.cross_entropy_fwd_bwd_wide_kernel):
         name = kernel.jit_function.fn.__name__
         for key, entry in kernel._binaries.items():
             if entry is not None:

@@ -221,8 +221,7 @@ def test_overwrite_compiles_without_graph_breaks():
 
 
 @pytest.mark.cudagraph
-# row blocks; wide one pass; one pass; two passes
-@pytest.mark.parametrize("cols", [129280, 32000, 8000, 32004])
+@pytest.mark.parametrize("cols", [32000, 8000, 32004])  # wide one pass; one pass; two passes
 def test_cudagraph_overwrite_replays_with_grad_loss_one_and_not_one(cols):
     """Capture forward + backward of ``scale * loss`` with the scale a static tensor; replays with scale 1
     and 0.75 equal eager calls (the scaling runs or not by the device's decision)."""
@@ -266,18 +265,10 @@ SINGLE_PASS_OPTIONS = [
 
 
 def _check_single_pass(
-    device: str,
-    rows: int,
-    cols: int,
-    options: dict,
-    scale: float = 1.0,
-    dtype=torch.bfloat16,
-    row_blocks_kernel: bool = False,
+    device: str, rows: int, cols: int, options: dict, scale: float = 1.0, dtype=torch.bfloat16
 ) -> None:
-    """``launch_cross_entropy_fwd_bwd_`` takes the one-pass kernel for the width (counted; the row-blocks
-    one where ``row_blocks_kernel``) and gives the three-launch path's loss, row statistics and gradient
-    bytes."""
-    from lowp_ops.kernels import cross_entropy_row_blocks as row_blocks
+    """``launch_cross_entropy_fwd_bwd_`` takes the one-pass kernel (counted) and gives the three-launch
+    path's loss, row statistics and gradient bytes."""
     from lowp_ops.kernels import cross_entropy_single_pass as single
     from lowp_ops.kernels import cross_entropy_wide_pass as wide
 
@@ -293,8 +284,6 @@ def _check_single_pass(
     kernel = single.cross_entropy_fwd_bwd_kernel
     if cols > single.SINGLE_PASS_MAX_COLS:
         kernel = wide.cross_entropy_fwd_bwd_wide_kernel
-    if cols >= row_blocks.MIN_COLS or row_blocks_kernel:
-        kernel = row_blocks.cross_entropy_fwd_bwd_row_blocks_kernel
     launches = []
     original = kernel.launch
     kernel.launch = lambda *a: (launches.append(a), original(*a))
@@ -362,57 +351,6 @@ def test_gpu_wide_single_pass_equals_the_two_passes_at_large_magnitudes(dtype):
         3e4 if dtype == torch.bfloat16 else 5e3,
         dtype,
     )
-
-
-# Rows past the shared memory of one program, in blocks held by several: 5 blocks, 9 (the last holding
-# 16 classes), 16 (a 129280-class vocabulary), 32 (the most words a row's fold holds at once: 262144).
-ROW_BLOCKS_SHAPES = [(29, 40960), (17, 65552), (12, 129280), (5, 262144)]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", ROW_BLOCKS_SHAPES)
-@pytest.mark.parametrize("options", SINGLE_PASS_OPTIONS)
-def test_gpu_row_blocks_single_pass_equals_the_two_passes(shape, options):
-    _check_single_pass("cuda", *shape, options)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_gpu_row_blocks_single_pass_equals_the_two_passes_at_large_magnitudes(dtype):
-    scale = {torch.bfloat16: 3e4, torch.float16: 5e3, torch.float32: 1e6}[dtype]
-    _check_single_pass("cuda", 40, 129280, {"reduction": "mean", "label_smoothing": 0.1}, scale, dtype)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(33, 8208), (40, 24576), (96, 32768)])
-@pytest.mark.parametrize("options", SINGLE_PASS_OPTIONS[:4])
-def test_gpu_row_blocks_single_pass_equals_the_two_passes_on_narrow_rows(shape, options, monkeypatch):
-    """The same kernel on rows of 2-4 blocks (which the wide pass serves by default): every row-block
-    count the published-word fold handles."""
-    from lowp_ops.kernels import cross_entropy_single_pass as single
-
-    monkeypatch.setattr(single, "wide_pass_applies", lambda *args: False)
-    monkeypatch.setattr(single, "row_blocks_applies", lambda *args: True)
-    _check_single_pass("cuda", *shape, options, row_blocks_kernel=True)
-
-
-@pytest.mark.gpu
-def test_gpu_row_blocks_pass_serves_only_what_it_can_hold():
-    """Rows of more than ``MIN_COLS`` classes, a multiple of 16, contiguous, no soft-capping, not class
-    weights with label smoothing; every float dtype."""
-    from lowp_ops.kernels import cross_entropy_row_blocks as row_blocks
-
-    def applies(cols: int, dtype=torch.bfloat16, smoothing=0.0, weight=None, softcap=0.0) -> bool:
-        logits = torch.empty(2, cols, dtype=dtype, device="cuda")
-        return row_blocks.row_blocks_applies(logits, smoothing, weight, softcap)
-
-    least = row_blocks.MIN_COLS + 15
-    assert applies(least) and applies(least, torch.float32) and applies(129280, torch.float16)
-    assert not applies(least - 16)
-    assert not applies(least + 8)
-    assert not applies(least, softcap=30.0)
-    assert not applies(least, smoothing=0.1, weight=torch.ones(least, device="cuda"))
-    assert applies(least, weight=torch.ones(least, device="cuda"))
 
 
 @pytest.mark.gpu

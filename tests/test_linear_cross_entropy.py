@@ -618,16 +618,13 @@ WIDE_ONE_PASS_CASES = [  # rows past one 8192-class block: the wide one pass on 
     (16392, "rows", 0.1, 1e-3, 0.0, False, True),  # a length of 8 mod 16
     (24576, "rows", 0.0, 0.0, 0.0, True, True),
     (16400, "mean", 0.1, 0.0, 0.0, True, False),  # class weights with smoothing: two launches
-    (40960, "rows", 0.1, 1e-3, 0.0, False, True),  # past the wide pass: the row-blocks pass
-    (65552, "mean", 0.0, 0.0, 0.0, True, True),
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", WIDE_ONE_PASS_CASES)
 def test_gpu_chunk_step_in_the_wide_one_pass_is_bytes_of_two_launches(case):
-    """As above for rows wider than one block (``kernels/cross_entropy_wide_pass.py``, and past 32768
-    classes ``kernels/cross_entropy_row_blocks.py``)."""
+    """As above for rows wider than one block (``kernels/cross_entropy_wide_pass.py``)."""
     _check_one_pass_chunks("cuda", case)
 
 

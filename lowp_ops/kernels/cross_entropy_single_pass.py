@@ -46,7 +46,6 @@ from .cross_entropy_math import (
     target_terms,
     z_loss_factor_of,
 )
-from .cross_entropy_row_blocks import launch_row_blocks_pass, row_blocks_applies
 from .cross_entropy_wide_pass import launch_wide_pass, wide_pass_applies
 from .launch import cached_launch
 from .softmax import finish_log_sum, fold_masked_block, masked_safe_shift
@@ -138,9 +137,7 @@ def single_pass_applies(
     smoothing (those forwards fold the row in other helpers)."""
     n_cols = logits.shape[1]
     if n_cols > SINGLE_PASS_MAX_COLS:
-        return wide_pass_applies(logits, label_smoothing, weight, softcap) or row_blocks_applies(
-            logits, label_smoothing, weight, softcap
-        )
+        return wide_pass_applies(logits, label_smoothing, weight, softcap)
     return (
         n_cols > 0
         and logits.is_contiguous()
@@ -235,10 +232,7 @@ def _launch_one_pass(
         "HAS_Z_LOSS": z_loss > 0,
     }
     if n_cols > SINGLE_PASS_MAX_COLS:
-        if wide_pass_applies(logits, label_smoothing, weight, 0.0):
-            launch_wide_pass(args, flags)
-        else:
-            launch_row_blocks_pass(args, flags)
+        launch_wide_pass(args, flags)
         return
     block, num_warps = fwd_config(n_cols)
     cross_entropy_fwd_bwd_kernel[(logits.shape[0],)](*args, BLOCK=block, **flags, num_warps=num_warps)
