@@ -329,6 +329,33 @@ def target_terms(target, grad_rows, n_cols, ignore_index, vocab_start, vocab_tot
 
 
 @triton.jit
+def one_row_grad_terms(
+    row, target, shift, log_sum, target_ptr, grad_ptr, grad_stride, weight_ptr, smooth_total_ptr, n_cols,
+    ignore_index, target_weight, z_loss2,
+    HAS_GRAD_ROWS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
+):  # fmt: skip
+    """The one-row kernels' row terms of :func:`grad_of_logits` for row ``row`` (int64 ``target``, fp32
+    statistics): (target column, row scale, ignored, class weight, α, z-loss factor), the row factor
+    ``grad_ptr[row * grad_stride]`` (1 without ``HAS_GRAD_ROWS``)."""
+    grad_rows = 1.0
+    if HAS_GRAD_ROWS:
+        grad_rows = tl.load(grad_ptr + row * grad_stride)
+    target_col, row_scale, ignored = target_terms(target, grad_rows, n_cols, ignore_index, 0, n_cols)
+    class_weight = 0.0
+    alpha = 0.0
+    factor = 0.0
+    if HAS_WEIGHT:
+        class_weight, alpha = load_class_weight_terms(
+            target_ptr, weight_ptr, smooth_total_ptr, row, row + 1, n_cols, ignore_index, target_weight
+        )
+        if HAS_Z_LOSS:
+            alpha = z_loss_factor_of(shift, log_sum, z_loss2, alpha)
+    elif HAS_Z_LOSS:
+        factor = z_loss_factor_of(shift, log_sum, z_loss2, 1.0)
+    return target_col, row_scale, ignored, class_weight, alpha, factor
+
+
+@triton.jit
 def load_logits_tile(logits_ptr, stride_row, rows_idx, cols, rows, n_cols, EVEN: tl.constexpr):
     """Logits tile [32, BLOCK_COLS] in the logits' dtype; out-of-bounds lanes read 0 (their gradient is
     never stored)."""

@@ -30,13 +30,7 @@ import torch
 
 from .bf16_pairs import to_dtype_rne
 from .cross_entropy import FWD_BLOCK, fwd_config
-from .cross_entropy_math import (
-    grad_of_logits,
-    load_class_weight_terms,
-    store_row_loss,
-    target_terms,
-    z_loss_factor_of,
-)
+from .cross_entropy_math import grad_of_logits, one_row_grad_terms, store_row_loss
 from .launch import cached_launch
 from .softmax import finish_log_sum, fold_masked_block, masked_safe_shift
 
@@ -118,21 +112,10 @@ if gluon is not None:
             HAS_WEIGHT, HAS_Z_LOSS,
         )  # fmt: skip
 
-        grad_rows = 1.0
-        if HAS_GRAD_ROWS:
-            grad_rows = gl.load(grad_ptr + row * grad_stride)
-        target_col, row_scale, ignored = target_terms(target, grad_rows, n_cols, ignore_index, 0, n_cols)
-        class_weight = 0.0
-        alpha = 0.0
-        factor = 0.0
-        if HAS_WEIGHT:
-            class_weight, alpha = load_class_weight_terms(
-                target_ptr, weight_ptr, smooth_total_ptr, row, row + 1, n_cols, ignore_index, target_weight
-            )
-            if HAS_Z_LOSS:
-                alpha = z_loss_factor_of(shift, log_sum, z_loss2, alpha)
-        elif HAS_Z_LOSS:
-            factor = z_loss_factor_of(shift, log_sum, z_loss2, 1.0)
+        target_col, row_scale, ignored, class_weight, alpha, factor = one_row_grad_terms(
+            row, target, shift, log_sum, target_ptr, grad_ptr, grad_stride, weight_ptr, smooth_total_ptr,
+            n_cols, ignore_index, target_weight, z_loss2, HAS_GRAD_ROWS, HAS_WEIGHT, HAS_Z_LOSS,
+        )  # fmt: skip
         log2_sum = log_sum * 1.4426950408889634
         # A trip count known only at run time: unrolled, the loop took 240 registers where it takes 87.
         for b in range(gl.cdiv(n_cols, block)):
