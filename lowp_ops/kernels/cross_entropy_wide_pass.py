@@ -19,7 +19,9 @@ Why ``MAX_BLOCKS = 4``: on the H200 (2026-12-03, benchmarks/RESULTS.md, "One pas
 32768 classes") the one pass took 0.274 ms against 0.392 ms for the two passes at 8192 x 32768, but rows
 of 14-16 blocks (one program per SM, 224 KB of shared memory) ran at 46-54% of copy at its 4-byte floor,
 slower than the two passes, with or without the next row's copies issued during a row's stores, 8
-warps or two programs per SM re-reading half the row from L2.
+warps or two programs per SM re-reading half the row from L2; a row's blocks spread over several
+programs that exchange their terms through global memory were slower still (RESULTS.md, "What we
+tried": 1.18-1.55 ms against 0.77 ms at 4096 x 129280).
 """
 
 from __future__ import annotations
