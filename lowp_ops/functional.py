@@ -539,6 +539,7 @@ def dglu(
     ``dc`` (tokens, 2F) in c's dtype and layout; ``dprobs`` (tokens,) fp32; ``amax`` (experts,) fp32, the
     per-expert max of ``|dc|`` before rounding, so ``amax.to(c.dtype)`` equals ``max |dc|`` of the expert
     exactly (0 for an empty expert): the NVFP4 quantization of ``dc`` needs no amax pass of its own.
-    ``split_sizes`` (experts,) is an integer tensor on c's device (rows sorted by expert)."""
+    ``split_sizes`` (experts,) is an integer tensor on c's device (rows sorted by expert); rows past
+    their sum belong to no expert and get ``dc = 0`` and ``dprobs = 0``, whatever ``grad`` holds there."""
     check_split_sizes(split_sizes, device=c.device, of="c")
     return library.dglu(grad, c, probs, split_sizes, _interleave(glu_interleave_size))

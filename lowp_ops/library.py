@@ -550,7 +550,7 @@ cross_entropy_scale_grad_ = _define(
 
 grouped_mm = _define(
     "grouped_mm",
-    "(Tensor a, Tensor b, Tensor offs, bool ends_valid=False) -> Tensor",
+    "(Tensor a, Tensor b, Tensor offs, bool ends_valid=False, bool extend_last_group=False) -> Tensor",
     grouped_mm_ref.grouped_mm,
     "grouped_mm.launch_grouped_mm",
     grouped_mm_meta.grouped_mm_output,
@@ -577,7 +577,7 @@ grouped_linear = _define(
 grouped_swiglu_mlp = _define(
     "grouped_swiglu_mlp",
     "(Tensor x, Tensor fc1_weight, Tensor fc2_weight, Tensor probs, Tensor split_sizes, str recipe,"
-    " int interleave, bool fc1_dy_amax_from_dglu) -> (Tensor, Tensor)",
+    " int interleave, bool fc1_dy_amax_from_dglu) -> (Tensor, Tensor, Tensor)",
     grouped_linear_impl.grouped_swiglu_mlp,
     None,
     grouped_mm_meta.grouped_swiglu_mlp_outputs,
@@ -605,27 +605,27 @@ def _saved_tensor_hooks_active() -> bool:
 
 def _grouped_swiglu_mlp_setup(ctx, inputs, output):
     x, fc1_weight, fc2_weight, probs, split_sizes, *config = inputs
-    c = output[1]
+    _, c, ends = output
     ctx.config = config  # recipe, interleave, fc1_dy_amax_from_dglu
-    ctx.mark_non_differentiable(c)
+    ctx.mark_non_differentiable(c, ends)
     ctx.set_materialize_grads(False)  # no zero-filled (T, 2F) gradient of c
     if _saved_tensor_hooks_active():
         # Checkpointing / offload hooks see every saved tensor (x and c included): no early freeing.
         ctx.activations = None
-        ctx.save_for_backward(fc1_weight, fc2_weight, probs, split_sizes, x, c)
+        ctx.save_for_backward(fc1_weight, fc2_weight, probs, split_sizes, ends, x, c)
         return
     # x and c (not h: docs/grouped_mlp.md#memory) in a list rather than saved, so that the backward can
     # free each after its last use (save_for_backward keeps them to its end); their versions are
     # checked by hand, as saved tensors' are.
-    ctx.save_for_backward(fc1_weight, fc2_weight, probs, split_sizes)
+    ctx.save_for_backward(fc1_weight, fc2_weight, probs, split_sizes, ends)
     ctx.activations, ctx.versions = [x, c], (x._version, c._version)
 
 
-def _grouped_swiglu_mlp_backward(ctx, grad_y, _grad_c):
+def _grouped_swiglu_mlp_backward(ctx, grad_y, _grad_c, _grad_ends):
     if grad_y is None:
         return (None,) * 8
     if ctx.activations is None:
-        fc1_weight, fc2_weight, probs, split_sizes, *activations = ctx.saved_tensors
+        fc1_weight, fc2_weight, probs, split_sizes, ends, *activations = ctx.saved_tensors
     else:
         if not ctx.activations:
             raise RuntimeError(
@@ -638,10 +638,10 @@ def _grouped_swiglu_mlp_backward(ctx, grad_y, _grad_c):
                 "lowp::grouped_swiglu_mlp: its input x or its output c was modified in place after the "
                 "forward"
             )
-        fc1_weight, fc2_weight, probs, split_sizes = ctx.saved_tensors
+        fc1_weight, fc2_weight, probs, split_sizes, ends = ctx.saved_tensors
         activations, ctx.activations = ctx.activations, []
     dx, dfc1_weight, dfc2_weight, dprobs = grouped_linear_impl.grouped_swiglu_mlp_backward(
-        grad_y, activations, fc1_weight, fc2_weight, probs, split_sizes, *ctx.config
+        grad_y, activations, fc1_weight, fc2_weight, probs, split_sizes, ends, *ctx.config
     )
     # dprobs stays fp32: autograd casts it once for bf16 probs.
     return dx, dfc1_weight, dfc2_weight, dprobs, None, None, None, None

@@ -58,7 +58,7 @@ def grouped_swiglu_mlp(
         glu_interleave_size in (None, 32),
         lambda: f"glu_interleave_size must be None or 32, got {glu_interleave_size!r}",
     )
-    y, _ = library.grouped_swiglu_mlp(
+    y, _, _ = library.grouped_swiglu_mlp(
         x,
         fc1_weight,
         fc2_weight,

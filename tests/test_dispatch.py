@@ -132,13 +132,14 @@ TRITON_LAUNCHES = {
     "dglu": 1,
     "rms_norm fwd+bwd": 3,  # forward; backward and its weight-gradient partial sums
     "nn.RMSNorm fwd+bwd": 3,
-    # the group ends once per pass (2); of the 6 grouped GEMMs the 4 row-grouped ones zero the rows past
-    # the last end (1 each); SwiGLU forward, its recomputation in the backward, and dGLU
-    "grouped_swiglu_mlp bf16 fwd+bwd": 9,
-    "nn.GroupedSwiGLUMLP bf16 fwd+bwd": 9,
-    # bf16's 9 and one MXFP8 round trip per GEMM operand pair: fprop x, w1, h, w2 (row-wise); FC2's
+    # the group ends once, in the forward (the backward reuses them); the forward's 2 row-grouped GEMMs
+    # zero the rows past the last end (1 each; the backward's input gradients need no zeroing: the dGLU
+    # zeroes those rows); SwiGLU forward, its recomputation in the backward, and dGLU
+    "grouped_swiglu_mlp bf16 fwd+bwd": 6,
+    "nn.GroupedSwiGLUMLP bf16 fwd+bwd": 6,
+    # bf16's 6 and one MXFP8 round trip per GEMM operand pair: fprop x, w1, h, w2 (row-wise); FC2's
     # dy (both copies), h and w2 (column-wise); the same three for FC1
-    "grouped_swiglu_mlp mxfp8 fwd+bwd": 19,
+    "grouped_swiglu_mlp mxfp8 fwd+bwd": 16,
 }
 
 

@@ -160,7 +160,7 @@ def test_fp32_probs_get_an_fp32_gradient_never_rounded_to_bf16(recipe):
     inputs = make_inputs([32, 0, 64], 64, 32, seed=2)
     x, w1, w2, splits, dy = (inputs[k] for k in ("x", "fc1_weight", "fc2_weight", "split_sizes", "dy"))
     probs = inputs["probs"].clone().requires_grad_()
-    y, c = torch.ops.lowp.grouped_swiglu_mlp(x, w1, w2, probs, splits, recipe, 0, False)
+    y, c, _ = torch.ops.lowp.grouped_swiglu_mlp(x, w1, w2, probs, splits, recipe, 0, False)
     y.backward(dy)
     h = torch.ops.lowp.swiglu_fwd(c, grouped_linear.fc1_probs(probs.detach(), recipe), 0)
     dh = grouped_linear.linear_backward(dy, h, w2, splits, recipe)[0]  # the FC2 dgrad the op runs
@@ -190,14 +190,16 @@ def saved_shapes(function, *args) -> list[tuple[int, ...]]:
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_backward_keeps_c_and_recomputes_h(recipe):
-    """Under saved-tensor hooks (checkpointing, offload) the op saves both weights, probs, split sizes, x
-    and c (T, 2F), never h (T, F); without hooks it keeps x and c itself and frees them as it goes (test
-    below). The gradients are those of FC1, SwiGLU and FC2 as three autograd nodes (h saved), bit for
-    bit. The probabilities are bf16 values, so mxfp8's rounding of them in the forward changes nothing."""
+    """Under saved-tensor hooks (checkpointing, offload) the op saves both weights, probs, split sizes, the
+    forward's group ends (none for nvfp4), x and c (T, 2F), never h (T, F); without hooks it keeps x and
+    c itself and frees them as it goes (test below). The gradients are those of FC1, SwiGLU and FC2 as
+    three autograd nodes (h saved), bit for bit. The probabilities are bf16 values, so mxfp8's rounding
+    of them in the forward changes nothing."""
     inputs = make_inputs([32, 0, 64], 64, 48, seed=4)
     inputs["probs"] = inputs["probs"].bfloat16().float()
     shapes = saved_shapes(run_mlp, inputs, recipe)
-    assert sorted(shapes) == [(3,), (3, 64, 48), (3, 96, 64), (96,), (96, 64), (96, 96)], shapes
+    ends = (0,) if recipe == "nvfp4" else (3,)
+    assert sorted(shapes) == sorted([(3,), ends, (3, 64, 48), (3, 96, 64), (96,), (96, 64), (96, 96)]), shapes
     got = run_mlp(inputs, recipe)
     x, w1, w2, probs = grad_leaves(inputs)
     splits = inputs["split_sizes"]
@@ -218,7 +220,7 @@ def test_backward_frees_each_activation_after_its_last_use(monkeypatch, recipe):
     inputs = make_inputs([32, 0, 64], 64, 48, seed=4)
     leaf, w1, w2, probs = grad_leaves(inputs)
     x = leaf * 1
-    y, c = torch.ops.lowp.grouped_swiglu_mlp(x, w1, w2, probs, inputs["split_sizes"], recipe, 0, False)
+    y, c, _ = torch.ops.lowp.grouped_swiglu_mlp(x, w1, w2, probs, inputs["split_sizes"], recipe, 0, False)
     x_alive, c_alive = weakref.ref(x), weakref.ref(c)
     del x, c
     seen = []
@@ -258,15 +260,15 @@ def test_activation_checkpointing_gives_the_same_gradients():
 def test_second_backward_and_modified_activations_raise():
     inputs = make_inputs([16, 16], 32, 16, seed=6)
     x, w1, w2, probs = grad_leaves(inputs)
-    y, c = torch.ops.lowp.grouped_swiglu_mlp(x, w1, w2, probs, inputs["split_sizes"], "bf16", 0, False)
+    y, c, _ = torch.ops.lowp.grouped_swiglu_mlp(x, w1, w2, probs, inputs["split_sizes"], "bf16", 0, False)
     y.backward(inputs["dy"], retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran already"):
         y.backward(inputs["dy"])
-    y, c = torch.ops.lowp.grouped_swiglu_mlp(x, w1, w2, probs, inputs["split_sizes"], "bf16", 0, False)
+    y, c, _ = torch.ops.lowp.grouped_swiglu_mlp(x, w1, w2, probs, inputs["split_sizes"], "bf16", 0, False)
     c.mul_(2)
     with pytest.raises(RuntimeError, match="x or its output c was modified in place"):
         y.backward(inputs["dy"])
-    y, _ = torch.ops.lowp.grouped_swiglu_mlp(x, w1, w2, probs, inputs["split_sizes"], "bf16", 0, False)
+    y, *_ = torch.ops.lowp.grouped_swiglu_mlp(x, w1, w2, probs, inputs["split_sizes"], "bf16", 0, False)
     with torch.no_grad():
         x.mul_(2)
     with pytest.raises(RuntimeError, match="x or its output c was modified in place"):

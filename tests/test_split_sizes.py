@@ -467,9 +467,13 @@ def test_dglu_reference_groups_the_amax_by_the_effective_experts(checks_off, siz
     grad, c, probs = dglu_inputs()
     dc, dprobs, amax = swiglu_ref.dglu(grad, c, probs, int_tensor(sizes), 0)
     whole = swiglu_ref.dglu(grad, c, probs, torch.tensor([T]), 0)
-    assert_exact(dc, whole[0], "dc is per row")
-    assert_exact(dprobs, whole[1], "dprobs is per row")
-    assert_amax_is_the_max_of_each_effective_expert(dc, amax, oracle_bounds(sizes, T))
+    bounds = oracle_bounds(sizes, T)
+    end = max(stop for _, stop in bounds)
+    assert_exact(dc[:end], whole[0][:end], "dc of the experts' rows is per row")
+    assert_exact(dprobs[:end], whole[1][:end], "dprobs of the experts' rows is per row")
+    assert_exact(dc[end:], torch.zeros_like(dc[end:]), "dc of rows of no expert")
+    assert_exact(dprobs[end:], torch.zeros_like(dprobs[end:]), "dprobs of rows of no expert")
+    assert_amax_is_the_max_of_each_effective_expert(dc, amax, bounds)
 
 
 def assert_quantized_per_expert(outputs, x, bounds, rht: bool) -> None:
@@ -537,6 +541,32 @@ def test_grouped_mm_kernel_uses_the_valid_group_ends(suite, checks_off, kernel_d
 
 
 @pytest.mark.parametrize("suite", SUITES)
+@pytest.mark.parametrize("offs", GROUPED_MM_OFFS)
+@pytest.mark.parametrize("layout", ["rows", "tokens"])
+def test_grouped_mm_kernel_extending_the_last_group_gives_it_the_rows_past_the_end(
+    suite, checks_off, kernel_device, monkeypatch, offs, layout
+):
+    """``extend_last_group``: the product of valid ends whose last is the row count (float64 loop over
+    those groups), and no zeroing launch."""
+    from lowp_ops.kernels import grouped_mm as grouped_mm_kernels
+
+    a, b = grouped_mm_operands(layout)
+    rows = a.shape[0] if layout == "rows" else a.shape[1]
+    ends = split_meta.valid_group_ends(torch.tensor(offs), rows).tolist()
+    ends[-1] = rows
+    zeroings = []
+    monkeypatch.setattr(grouped_mm_kernels, "zero_rows_past", lambda out, e: zeroings.append(1) or out)
+    got = grouped_mm_kernels.launch_grouped_mm(
+        a.to(kernel_device), b.to(kernel_device), torch.tensor(offs).to(kernel_device), False, True
+    )
+    assert zeroings == []
+    expected = float64_grouped_mm(a, b, list(itertools.pairwise([0, *ends])))
+    torch.testing.assert_close(got.cpu().double(), expected, rtol=2**-7, atol=1e-2)
+    reference = grouped_mm_ref.grouped_mm(a, b, torch.tensor(offs), False, True)
+    torch.testing.assert_close(reference.double(), expected, rtol=2**-7, atol=1e-2)
+
+
+@pytest.mark.parametrize("suite", SUITES)
 @pytest.mark.parametrize("sizes", [s for _, s in MALFORMED] + [[20, 12, 32]], ids=[*MALFORMED_IDS, "valid"])
 @pytest.mark.parametrize("layout", ["rows", "tokens"])
 def test_grouped_mm_kernel_on_ends_from_group_ends_skips_nothing_it_needs(
@@ -573,7 +603,10 @@ def test_dglu_kernel_groups_the_amax_by_the_effective_experts(suite, checks_off,
     grad, c, probs = dglu_inputs(kernel_device)
     split_sizes = int_tensor(sizes, kernel_device)
     dc, _, amax = swiglu_kernels.launch_dglu(grad, c, probs, split_sizes, 0)
-    assert_amax_is_the_max_of_each_effective_expert(dc, amax, oracle_bounds(sizes, T))
+    bounds = oracle_bounds(sizes, T)
+    assert_amax_is_the_max_of_each_effective_expert(dc, amax, bounds)
+    end = max(stop for _, stop in bounds)
+    assert_exact(dc[end:], torch.zeros_like(dc[end:]), "dc of rows of no expert")
     effective = torch.tensor(oracle_sizes(sizes, T), device=kernel_device)
     assert_exact(amax, swiglu_kernels.launch_dglu(grad, c, probs, effective, 0)[2])
 
@@ -637,6 +670,12 @@ def test_cuda_mlp_with_malformed_sizes_is_the_mlp_of_the_effective_sizes(recipe,
     for name, g, e in zip(("y", "dx", "dW1", "dW2", "dprobs"), got, expected, strict=True):
         torch.testing.assert_close(g, e, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
     assert_rows_of_no_expert_are_zero(got, oracle_ends(scaled, 256, multiple)[-1])
+    if recipe == "bf16":  # and against float64, independently of the kernels' handling of those rows
+        exact = float64_mlp(*(t.cpu() for t in inputs), oracle_bounds(scaled, 256))
+        for name, g, e in zip(("y", "dx", "dW1", "dW2", "dprobs"), got, exact, strict=True):
+            torch.testing.assert_close(
+                g.cpu().double(), e, rtol=0.125, atol=0.02, msg=lambda m, n=name: f"{n}: {m}"
+            )
 
 
 @pytest.mark.gpu

@@ -69,12 +69,17 @@ def test_per_expert_amax_rounds_to_the_max_of_dc_exactly_and_empty_experts_are_z
         start += size
 
 
-def test_rows_past_the_last_expert_count_for_no_expert():
+def test_rows_past_the_last_expert_belong_to_no_expert_and_get_zero_gradients():
     c, probs, grad = make(20, 32, seed=3)
+    # What an unwritten GEMM output or an unrouted row may hold there: large values and NaN.
     grad[12:] *= 1000
-    _, _, amax = lowp_ops.dglu(grad, c, probs, torch.tensor([4, 8]))
-    _, _, amax_first = lowp_ops.dglu(grad[:12], c[:12], probs[:12], torch.tensor([4, 8]))
+    grad[15], c[16], probs[17] = float("nan"), float("nan"), float("inf")
+    dc, dprobs, amax = lowp_ops.dglu(grad, c, probs, torch.tensor([4, 8]))
+    dc_first, dprobs_first, amax_first = lowp_ops.dglu(grad[:12], c[:12], probs[:12], torch.tensor([4, 8]))
     assert torch.equal(amax, amax_first)
+    assert torch.equal(dc[:12], dc_first) and torch.equal(dprobs[:12], dprobs_first)
+    assert torch.equal(dc[12:], torch.zeros_like(dc[12:]))
+    assert torch.equal(dprobs[12:], torch.zeros_like(dprobs[12:]))
 
 
 def test_interleaved_layout_is_the_concatenated_one_permuted():

@@ -133,6 +133,28 @@ def test_dglu_launch_configs_agree(suite, kernel_device, config, interleave):
 
 
 @pytest.mark.parametrize("suite", SUITES)
+@pytest.mark.parametrize("even", [True, False])
+def test_dglu_rows_of_no_expert_get_zeros_whatever_they_hold(suite, kernel_device, even):
+    """Rows past the last end hold NaN, Inf and large values (an unwritten GEMM output): dc and dprobs
+    are 0 there, the other rows and the amaxes as without those rows."""
+    tokens, ffn = (64, 256) if even else (45, 100)
+    c, probs, grad = make(tokens, ffn, 11, kernel_device)
+    live = 37
+    grad[live:] = 3e4
+    grad[live + 1, :5], c[live + 2, :7], probs[live + 3] = float("nan"), float("nan"), float("inf")
+    splits = torch.tensor([20, 0, 17], device=kernel_device)
+    dc, dprobs, amax = kernels.launch_dglu(grad, c, probs, splits, 0)
+    dc_live, dprobs_live, amax_live = kernels.launch_dglu(grad[:live], c[:live], probs[:live], splits, 0)
+    assert torch.equal(dc[live:], torch.zeros_like(dc[live:]))
+    assert torch.equal(dprobs[live:], torch.zeros_like(dprobs[live:]))
+    assert torch.equal(dc[:live], dc_live) and torch.equal(amax, amax_live)
+    assert torch.equal(dprobs[:live], dprobs_live)
+    dc_ref, _, amax_ref = reference.dglu(grad, c, probs, splits, 0)
+    assert_close_or_identical(dc, dc_ref, kernel_device == "cuda", "dc")
+    assert torch.allclose(amax, amax_ref, rtol=2e-6, atol=0)
+
+
+@pytest.mark.parametrize("suite", SUITES)
 def test_kernels_handle_no_tokens(suite, kernel_device):
     c, probs, grad = make(0, 32, 0, kernel_device)
     assert kernels.launch_swiglu_fwd(c, probs, 0).shape == (0, 32)

@@ -85,10 +85,14 @@ def linear_backward(
     recipe: str,
     grad_amax: torch.Tensor | None = None,
     offs: torch.Tensor | None = None,
+    dx_past_end: str = "zero",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx (T, K), dweight (E, N, K)) bf16 from grad = dy (T, N). ``grad_amax`` (E,) fp32: the per-expert
     amax of ``grad`` before its bf16 rounding (nvfp4 only; from the dGLU epilogue), so that no amax
-    pass over ``grad`` runs. ``offs`` as in :func:`linear_fprop`.
+    pass over ``grad`` runs. ``offs`` as in :func:`linear_fprop`. ``dx_past_end`` (bf16 and mxfp8): the
+    rows of ``dx`` past the last end are ``"zero"`` (rows of no expert), or, with ``"last_expert"``,
+    ``grad``'s rows there times the last expert's weight: zeros too when those rows of ``grad`` are
+    zeros, and values a consumer ignores otherwise, either way without a zeroing launch.
 
     The weight gradient comes first and ``x`` is dropped before the input gradient's GEMM: a caller that
     hands over its only reference (``linear_backward(g, taken.pop(), ...)``) frees ``x`` there."""
@@ -97,17 +101,18 @@ def linear_backward(
         del x
         return nvfp4_backward(grad, handed.pop(), weight, split_sizes, grad_amax)
     offs = group_ends(split_sizes, x.shape[0]) if offs is None else offs
+    extend = dx_past_end == "last_expert"
     if recipe == "bf16":
         dweight = registry().grouped_mm(grad.t(), x, offs, True)
         del x
-        return registry().grouped_mm(grad, weight, offs, True), dweight
+        return registry().grouped_mm(grad, weight, offs, True, extend), dweight
     grad_row, grad_col = _mxfp8_both(grad)
     x_col = _mxfp8_dequantized(x, "columnwise")
     del x
     dweight = registry().grouped_mm(grad_col.t(), x_col, offs, True)
     del grad_col, x_col
     w_col = _mxfp8_dequantized(_flat(weight), "columnwise").view(weight.shape)
-    return registry().grouped_mm(grad_row, w_col, offs, True), dweight
+    return registry().grouped_mm(grad_row, w_col, offs, True, extend), dweight
 
 
 def grouped_linear(
@@ -124,10 +129,12 @@ def fc1_probs(probs: torch.Tensor, recipe: str) -> torch.Tensor:
     return probs.to(torch.bfloat16) if recipe == "mxfp8" else probs
 
 
-def _shared_group_ends(split_sizes: torch.Tensor, rows: int, recipe: str) -> torch.Tensor | None:
-    """The group ends every bf16 / mxfp8 GEMM of one MLP call uses, computed once (nvfp4: None, its
-    GEMMs take the split sizes)."""
-    return None if recipe == "nvfp4" else group_ends(split_sizes, rows)
+def _shared_group_ends(split_sizes: torch.Tensor, rows: int, recipe: str) -> torch.Tensor:
+    """The group ends every bf16 / mxfp8 GEMM of one MLP call uses, computed once by the forward and
+    kept for the backward; nvfp4: an empty tensor (its GEMMs take the split sizes)."""
+    if recipe == "nvfp4":
+        return split_sizes.new_empty((0,), dtype=torch.int32)
+    return group_ends(split_sizes, rows)
 
 
 def grouped_swiglu_mlp(
@@ -139,16 +146,18 @@ def grouped_swiglu_mlp(
     recipe: str,
     interleave: int,
     fc1_dy_amax_from_dglu: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Implementation of ``lowp::grouped_swiglu_mlp``: ``(y, c)`` with ``c = FC1(x)`` (bf16, saved for
-    the backward), ``h = silu(gate) * linear * probs`` (bf16, not kept) and ``y = FC2(h)`` (bf16)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Implementation of ``lowp::grouped_swiglu_mlp``: ``(y, c, ends)`` with ``c = FC1(x)`` (bf16, saved
+    for the backward), ``h = silu(gate) * linear * probs`` (bf16, not kept), ``y = FC2(h)`` (bf16) and
+    the GEMMs' int32 group ends (:func:`_shared_group_ends`), which the backward reuses."""
     grouped_swiglu_mlp_outputs(
         x, fc1_weight, fc2_weight, probs, split_sizes, recipe, interleave, fc1_dy_amax_from_dglu
     )
-    offs = _shared_group_ends(split_sizes, x.shape[0], recipe)
+    ends = _shared_group_ends(split_sizes, x.shape[0], recipe)
+    offs = ends if ends.shape[0] else None
     c = linear_fprop(x, fc1_weight, split_sizes, recipe, offs)
     h = registry().swiglu_fwd(c, fc1_probs(probs, recipe), interleave)
-    return linear_fprop(h, fc2_weight, split_sizes, recipe, offs), c
+    return linear_fprop(h, fc2_weight, split_sizes, recipe, offs), c, ends
 
 
 def grouped_swiglu_mlp_backward(
@@ -158,24 +167,34 @@ def grouped_swiglu_mlp_backward(
     fc2_weight: torch.Tensor,
     probs: torch.Tensor,
     split_sizes: torch.Tensor,
+    ends: torch.Tensor,
     recipe: str,
     interleave: int,
     fc1_dy_amax_from_dglu: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx (T, H), dW1 (E, 2F, H), dW2 (E, H, F) bf16; dprobs (T,) fp32) from grad = dy (T, H).
+    """(dx (T, H), dW1 (E, 2F, H), dW2 (E, H, F) bf16; dprobs (T,) fp32) from grad = dy (T, H), with the
+    forward's group ends ``ends``.
 
     ``activations`` is ``[x, c]`` and is emptied here, so that each is freed after its last use: ``c``
     (T, 2F) after the dGLU, ``x`` (T, H) after FC1's weight gradient, before the GEMMs that follow
     allocate. ``h`` is recomputed from ``c`` (one SwiGLU kernel, the forward's bits) rather than kept
-    alive from forward to backward: (T, F) bf16 less per layer for one more read of ``c``."""
+    alive from forward to backward: (T, F) bf16 less per layer for one more read of ``c``.
+
+    Rows past the last end (of no expert) get zero gradients without a zeroing launch: FC2's input
+    gradient leaves them to the last expert (the dGLU gives rows of no expert ``dc = 0`` whatever its
+    input holds there), and FC1's then multiplies those zero rows of ``dc``."""
     c = activations.pop()
-    offs = _shared_group_ends(split_sizes, c.shape[0], recipe)
+    offs = ends if ends.shape[0] else None
     h = registry().swiglu_fwd(c, fc1_probs(probs, recipe), interleave)
     handed = [h]
     del h  # linear_backward holds the only reference and drops it after FC2's weight gradient
-    dh, dfc2_weight = linear_backward(grad, handed.pop(), fc2_weight, split_sizes, recipe, offs=offs)
+    dh, dfc2_weight = linear_backward(
+        grad, handed.pop(), fc2_weight, split_sizes, recipe, offs=offs, dx_past_end="last_expert"
+    )
     dc, dprobs, dc_amax = registry().dglu(dh, c, probs, split_sizes, interleave)
     del dh, c
     amax = dc_amax if fc1_dy_amax_from_dglu else None
-    dx, dfc1_weight = linear_backward(dc, activations.pop(), fc1_weight, split_sizes, recipe, amax, offs)
+    dx, dfc1_weight = linear_backward(
+        dc, activations.pop(), fc1_weight, split_sizes, recipe, amax, offs, dx_past_end="last_expert"
+    )
     return dx, dfc1_weight, dfc2_weight, dprobs

@@ -123,13 +123,21 @@ def dglu_kernel(
     INTERLEAVE: tl.constexpr,
     EVEN: tl.constexpr,
 ):
-    """dc, dprobs and the per-expert amax of BLOCK_T rows from one read of grad and c."""
+    """dc, dprobs and the per-expert amax of BLOCK_T rows from one read of grad and c; rows of no expert
+    (past the last effective end) get zeros, whatever grad and c hold there."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < tokens
+    # Expert of each row = number of expert ends at or below it (`experts` for rows past the last).
+    expert_idx = tl.arange(0, EXPERTS_POW2)
+    _, ends = effective_bounds(split_ptr, experts, tokens, EXPERTS_POW2, 1)
+    ends = tl.where(expert_idx < experts, ends, tokens)
+    expert = tl.sum((rows[:, None] >= ends[None, :]).to(tl.int32), axis=1)
+    live = (expert < experts)[:, None]
     if EVEN:
         prob = tl.load(probs_ptr + rows).to(tl.float32)
     else:
         prob = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    prob = tl.where(expert < experts, prob, 0.0)
     grad_row = grad_ptr + rows[:, None].to(tl.int64) * stride_grad
     c_row = c_ptr + rows[:, None].to(tl.int64) * stride_c
     dc_row = dc_ptr + rows[:, None].to(tl.int64) * (2 * ffn)
@@ -147,6 +155,9 @@ def dglu_kernel(
             g = tl.load(grad_row + ffn_idx[None, :], mask=mask, other=0.0).to(tl.float32)
             gate = tl.load(c_row + gate_col[None, :], mask=mask, other=0.0).to(tl.float32)
             linear = tl.load(c_row + linear_col[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = tl.where(live, g, 0.0)
+        gate = tl.where(live, gate, 0.0)
+        linear = tl.where(live, linear, 0.0)
         sig = sigmoid(gate)
         swish = gate * sig
         dprob += tl.sum(g * swish * linear, axis=1)
@@ -165,11 +176,6 @@ def dglu_kernel(
             tl.store(dc_row + gate_col[None, :], d_gate, mask=mask)
             tl.store(dc_row + linear_col[None, :], d_linear, mask=mask)
     tl.store(dprobs_ptr + rows, dprob, mask=row_ok)
-    # Expert of each row = number of expert ends at or below it (`experts` for rows past the last).
-    expert_idx = tl.arange(0, EXPERTS_POW2)
-    _, ends = effective_bounds(split_ptr, experts, tokens, EXPERTS_POW2, 1)
-    ends = tl.where(expert_idx < experts, ends, tokens)
-    expert = tl.sum((rows[:, None] >= ends[None, :]).to(tl.int32), axis=1)
     tl.atomic_max(
         amax_bits_ptr + expert,
         row_amax.to(tl.int32, bitcast=True),

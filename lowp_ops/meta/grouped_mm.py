@@ -58,10 +58,13 @@ def grouped_mm_shape(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> tu
 
 
 def grouped_mm_output(
-    a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, ends_valid: bool = False
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offs: torch.Tensor,
+    ends_valid: bool = False,
+    extend_last_group: bool = False,
 ) -> torch.Tensor:
-    """``lowp::grouped_mm``'s output, allocated (:func:`grouped_mm_shape`); ``ends_valid`` changes no
-    shape."""
+    """``lowp::grouped_mm``'s output, allocated (:func:`grouped_mm_shape`); the flags change no shape."""
     return a.new_empty(grouped_mm_shape(a, b, offs))
 
 
@@ -119,8 +122,10 @@ def grouped_swiglu_mlp_outputs(
     recipe: str,
     interleave: int,
     fc1_dy_amax_from_dglu: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y (T, H), c (T, 2F)) bf16 from x (T, H), fc1_weight (E, 2F, H) and fc2_weight (E, H, F)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y (T, H), c (T, 2F)) bf16 from x (T, H), fc1_weight (E, 2F, H) and fc2_weight (E, H, F), and the
+    int32 effective group ends the forward's GEMMs used, for the backward's: (E,) for the bf16 and
+    mxfp8 recipes, (0,) for nvfp4 (whose GEMMs take the split sizes)."""
     check_grouped_linear(x, fc1_weight, split_sizes, recipe)
     c = x.new_empty((x.shape[0], fc1_weight.shape[1]))
     check_glu_inputs(c, probs, interleave)
@@ -141,4 +146,5 @@ def grouped_swiglu_mlp_outputs(
         not fc1_dy_amax_from_dglu or recipe == "nvfp4",
         lambda: f"fc1_dy_amax_from_dglu needs recipe='nvfp4' (it feeds the NVFP4 amaxes), got {recipe!r}",
     )
-    return x.new_empty(x.shape), c
+    ends = split_sizes.new_empty((0 if recipe == "nvfp4" else split_sizes.shape[0],), dtype=torch.int32)
+    return x.new_empty(x.shape), c, ends

@@ -28,15 +28,24 @@ def group_ends(split_sizes: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def grouped_mm(
-    a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, ends_valid: bool = False
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offs: torch.Tensor,
+    ends_valid: bool = False,
+    extend_last_group: bool = False,
 ) -> torch.Tensor:
     """Reference of ``lowp::grouped_mm``: ``a`` (T, K) x ``b`` (E, K, N) -> (T, N), or ``a`` (M, T) x
     ``b`` (T, N) -> (E, M, N) with the groups along T. ``ends_valid`` (ends from ``lowp::group_ends``)
     lets the CUDA kernel skip making the ends valid; valid ends are their own validation, so it changes
-    nothing here."""
-    out = grouped_mm_output(a, b, offs, ends_valid).zero_()
+    nothing here. Rows past the last valid end belong to no group (their output rows are 0), or with
+    ``extend_last_group`` to the last group (for an ``a`` whose rows there are 0, the same zeros
+    without the CUDA kernel's zeroing launch)."""
+    out = grouped_mm_output(a, b, offs, ends_valid, extend_last_group).zero_()
     grouped_len = a.shape[0] if b.dim() == 3 else a.shape[1]
-    bounds = list(itertools.pairwise([0, *valid_group_ends(offs, grouped_len).tolist()]))
+    ends = valid_group_ends(offs, grouped_len).tolist()
+    if extend_last_group and ends:
+        ends[-1] = grouped_len
+    bounds = list(itertools.pairwise([0, *ends]))
     for group, (start, end) in enumerate(bounds):
         if b.dim() == 3:
             out[start:end] = a[start:end].float() @ b[group].float()

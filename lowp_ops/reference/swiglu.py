@@ -9,10 +9,11 @@ the first half), ``s = sigmoid(a)``, ``u = a s b``:
   ``d1 = g p b s (1 + a (1 - s))``, ``d2 = g p a s``; ``dc`` = their rounding to c's dtype, in c's
   layout; per expert, ``amax = max(|d1|, |d2|)`` over exactly the fp32 values rounded into ``dc`` (0 for
   an empty expert), so ``round(amax) == max |dc|`` exactly (RNE is monotone). Rows past
-  ``sum(split_sizes)`` count for no expert (a total below the row count is allowed). The experts'
-  rows are the effective boundaries of ``meta.split_sizes`` (the identity for sizes >= 0 summing to at
-  most the rows; CPU raises for others unless the checks are off). ``dc`` and ``dprobs`` are per row,
-  whatever the sizes. Split sizes stay on the device: no host sync.
+  ``sum(split_sizes)`` belong to no expert (a total below the row count is allowed): their ``dc`` and
+  ``dprobs`` are 0 whatever ``g``, ``c`` and ``p`` hold there (the grouped MLP's backward leaves those
+  rows of ``g`` unwritten). The experts' rows are the effective boundaries of ``meta.split_sizes`` (the
+  identity for sizes >= 0 summing to at most the rows; CPU raises for others unless the checks are
+  off). Split sizes stay on the device: no host sync.
 
 Every product is evaluated left to right exactly as written here, with ``sigmoid(x) = 1 / (1 +
 exp(-x))``; the Triton kernels (``lowp_ops.kernels.swiglu``) follow the same fp32 steps.
@@ -69,8 +70,13 @@ def dglu(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference of ``lowp::dglu``: ``(dc, dprobs fp32, per-expert amax fp32)``."""
     dc, dprobs, amax = dglu_outputs(grad, c, probs, split_sizes, interleave)
-    gate, linear = split_glu(c, interleave)
-    g = grad.float()
+    experts = split_sizes.shape[0]
+    expert = expert_of_rows(split_sizes, c.shape[0])
+    live = (expert < experts).unsqueeze(1)
+    # Rows of no expert: zero inputs, hence zero outputs (0 * garbage could be NaN).
+    gate, linear = (torch.where(live, half, 0.0) for half in split_glu(c, interleave))
+    g = torch.where(live, grad.float(), 0.0)
+    probs = torch.where(live.squeeze(1), probs.float(), 0.0)
     sig = sigmoid(gate)
     swish = gate * sig
     dprobs.copy_((g * swish * linear).sum(dim=1))
@@ -81,8 +87,7 @@ def dglu(
     row_amax = (
         torch.maximum(d_gate.abs().amax(dim=1), d_linear.abs().amax(dim=1)) if g.shape[1] else dprobs * 0
     )
-    experts = split_sizes.shape[0]
     per_expert = torch.zeros(experts + 1, dtype=torch.float32, device=c.device)
-    per_expert.scatter_reduce_(0, expert_of_rows(split_sizes, c.shape[0]), row_amax, reduce="amax")
+    per_expert.scatter_reduce_(0, expert, row_amax, reduce="amax")
     amax.copy_(per_expert[:experts])
     return dc, dprobs, amax
