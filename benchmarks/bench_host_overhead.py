@@ -3,8 +3,9 @@
 At small shapes the GPU work is a few microseconds, so the host (Python, dispatch, launches) sets the
 pace. Each case runs ``--calls`` calls back to back with one ``torch.cuda.synchronize()`` at the end; the
 host time is the loop's time before that sync, divided by the calls (median of ``--repeats`` loops);
-``wall`` includes the sync. Eager first, then ``torch.compile`` (default mode, no CUDA graphs) for the
-cross entropy, the softmax, the LM head and the grouped MLP.
+``wall`` includes the sync. Our loops and the baseline's alternate (ours, baseline, ours, ...), so that
+a drift of the host's speed during a case moves both sides alike. Eager first, then ``torch.compile``
+(default mode, no CUDA graphs) for the cross entropy, the softmax, the LM head and the grouped MLP.
 
     python benchmarks/bench_host_overhead.py            # table; JSON to $OUT/host_overhead.json
     python benchmarks/bench_host_overhead.py --profile  # also cProfile's top entries for a few calls
@@ -49,6 +50,29 @@ def host_and_wall_us(fn, calls: int, repeats: int) -> tuple[float, float]:
         host.append((issued - start) / calls * 1e6)
         wall.append((done - start) / calls * 1e6)
     return statistics.median(host), statistics.median(wall)
+
+
+def paired_host_and_wall_us(ours, base, calls: int, repeats: int) -> tuple[float, float, float, float]:
+    """(ours host, ours wall, baseline host, baseline wall) us per call as :func:`host_and_wall_us`, with
+    the two sides' loops alternating."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for fn in (ours, base):
+        for _ in range(3):
+            fn()
+    sync()
+    samples: dict = {ours: ([], []), base: ([], [])}
+    for _ in range(repeats):
+        for fn in (ours, base):
+            sync()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            issued = time.perf_counter()
+            sync()
+            done = time.perf_counter()
+            samples[fn][0].append((issued - start) / calls * 1e6)
+            samples[fn][1].append((done - start) / calls * 1e6)
+    return tuple(statistics.median(s) for fn in (ours, base) for s in samples[fn])
 
 
 def fwd_bwd(forward, *leaves):
@@ -372,8 +396,9 @@ def main() -> None:
     for name, ours, base_name, base in cases:
         if args.only and not any(part in name for part in args.only.split(",")):
             continue
-        ours_host, ours_wall = host_and_wall_us(ours, args.calls, args.repeats)
-        base_host, base_wall = host_and_wall_us(base, args.calls, args.repeats)
+        ours_host, ours_wall, base_host, base_wall = paired_host_and_wall_us(
+            ours, base, args.calls, args.repeats
+        )
         ratio = ours_host / base_host
         rows.append(
             dict(
