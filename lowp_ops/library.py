@@ -550,17 +550,18 @@ cross_entropy_scale_grad_ = _define(
 
 grouped_mm = _define(
     "grouped_mm",
-    "(Tensor a, Tensor b, Tensor offs, bool ends_valid=False, bool extend_last_group=False) -> Tensor",
+    "(Tensor a, Tensor b, Tensor offs, bool ends_valid=False, bool last_end_is_rows=False) -> Tensor",
     grouped_mm_ref.grouped_mm,
     "grouped_mm.launch_grouped_mm",
     grouped_mm_meta.grouped_mm_output,
 )
 
-# The effective group ends of split sizes, computed once per MLP pass and handed to its grouped GEMMs
-# with ends_valid=True (each GEMM would otherwise validate them again: one launch each).
+# The effective group ends of split sizes, computed once per MLP call and handed to its grouped GEMMs
+# with ends_valid=True (each GEMM would otherwise validate them again: one launch each); with_extended
+# adds a second row whose last end is the row count, for GEMMs run with last_end_is_rows=True.
 group_ends = _define(
     "group_ends",
-    "(Tensor split_sizes, SymInt rows) -> Tensor",
+    "(Tensor split_sizes, SymInt rows, bool with_extended=False) -> Tensor",
     grouped_mm_ref.group_ends,
     "split_sizes.launch_group_ends",
     split_sizes_meta.group_ends_output,

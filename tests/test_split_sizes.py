@@ -154,9 +154,13 @@ def test_kernel_helper_follows_the_documented_rule(sizes, rows, multiple):
 @settings(max_examples=25, deadline=None)
 @given(sizes=SIZES, rows=st.integers(0, 64))
 def test_group_ends_op_reference_follows_the_documented_rule(sizes, rows):
-    """``lowp::group_ends`` (reference): int32 effective ends, valid ``offs`` of ``grouped_mm``."""
+    """``lowp::group_ends`` (reference): int32 effective ends, valid ``offs`` of ``grouped_mm``; the
+    extended row: the same with the last one ``rows``."""
     got = grouped_mm_ref.group_ends(int_tensor(sizes), rows)
     assert got.dtype == torch.int32 and got.tolist() == oracle_ends(sizes, rows)
+    both = grouped_mm_ref.group_ends(int_tensor(sizes), rows, True)
+    assert both.shape == (2, len(sizes)) and both[0].tolist() == oracle_ends(sizes, rows)
+    assert both[1].tolist() == [*oracle_ends(sizes, rows)[:-1], rows]
 
 
 @pytest.mark.parametrize("suite", SUITES)
@@ -167,6 +171,8 @@ def test_group_ends_kernel_follows_the_documented_rule(suite, kernel_device, siz
     got = split_kernels.launch_group_ends(int_tensor(sizes, kernel_device), rows)
     assert got.dtype == torch.int32 and got.device.type == torch.device(kernel_device).type
     assert got.cpu().tolist() == oracle_ends(sizes, rows)
+    both = split_kernels.launch_group_ends(int_tensor(sizes, kernel_device), rows, True)
+    assert both.cpu().tolist() == [oracle_ends(sizes, rows), [*oracle_ends(sizes, rows)[:-1], rows]]
 
 
 def test_group_ends_op_checks_its_arguments():
@@ -175,6 +181,8 @@ def test_group_ends_op_checks_its_arguments():
     with pytest.raises(ValueError, match="rows must be >= 0"):
         lowp_ops.library.group_ends(torch.ones(3, dtype=torch.int32), -1)
     torch.library.opcheck(torch.ops.lowp.group_ends.default, (torch.tensor([3, -1, 9], dtype=torch.int32), 8))
+    sizes = torch.tensor([3, -1, 9], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.lowp.group_ends.default, (sizes, 8, True))
 
 
 @triton.jit
@@ -543,11 +551,11 @@ def test_grouped_mm_kernel_uses_the_valid_group_ends(suite, checks_off, kernel_d
 @pytest.mark.parametrize("suite", SUITES)
 @pytest.mark.parametrize("offs", GROUPED_MM_OFFS)
 @pytest.mark.parametrize("layout", ["rows", "tokens"])
-def test_grouped_mm_kernel_extending_the_last_group_gives_it_the_rows_past_the_end(
+def test_grouped_mm_kernel_on_extended_ends_covers_every_row_without_zeroing(
     suite, checks_off, kernel_device, monkeypatch, offs, layout
 ):
-    """``extend_last_group``: the product of valid ends whose last is the row count (float64 loop over
-    those groups), and no zeroing launch."""
+    """``last_end_is_rows`` with ends whose last is the row count: the product of those groups (float64
+    loop), every row written, and no zeroing launch."""
     from lowp_ops.kernels import grouped_mm as grouped_mm_kernels
 
     a, b = grouped_mm_operands(layout)
@@ -556,14 +564,21 @@ def test_grouped_mm_kernel_extending_the_last_group_gives_it_the_rows_past_the_e
     ends[-1] = rows
     zeroings = []
     monkeypatch.setattr(grouped_mm_kernels, "zero_rows_past", lambda out, e: zeroings.append(1) or out)
+    extended = torch.tensor(ends, dtype=torch.int32)
     got = grouped_mm_kernels.launch_grouped_mm(
-        a.to(kernel_device), b.to(kernel_device), torch.tensor(offs).to(kernel_device), False, True
+        a.to(kernel_device), b.to(kernel_device), extended.to(kernel_device), True, True
     )
     assert zeroings == []
     expected = float64_grouped_mm(a, b, list(itertools.pairwise([0, *ends])))
     torch.testing.assert_close(got.cpu().double(), expected, rtol=2**-7, atol=1e-2)
-    reference = grouped_mm_ref.grouped_mm(a, b, torch.tensor(offs), False, True)
+    reference = grouped_mm_ref.grouped_mm(a, b, extended, True, True)
     torch.testing.assert_close(reference.double(), expected, rtol=2**-7, atol=1e-2)
+
+
+def test_grouped_mm_reference_checks_the_promise_of_last_end_is_rows():
+    a, b = grouped_mm_operands("rows")
+    with pytest.raises(ValueError, match=r"last_end_is_rows=True needs offs\[-1\] == 64"):
+        torch.ops.lowp.grouped_mm(a, b, torch.tensor([8, 16, 40], dtype=torch.int32), True, True)
 
 
 @pytest.mark.parametrize("suite", SUITES)

@@ -85,14 +85,15 @@ def linear_backward(
     recipe: str,
     grad_amax: torch.Tensor | None = None,
     offs: torch.Tensor | None = None,
-    dx_past_end: str = "zero",
+    dgrad_offs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx (T, K), dweight (E, N, K)) bf16 from grad = dy (T, N). ``grad_amax`` (E,) fp32: the per-expert
     amax of ``grad`` before its bf16 rounding (nvfp4 only; from the dGLU epilogue), so that no amax
-    pass over ``grad`` runs. ``offs`` as in :func:`linear_fprop`. ``dx_past_end`` (bf16 and mxfp8): the
-    rows of ``dx`` past the last end are ``"zero"`` (rows of no expert), or, with ``"last_expert"``,
-    ``grad``'s rows there times the last expert's weight: zeros too when those rows of ``grad`` are
-    zeros, and values a consumer ignores otherwise, either way without a zeroing launch.
+    pass over ``grad`` runs. ``offs`` as in :func:`linear_fprop`. ``dgrad_offs`` (bf16 and mxfp8): the
+    extended row of ``group_ends(..., with_extended=True)``, for the input gradient: the rows of ``dx``
+    past the last end are then ``grad``'s rows there times the last expert's weight (zeros when those
+    rows of ``grad`` are zeros; values a consumer ignores otherwise) instead of zeros, with no zeroing
+    launch.
 
     The weight gradient comes first and ``x`` is dropped before the input gradient's GEMM: a caller that
     hands over its only reference (``linear_backward(g, taken.pop(), ...)``) frees ``x`` there."""
@@ -101,18 +102,19 @@ def linear_backward(
         del x
         return nvfp4_backward(grad, handed.pop(), weight, split_sizes, grad_amax)
     offs = group_ends(split_sizes, x.shape[0]) if offs is None else offs
-    extend = dx_past_end == "last_expert"
+    extended = dgrad_offs is not None
+    dgrad_offs = offs if dgrad_offs is None else dgrad_offs
     if recipe == "bf16":
         dweight = registry().grouped_mm(grad.t(), x, offs, True)
         del x
-        return registry().grouped_mm(grad, weight, offs, True, extend), dweight
+        return registry().grouped_mm(grad, weight, dgrad_offs, True, extended), dweight
     grad_row, grad_col = _mxfp8_both(grad)
     x_col = _mxfp8_dequantized(x, "columnwise")
     del x
     dweight = registry().grouped_mm(grad_col.t(), x_col, offs, True)
     del grad_col, x_col
     w_col = _mxfp8_dequantized(_flat(weight), "columnwise").view(weight.shape)
-    return registry().grouped_mm(grad_row, w_col, offs, True, extend), dweight
+    return registry().grouped_mm(grad_row, w_col, dgrad_offs, True, extended), dweight
 
 
 def grouped_linear(
@@ -130,11 +132,12 @@ def fc1_probs(probs: torch.Tensor, recipe: str) -> torch.Tensor:
 
 
 def _shared_group_ends(split_sizes: torch.Tensor, rows: int, recipe: str) -> torch.Tensor:
-    """The group ends every bf16 / mxfp8 GEMM of one MLP call uses, computed once by the forward and
-    kept for the backward; nvfp4: an empty tensor (its GEMMs take the split sizes)."""
+    """(2, E) int32: the group ends every bf16 / mxfp8 GEMM of one MLP call uses and their extended row
+    (the backward's input gradients), computed once by the forward and kept for the backward; nvfp4:
+    (2, 0) (its GEMMs take the split sizes)."""
     if recipe == "nvfp4":
-        return split_sizes.new_empty((0,), dtype=torch.int32)
-    return group_ends(split_sizes, rows)
+        return split_sizes.new_empty((2, 0), dtype=torch.int32)
+    return registry().group_ends(split_sizes, rows, True)
 
 
 def grouped_swiglu_mlp(
@@ -154,7 +157,7 @@ def grouped_swiglu_mlp(
         x, fc1_weight, fc2_weight, probs, split_sizes, recipe, interleave, fc1_dy_amax_from_dglu
     )
     ends = _shared_group_ends(split_sizes, x.shape[0], recipe)
-    offs = ends if ends.shape[0] else None
+    offs = ends[0] if ends.shape[1] else None
     c = linear_fprop(x, fc1_weight, split_sizes, recipe, offs)
     h = registry().swiglu_fwd(c, fc1_probs(probs, recipe), interleave)
     return linear_fprop(h, fc2_weight, split_sizes, recipe, offs), c, ends
@@ -173,28 +176,29 @@ def grouped_swiglu_mlp_backward(
     fc1_dy_amax_from_dglu: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx (T, H), dW1 (E, 2F, H), dW2 (E, H, F) bf16; dprobs (T,) fp32) from grad = dy (T, H), with the
-    forward's group ends ``ends``.
+    forward's (2, E) group ends ``ends`` (:func:`_shared_group_ends`).
 
     ``activations`` is ``[x, c]`` and is emptied here, so that each is freed after its last use: ``c``
     (T, 2F) after the dGLU, ``x`` (T, H) after FC1's weight gradient, before the GEMMs that follow
     allocate. ``h`` is recomputed from ``c`` (one SwiGLU kernel, the forward's bits) rather than kept
     alive from forward to backward: (T, F) bf16 less per layer for one more read of ``c``.
 
-    Rows past the last end (of no expert) get zero gradients without a zeroing launch: FC2's input
-    gradient leaves them to the last expert (the dGLU gives rows of no expert ``dc = 0`` whatever its
-    input holds there), and FC1's then multiplies those zero rows of ``dc``."""
+    Rows past the last end (of no expert) get zero gradients without a zeroing launch: the input
+    gradients' GEMMs give them to the last expert (the extended ends), FC2's for the dGLU, which gives
+    rows of no expert ``dc = 0`` whatever its input holds there, and FC1's then multiplies those zero
+    rows of ``dc``."""
     c = activations.pop()
-    offs = ends if ends.shape[0] else None
+    offs, dgrad_offs = (ends[0], ends[1]) if ends.shape[1] else (None, None)
     h = registry().swiglu_fwd(c, fc1_probs(probs, recipe), interleave)
     handed = [h]
     del h  # linear_backward holds the only reference and drops it after FC2's weight gradient
     dh, dfc2_weight = linear_backward(
-        grad, handed.pop(), fc2_weight, split_sizes, recipe, offs=offs, dx_past_end="last_expert"
+        grad, handed.pop(), fc2_weight, split_sizes, recipe, offs=offs, dgrad_offs=dgrad_offs
     )
     dc, dprobs, dc_amax = registry().dglu(dh, c, probs, split_sizes, interleave)
     del dh, c
     amax = dc_amax if fc1_dy_amax_from_dglu else None
     dx, dfc1_weight = linear_backward(
-        dc, activations.pop(), fc1_weight, split_sizes, recipe, amax, offs, dx_past_end="last_expert"
+        dc, activations.pop(), fc1_weight, split_sizes, recipe, amax, offs, dgrad_offs
     )
     return dx, dfc1_weight, dfc2_weight, dprobs

@@ -7,9 +7,9 @@ no host sync), fed only what it accepts, so that no input can trip its device-si
   (M, T) x (T, N) a column-major ``a`` and a row-major ``b`` (the other layouts need every group to be a
   multiple of 8 rows, and non-empty in some torch versions). Another layout is copied once;
 - rows of a (T, K) x (E, K, N) product past the last end (``torch._grouped_mm`` leaves them unwritten)
-  zeroed by a kernel whose programs return at once when there are none, or, with
-  ``extend_last_group``, given to the last group (no zeroing launch: for operands whose rows there are
-  zeros, or a consumer that ignores them).
+  zeroed by a kernel whose programs return at once when there are none; none are when the caller
+  passes ends whose last is the row count (``last_end_is_rows``, the extended row of ``group_ends``),
+  and then nothing is launched.
 """
 
 from __future__ import annotations
@@ -86,12 +86,13 @@ def launch_grouped_mm(
     b: torch.Tensor,
     offs: torch.Tensor,
     ends_valid: bool = False,
-    extend_last_group: bool = False,
+    last_end_is_rows: bool = False,
 ) -> torch.Tensor:
     """``lowp::grouped_mm`` on CUDA tensors (CPU tensors in the interpreter suite use the same call).
     ``ends_valid``: int32 ``offs`` from ``lowp::group_ends`` are used as they are (no validating launch);
-    other ``offs`` are always made valid first. ``extend_last_group``: the last group ends at the last
-    row (two aten launches on the ends), so no row is past it and no zeroing launch runs."""
+    other ``offs`` are always made valid first. ``last_end_is_rows``: the caller promises that the last
+    end is the row count (the extended row of ``group_ends``), so no zeroing launch runs; rows past a
+    smaller last end would be left unwritten."""
     shape = grouped_mm_shape(a, b, offs)  # torch._grouped_mm allocates the output itself
     rows_grouped = b.dim() == 3
     if math.prod(shape) == 0 or a.shape[1] == 0 or offs.shape[0] == 0:
@@ -101,9 +102,7 @@ def launch_grouped_mm(
         ends = offs
     else:
         ends = launch_valid_group_ends(offs, a.shape[0] if rows_grouped else a.shape[1])
-    if extend_last_group:
-        ends = torch.nn.functional.pad(ends[:-1], (0, 1), value=a.shape[0] if rows_grouped else a.shape[1])
     if rows_grouped:
         gemm = torch._grouped_mm(_row_major(a), _gemm_ready(b), ends)
-        return gemm if extend_last_group else zero_rows_past(gemm, ends)
+        return gemm if last_end_is_rows else zero_rows_past(gemm, ends)
     return torch._grouped_mm(_column_major(a), _row_major(b), ends)

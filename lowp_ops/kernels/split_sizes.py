@@ -88,18 +88,25 @@ def valid_group_ends_kernel(offs_ptr, out_ptr, groups, rows, GROUPS_POW2: tl.con
 
 @cached_launch
 @triton.jit
-def group_ends_kernel(split_ptr, out_ptr, experts, rows, EXPERTS_POW2: tl.constexpr):
-    """int32 effective group ends of the int32/int64 split sizes: one program."""
+def group_ends_kernel(split_ptr, out_ptr, experts, rows, EXPERTS_POW2: tl.constexpr, EXTENDED: tl.constexpr):
+    """int32 effective group ends of the int32/int64 split sizes: one program. EXTENDED: also the same
+    ends with the last one ``rows``, at ``out_ptr + experts``."""
     _, end = effective_bounds(split_ptr, experts, rows, EXPERTS_POW2, 1)
     idx = tl.arange(0, EXPERTS_POW2)
     tl.store(out_ptr + idx, end.to(tl.int32), mask=idx < experts)
+    if EXTENDED:
+        extended = tl.where(idx == experts - 1, rows, end)
+        tl.store(out_ptr + experts + idx, extended.to(tl.int32), mask=idx < experts)
 
 
-def launch_group_ends(split_sizes: torch.Tensor, rows: int) -> torch.Tensor:
-    """``lowp::group_ends`` on the device: int32 (E,) effective ends of ``split_sizes`` (one launch)."""
-    out = group_ends_output(split_sizes, rows)
+def launch_group_ends(split_sizes: torch.Tensor, rows: int, with_extended: bool = False) -> torch.Tensor:
+    """``lowp::group_ends`` on the device: int32 (E,) effective ends of ``split_sizes``, or with
+    ``with_extended`` (2, E) with the extended row (one launch either way)."""
+    out = group_ends_output(split_sizes, rows, with_extended)
     pow2 = max(2, next_power_of_2(split_sizes.shape[0]))
-    group_ends_kernel[(1,)](split_sizes.contiguous(), out, split_sizes.shape[0], rows, EXPERTS_POW2=pow2)
+    group_ends_kernel[(1,)](
+        split_sizes.contiguous(), out, split_sizes.shape[0], rows, EXPERTS_POW2=pow2, EXTENDED=with_extended
+    )
     return out
 
 

@@ -62,7 +62,7 @@ def grouped_mm_output(
     b: torch.Tensor,
     offs: torch.Tensor,
     ends_valid: bool = False,
-    extend_last_group: bool = False,
+    last_end_is_rows: bool = False,
 ) -> torch.Tensor:
     """``lowp::grouped_mm``'s output, allocated (:func:`grouped_mm_shape`); the flags change no shape."""
     return a.new_empty(grouped_mm_shape(a, b, offs))
@@ -124,8 +124,9 @@ def grouped_swiglu_mlp_outputs(
     fc1_dy_amax_from_dglu: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y (T, H), c (T, 2F)) bf16 from x (T, H), fc1_weight (E, 2F, H) and fc2_weight (E, H, F), and the
-    int32 effective group ends the forward's GEMMs used, for the backward's: (E,) for the bf16 and
-    mxfp8 recipes, (0,) for nvfp4 (whose GEMMs take the split sizes)."""
+    int32 group ends of the GEMMs with their extended row (``group_ends(..., with_extended=True)``), for
+    the backward's: (2, E) for the bf16 and mxfp8 recipes, (2, 0) for nvfp4 (whose GEMMs take the split
+    sizes)."""
     check_grouped_linear(x, fc1_weight, split_sizes, recipe)
     c = x.new_empty((x.shape[0], fc1_weight.shape[1]))
     check_glu_inputs(c, probs, interleave)
@@ -146,5 +147,5 @@ def grouped_swiglu_mlp_outputs(
         not fc1_dy_amax_from_dglu or recipe == "nvfp4",
         lambda: f"fc1_dy_amax_from_dglu needs recipe='nvfp4' (it feeds the NVFP4 amaxes), got {recipe!r}",
     )
-    ends = split_sizes.new_empty((0 if recipe == "nvfp4" else split_sizes.shape[0],), dtype=torch.int32)
+    ends = split_sizes.new_empty((2, 0 if recipe == "nvfp4" else split_sizes.shape[0]), dtype=torch.int32)
     return x.new_empty(x.shape), c, ends

@@ -178,12 +178,13 @@ def group_ends(split_sizes: torch.Tensor, rows: int, multiple: int = 1) -> torch
     return valid_group_ends(clamped_prefix_sums(split_sizes, rows), rows, multiple)
 
 
-def group_ends_output(split_sizes: torch.Tensor, rows: int) -> torch.Tensor:
-    """``lowp::group_ends``'s int32 (E,) output, allocated, after the checks of :func:`check_split_sizes`
-    and ``rows >= 0``."""
+def group_ends_output(split_sizes: torch.Tensor, rows: int, with_extended: bool = False) -> torch.Tensor:
+    """``lowp::group_ends``'s int32 output, (E,) or with ``with_extended`` (2, E), allocated, after the
+    checks of :func:`check_split_sizes` and ``rows >= 0``."""
     check_split_sizes(split_sizes, of="split_sizes")
     require(rows >= 0, lambda: f"rows must be >= 0, got {rows}")
-    return split_sizes.new_empty(split_sizes.shape, dtype=torch.int32)
+    shape = (2, split_sizes.shape[0]) if with_extended else split_sizes.shape
+    return split_sizes.new_empty(shape, dtype=torch.int32)
 
 
 def effective_split_sizes(split_sizes: torch.Tensor, rows: int, multiple: int = 1) -> torch.Tensor:

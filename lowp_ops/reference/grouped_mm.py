@@ -16,15 +16,24 @@ import itertools
 
 import torch
 
+from ..meta.checks import require
 from ..meta.grouped_mm import grouped_mm_output
 from ..meta.split_sizes import group_ends as effective_group_ends
-from ..meta.split_sizes import group_ends_output, valid_group_ends
+from ..meta.split_sizes import group_ends_output, host_check_wanted, valid_group_ends
 
 
-def group_ends(split_sizes: torch.Tensor, rows: int) -> torch.Tensor:
+def group_ends(split_sizes: torch.Tensor, rows: int, with_extended: bool = False) -> torch.Tensor:
     """Reference of ``lowp::group_ends``: int32 (E,) effective group ends of ``split_sizes`` over ``rows``
-    rows (``meta.split_sizes``): non-decreasing, within [0, rows], valid ``offs`` of ``grouped_mm``."""
-    return group_ends_output(split_sizes, rows).copy_(effective_group_ends(split_sizes, rows))
+    rows (``meta.split_sizes``): non-decreasing, within [0, rows], valid ``offs`` of ``grouped_mm``.
+    ``with_extended``: (2, E), those ends and below them the same with the last one ``rows`` (the last
+    group extended over the rows of no expert; ``grouped_mm``'s ``last_end_is_rows``)."""
+    out = group_ends_output(split_sizes, rows, with_extended)
+    ends = effective_group_ends(split_sizes, rows)
+    if not with_extended:
+        return out.copy_(ends)
+    out.copy_(ends.expand(2, -1))
+    out[1, -1] = rows
+    return out
 
 
 def grouped_mm(
@@ -32,19 +41,24 @@ def grouped_mm(
     b: torch.Tensor,
     offs: torch.Tensor,
     ends_valid: bool = False,
-    extend_last_group: bool = False,
+    last_end_is_rows: bool = False,
 ) -> torch.Tensor:
     """Reference of ``lowp::grouped_mm``: ``a`` (T, K) x ``b`` (E, K, N) -> (T, N), or ``a`` (M, T) x
-    ``b`` (T, N) -> (E, M, N) with the groups along T. ``ends_valid`` (ends from ``lowp::group_ends``)
-    lets the CUDA kernel skip making the ends valid; valid ends are their own validation, so it changes
-    nothing here. Rows past the last valid end belong to no group (their output rows are 0), or with
-    ``extend_last_group`` to the last group (for an ``a`` whose rows there are 0, the same zeros
-    without the CUDA kernel's zeroing launch)."""
-    out = grouped_mm_output(a, b, offs, ends_valid, extend_last_group).zero_()
+    ``b`` (T, N) -> (E, M, N) with the groups along T; rows past the last valid end belong to no group
+    (their output rows are 0). ``ends_valid`` (ends from ``lowp::group_ends``) lets the CUDA kernel skip
+    making the ends valid, and ``last_end_is_rows`` (the caller's promise that ``offs[-1]`` is T, as the
+    extended row of ``group_ends`` is) skip zeroing the rows past the last end; valid ends are their
+    own validation, so neither changes a result here, and the promise is checked on the host."""
+    out = grouped_mm_output(a, b, offs, ends_valid, last_end_is_rows).zero_()
     grouped_len = a.shape[0] if b.dim() == 3 else a.shape[1]
     ends = valid_group_ends(offs, grouped_len).tolist()
-    if extend_last_group and ends:
-        ends[-1] = grouped_len
+    if last_end_is_rows and ends and host_check_wanted(offs):
+        require(
+            ends[-1] == grouped_len,
+            lambda: (
+                f"last_end_is_rows=True needs offs[-1] == {grouped_len} (the grouped rows), got {ends[-1]}"
+            ),
+        )
     bounds = list(itertools.pairwise([0, *ends]))
     for group, (start, end) in enumerate(bounds):
         if b.dim() == 3:
