@@ -11,6 +11,7 @@ import platform
 import subprocess
 import sys
 import time
+import types
 
 import torch
 import triton
@@ -198,3 +199,41 @@ def import_liger(module: str, name: str):
     except Exception as error:
         print(f"Liger unavailable: {type(error).__name__}: {error}")
         return None
+
+
+# TransformerEngine's pure-Triton cross entropy, as TE's CrossEntropyFunction calls it.
+_TE_CROSS_ENTROPY = "transformer_engine.pytorch.triton.cross_entropy"
+
+
+def import_te_triton_cross_entropy(site: str | None):
+    """The module ``transformer_engine.pytorch.triton.cross_entropy`` of a TransformerEngine wheel
+    installed under ``site`` (``pip install --no-deps --target <site>``), or None with a printed reason.
+
+    TE's package ``__init__`` loads its compiled library, which the wheel alone does not ship; the
+    cross entropy needs none of it (Triton kernels and torch). So the parent packages are stand-ins
+    that only point at their folders, present while the two modules load and removed afterwards (so
+    that nothing else, such as peft's check for TE, sees a half-imported TE). ``site`` stays off
+    ``sys.path``."""
+    if not site:
+        return None
+    root = os.path.join(site, "transformer_engine")
+    if not os.path.isdir(root):
+        print(f"TransformerEngine unavailable: no {root}")
+        return None
+    packages = ["transformer_engine", "transformer_engine.common", "transformer_engine.common.triton"]
+    packages += ["transformer_engine.pytorch", "transformer_engine.pytorch.triton"]
+    added = []
+    try:
+        for name in packages:
+            if name not in sys.modules:
+                stand_in = types.ModuleType(name)
+                stand_in.__path__ = [os.path.join(site, *name.split("."))]
+                sys.modules[name] = stand_in
+                added.append(name)
+        return importlib.import_module(_TE_CROSS_ENTROPY)
+    except Exception as error:
+        print(f"TransformerEngine's Triton cross entropy unavailable: {type(error).__name__}: {error}")
+        return None
+    finally:
+        for name in [*added, _TE_CROSS_ENTROPY, "transformer_engine.common.triton.cross_entropy"]:
+            sys.modules.pop(name, None)

@@ -14,12 +14,17 @@ next to a copy run the same way: the steady state under the GPU's power cap, wit
 ``--features`` adds forward+backward rows with the LM-loss features on (z-loss, soft-capping, both with
 label smoothing) for ours (bf16 and MXFP8 gradients), torch.compile of the same loss in PyTorch and Liger.
 The ``overwrite_logits=True`` row writes the gradient over (scratch copies of) the logits.
+``--te-site DIR`` (or ``LOWP_BENCH_TE_SITE``) adds TransformerEngine's Triton cross entropy from a TE
+wheel installed there (``pip install --no-deps --target DIR transformer_engine-*.whl``; kept off
+``sys.path``), called as TE's ``CrossEntropyFunction`` calls it: its forward copies the logits (the
+backward writes the gradient over that copy) or, with ``overwrite_input``, writes over them.
 Run: ``PYTHONPATH=. python3 benchmarks/bench_cross_entropy.py`` (Liger from a wheel on PYTHONPATH).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import traceback
 
 import torch
@@ -30,6 +35,7 @@ from _common import (
     environment,
     graph_ms,
     import_liger,
+    import_te_triton_cross_entropy,
     median_ms,
     rotating,
     sustained_ms,
@@ -95,7 +101,7 @@ def plain_loss(x, target, z_loss: float = 0.0, softcap: float | None = None, lab
     return loss + z_loss * torch.logsumexp(x, -1).square().mean() if z_loss else loss
 
 
-def run_shape(n_rows: int, vocab: int, copy_tbs: float, liger, features: bool = False) -> list[dict]:
+def run_shape(n_rows: int, vocab: int, copy_tbs: float, liger, features: bool = False, te=None) -> list[dict]:
     copies, target, lse, grad_rows = ce_inputs(n_rows, vocab)
     elems = n_rows * vocab
     rows = []
@@ -188,6 +194,23 @@ def run_shape(n_rows: int, vocab: int, copy_tbs: float, liger, features: bool = 
     record("lowp", "fwd+bwd bf16, overwrite_logits", rotating(overwritten, overwrite_fwd_bwd), 6)
     del overwritten
 
+    if te is not None:
+        # TE's forward saves a copy of the logits (or, overwrite_input, the logits themselves) and its
+        # backward writes the gradient over it; grad_output 1 as a loss's.
+        one = torch.ones((), device="cuda")
+
+        def te_fwd_bwd(x, overwrite=False):
+            _loss, saved, stats, tgt, count, rank, world = te.cross_entropy_forward(
+                x.view(1, n_rows, vocab), target, 0.0, True, None, -100, overwrite
+            )
+            return te.cross_entropy_backward(saved, stats, tgt, count, one, 0.0, True, rank, world, -100)
+
+        record("TE 2.20.2", "fwd+bwd bf16", rotating(copies, te_fwd_bwd), 6)
+        te_scratch = [x.detach().clone() for x in copies]
+        te_over = rotating(te_scratch, lambda x: te_fwd_bwd(x, overwrite=True))
+        record("TE 2.20.2", "fwd+bwd bf16, overwrite_input", te_over, 6)
+        del te_scratch
+
     if liger is not None:
         # Liger computes the gradient in the forward, in place into its input: time forward+backward,
         # on scratch copies (its in-place writes must not reach the logits above).
@@ -267,6 +290,11 @@ def main() -> None:
     parser.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS", help="also back to back")
     parser.add_argument("--sustained-only", action="store_true", help="only the back-to-back measurements")
     parser.add_argument("--features", action="store_true", help="also z-loss, softcap and smoothing rows")
+    parser.add_argument(
+        "--te-site",
+        default=os.environ.get("LOWP_BENCH_TE_SITE"),
+        help="a folder with a TransformerEngine wheel installed (pip --target): adds TE's Triton CE",
+    )
     args = parser.parse_args()
     shapes = (
         SHAPES if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
@@ -289,9 +317,10 @@ def main() -> None:
     contract = check_contract()
     print(f"fused MXFP8 gradient == mxfp8_quantize(bf16 gradient): {contract}")
     liger = load_liger()
+    te = import_te_triton_cross_entropy(args.te_site)
     rows = []
     for n_rows, vocab in shapes:
-        rows += run_shape(n_rows, vocab, copy_tbs, liger, args.features)
+        rows += run_shape(n_rows, vocab, copy_tbs, liger, args.features, te)
         torch.cuda.empty_cache()
     sustained = run_all_sustained()
     print(
