@@ -31,38 +31,18 @@ except ImportError:  # run from the repository root
     from benchmarks._common import environment, write_json
 
 
-def host_and_wall_us(fn, calls: int, repeats: int) -> tuple[float, float]:
-    """Median over ``repeats`` loops of ``calls`` calls: (host us per call before the final sync, wall us
-    per call with it)."""
+def alternating_host_and_wall_us(fns, calls: int, repeats: int) -> list[tuple[float, float]]:
+    """For each of ``fns``, the median over ``repeats`` loops of ``calls`` calls: (host us per call before
+    the final sync, wall us per call with it). The functions' loops alternate (one loop of each per
+    repeat), so that a drift of the host's speed moves them alike."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    for _ in range(3):
-        fn()
-    sync()
-    host, wall = [], []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        issued = time.perf_counter()
-        sync()
-        done = time.perf_counter()
-        host.append((issued - start) / calls * 1e6)
-        wall.append((done - start) / calls * 1e6)
-    return statistics.median(host), statistics.median(wall)
-
-
-def paired_host_and_wall_us(ours, base, calls: int, repeats: int) -> tuple[float, float, float, float]:
-    """(ours host, ours wall, baseline host, baseline wall) us per call as :func:`host_and_wall_us`, with
-    the two sides' loops alternating."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    for fn in (ours, base):
+    for fn in fns:
         for _ in range(3):
             fn()
     sync()
-    samples: dict = {ours: ([], []), base: ([], [])}
+    host, wall = [[] for _ in fns], [[] for _ in fns]
     for _ in range(repeats):
-        for fn in (ours, base):
+        for index, fn in enumerate(fns):
             sync()
             start = time.perf_counter()
             for _ in range(calls):
@@ -70,9 +50,15 @@ def paired_host_and_wall_us(ours, base, calls: int, repeats: int) -> tuple[float
             issued = time.perf_counter()
             sync()
             done = time.perf_counter()
-            samples[fn][0].append((issued - start) / calls * 1e6)
-            samples[fn][1].append((done - start) / calls * 1e6)
-    return tuple(statistics.median(s) for fn in (ours, base) for s in samples[fn])
+            host[index].append((issued - start) / calls * 1e6)
+            wall[index].append((done - start) / calls * 1e6)
+    return [(statistics.median(h), statistics.median(w)) for h, w in zip(host, wall, strict=True)]
+
+
+def host_and_wall_us(fn, calls: int, repeats: int) -> tuple[float, float]:
+    """Median over ``repeats`` loops of ``calls`` calls of ``fn``: (host us per call before the final
+    sync, wall us per call with it)."""
+    return alternating_host_and_wall_us([fn], calls, repeats)[0]
 
 
 def fwd_bwd(forward, *leaves):
@@ -396,8 +382,8 @@ def main() -> None:
     for name, ours, base_name, base in cases:
         if args.only and not any(part in name for part in args.only.split(",")):
             continue
-        ours_host, ours_wall, base_host, base_wall = paired_host_and_wall_us(
-            ours, base, args.calls, args.repeats
+        (ours_host, ours_wall), (base_host, base_wall) = alternating_host_and_wall_us(
+            [ours, base], args.calls, args.repeats
         )
         ratio = ours_host / base_host
         rows.append(
