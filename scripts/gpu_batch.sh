@@ -14,6 +14,10 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
         && export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
+if compgen -G ".whl/te/*.whl" > /dev/null; then  # TE's wheel apart: its package breaks Liger's import
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/te_site .whl/te/*.whl \
+        && export LOWP_BENCH_TE_SITE=/tmp/te_site
+fi
 run_jobs() {  # GPU, then the jobs for it, in order
     local gpu=$1
     shift

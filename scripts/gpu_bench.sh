@@ -14,6 +14,10 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
         && export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
+if compgen -G ".whl/te/*.whl" > /dev/null; then  # TE's wheel apart: its package breaks Liger's import
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/te_site .whl/te/*.whl \
+        && export LOWP_BENCH_TE_SITE=/tmp/te_site
+fi
 declare -A jobs=(
     [ce]="python3 benchmarks/bench_cross_entropy.py --json $json/ce.json"
     [mxfp8]="python3 benchmarks/bench_mxfp8.py --no-sweep --no-compile --json $json/mxfp8.json"

@@ -21,6 +21,10 @@ if [ -d .whl ] && compgen -G ".whl/*.whl" > /dev/null; then
         || echo "warning: installing .whl/*.whl into /tmp/site failed"
     export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
+if compgen -G ".whl/te/*.whl" > /dev/null; then  # TE's wheel apart: its package breaks Liger's import
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/te_site .whl/te/*.whl \
+        && export LOWP_BENCH_TE_SITE=/tmp/te_site
+fi
 
 # Which parts to run: none given means all; a name that is not a part selects one benchmark.
 run_gpu=0 run_cudagraph=0 benches=()
