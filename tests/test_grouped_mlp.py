@@ -473,6 +473,27 @@ def test_bad_arguments_raise_naming_them(change, match):
         lowp_ops.grouped_swiglu_mlp(*args.values(), **kwargs)
 
 
+_A, _B = torch.zeros(8, 16, dtype=torch.bfloat16), torch.zeros(2, 16, 4, dtype=torch.bfloat16)
+_ENDS = torch.tensor([4, 8], dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((_A[0], _B, _ENDS), "a must be 2-D"),
+        ((_A, _B[0, 0], _ENDS), "b must be 2-D or 3-D"),
+        ((_A.float(), _B, _ENDS), "a and b must be bfloat16"),
+        ((_A, _B, _ENDS.float()), "offs must be a 1-D int32/int64"),
+        ((_A, _B[:, :8], _ENDS), "share the contraction dim"),
+        ((_A, _B, _ENDS[:1]), "one entry per group of b"),
+        ((_A, _B, torch.tensor([6, 4], dtype=torch.int32)), "non-decreasing"),
+    ],
+)
+def test_grouped_mm_bad_arguments_raise_naming_them(args, match):
+    with pytest.raises(ValueError, match=match):
+        torch.ops.lowp.grouped_mm(*args)
+
+
 # ------------------------------------------------------------------------------ interpreter and GPU
 
 

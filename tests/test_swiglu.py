@@ -114,6 +114,12 @@ def test_fp32_probs_get_the_fp32_gradient_and_bf16_probs_its_single_rounding():
     ("call", "match"),
     [
         (lambda: lowp_ops.swiglu(torch.ones(4, 7), torch.ones(4)), "even, non-zero last dim"),
+        (lambda: lowp_ops.swiglu(torch.ones(2, 4, 8), torch.ones(2)), "c must be 2-D"),
+        (lambda: lowp_ops.swiglu(torch.ones(4, 8, dtype=torch.int32), torch.ones(4)), "c must be floating"),
+        (
+            lambda: lowp_ops.swiglu(torch.ones(4, 8), torch.ones(4, dtype=torch.float16)),
+            "float32 or bfloat16",
+        ),
         (lambda: lowp_ops.swiglu(torch.ones(4, 8), torch.ones(5)), "probs must have shape"),
         (lambda: lowp_ops.swiglu(torch.ones(4, 8), torch.ones(4), glu_interleave_size=16), "None or 32"),
         (

@@ -29,6 +29,33 @@ def grouped_mm_shape(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> tu
     ``a`` (M, T) x ``b`` (T, N) -> (E, M, N) (groups along the contraction dim T). ``offs`` int32/int64
     (E,) group ends; on the host (CPU, or any device in mode "all", see ``meta.split_sizes``) they must
     be non-decreasing within [0, T]."""
+    # One expression for the valid case (each MLP pass runs several GEMMs: their checks are host time).
+    b_dim = b.dim()
+    valid = (
+        a.dim() == 2
+        and b_dim in (2, 3)
+        and a.dtype == torch.bfloat16
+        and b.dtype == torch.bfloat16
+        and offs.dim() == 1
+        and offs.dtype in _INT_ENDS
+        and offs.device == a.device
+        and a.shape[1] == b.shape[-2]
+        and (b_dim == 2 or offs.shape[0] == b.shape[0])
+    )
+    if not valid:
+        _explain_grouped_mm_args(a, b, offs)
+    if b_dim == 3:
+        check_group_end_values(offs, a.shape[0])
+        return (a.shape[0], b.shape[2])
+    check_group_end_values(offs, a.shape[1])
+    return (offs.shape[0], a.shape[0], b.shape[1])
+
+
+_INT_ENDS = (torch.int32, torch.int64)
+
+
+def _explain_grouped_mm_args(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> None:
+    """Raise the ValueError that names the first bad argument of :func:`grouped_mm_shape`."""
     require(a.dim() == 2, lambda: f"a must be 2-D, got {a.dim()}-D")
     require(b.dim() in (2, 3), lambda: f"b must be 2-D or 3-D, got {b.dim()}-D")
     require(
@@ -46,15 +73,10 @@ def grouped_mm_shape(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> tu
         a.shape[1] == b.shape[-2],
         lambda: f"a and b must share the contraction dim, got {tuple(a.shape)} and {tuple(b.shape)}",
     )
-    if b.dim() == 3:
-        require(
-            offs.shape[0] == b.shape[0],
-            lambda: f"offs must have one entry per group of b ({b.shape[0]}), got {offs.shape[0]}",
-        )
-        check_group_end_values(offs, a.shape[0])
-        return (a.shape[0], b.shape[2])
-    check_group_end_values(offs, a.shape[1])
-    return (offs.shape[0], a.shape[0], b.shape[1])
+    require(
+        b.dim() == 2 or offs.shape[0] == b.shape[0],
+        lambda: f"offs must have one entry per group of b ({b.shape[0]}), got {offs.shape[0]}",
+    )
 
 
 def grouped_mm_output(

@@ -12,6 +12,29 @@ GLU_INTERLEAVE_SIZES = (0, 32)
 
 
 def check_glu_inputs(c: torch.Tensor, probs: torch.Tensor, interleave: int) -> None:
+    """c (tokens, 2 ffn) floating, probs (tokens,) fp32/bf16, interleave 0 or 32 (dividing ffn); raises a
+    ValueError naming the first bad argument."""
+    # One expression for the valid case (the MLP's backward checks three GLU calls: host time).
+    valid = (
+        c.dim() == 2
+        and c.dtype in _GLU_DTYPES
+        and c.shape[1] > 0
+        and c.shape[1] % 2 == 0
+        and probs.dim() == 1
+        and probs.shape[0] == c.shape[0]
+        and probs.dtype in _PROBS_DTYPES
+        and (interleave == 0 or (interleave == 32 and (c.shape[1] // 2) % 32 == 0))
+    )
+    if not valid:
+        _explain_glu_inputs(c, probs, interleave)
+
+
+_GLU_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_PROBS_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _explain_glu_inputs(c: torch.Tensor, probs: torch.Tensor, interleave: int) -> None:
+    """Raise the ValueError that names the first bad argument of :func:`check_glu_inputs`."""
     require(c.dim() == 2, lambda: f"c must be 2-D (tokens, 2 * ffn), got {c.dim()}-D")
     require(
         c.dtype in (torch.bfloat16, torch.float16, torch.float32),
