@@ -10,14 +10,7 @@ RESULTS="${OUT:-$(mktemp -d)}"
 rm -rf /tmp/joblogs
 mkdir -p "$RESULTS/json" /tmp/joblogs
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if compgen -G ".whl/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH="/tmp/site:$PYTHONPATH"
-fi
-if compgen -G ".whl/te/*.whl" > /dev/null; then  # TE's wheel apart: its package breaks Liger's import
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/te_site .whl/te/*.whl \
-        && export LOWP_BENCH_TE_SITE=/tmp/te_site
-fi
+source scripts/peer_wheels.sh
 run_jobs() {  # GPU, then the jobs for it, in order
     local gpu=$1
     shift

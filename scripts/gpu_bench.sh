@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The kernel benchmarks on one GPU, in order, each under its own time limit: one log in $OUT
 # (bench.log, a "== label exit status in N s" line after each), benchmark JSON left in a temporary
-# directory. Carried wheels in .whl/ (Liger, tqdm) are installed to /tmp/site first.
+# directory. Carried wheels in .whl/ (Liger, tqdm; TE in .whl/te) are installed first (peer_wheels.sh).
 #
 #   bash scripts/gpu_bench.sh                  # every benchmark below
 #   bash scripts/gpu_bench.sh ce mxfp8         # only those labels
@@ -10,14 +10,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$(mktemp -d)}"
 json="$(mktemp -d)"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if compgen -G ".whl/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH="/tmp/site:$PYTHONPATH"
-fi
-if compgen -G ".whl/te/*.whl" > /dev/null; then  # TE's wheel apart: its package breaks Liger's import
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/te_site .whl/te/*.whl \
-        && export LOWP_BENCH_TE_SITE=/tmp/te_site
-fi
+source scripts/peer_wheels.sh
 declare -A jobs=(
     [ce]="python3 benchmarks/bench_cross_entropy.py --json $json/ce.json"
     [mxfp8]="python3 benchmarks/bench_mxfp8.py --no-sweep --no-compile --json $json/mxfp8.json"

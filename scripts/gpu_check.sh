@@ -16,15 +16,7 @@ OUT="${OUT:-$(mktemp -d)}"
 mkdir -p "$OUT"
 export OUT PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if [ -d .whl ] && compgen -G ".whl/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-        || echo "warning: installing .whl/*.whl into /tmp/site failed"
-    export PYTHONPATH="/tmp/site:$PYTHONPATH"
-fi
-if compgen -G ".whl/te/*.whl" > /dev/null; then  # TE's wheel apart: its package breaks Liger's import
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/te_site .whl/te/*.whl \
-        && export LOWP_BENCH_TE_SITE=/tmp/te_site
-fi
+source scripts/peer_wheels.sh
 
 # Which parts to run: none given means all; a name that is not a part selects one benchmark.
 run_gpu=0 run_cudagraph=0 benches=()

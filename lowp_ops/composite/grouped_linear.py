@@ -30,15 +30,16 @@ from __future__ import annotations
 
 import torch
 
-from ..meta.grouped_mm import grouped_linear_output, grouped_swiglu_mlp_outputs
+from ..meta.grouped_mm import check_grouped_linear, check_grouped_swiglu_mlp
 from . import registry
 from .grouped_nvfp4 import nvfp4_backward, nvfp4_fprop
 
 
-def group_ends(split_sizes: torch.Tensor, rows: int) -> torch.Tensor:
+def group_ends(split_sizes: torch.Tensor, rows: int, with_extended: bool = False) -> torch.Tensor:
     """int32 effective group ends (``meta.split_sizes``, on the device), valid ``offs`` for every
-    ``lowp::grouped_mm`` of the pass (passed with ``ends_valid=True``)."""
-    return registry().group_ends(split_sizes, rows)
+    ``lowp::grouped_mm`` of the pass (passed with ``ends_valid=True``); ``with_extended``: (2, E), the
+    second row with the last end ``rows`` (for ``last_end_is_rows=True``)."""
+    return registry().group_ends(split_sizes, rows, with_extended)
 
 
 def _mxfp8_dequantized(t: torch.Tensor, use: str) -> torch.Tensor:
@@ -121,7 +122,7 @@ def grouped_linear(
     x: torch.Tensor, weight: torch.Tensor, split_sizes: torch.Tensor, recipe: str
 ) -> torch.Tensor:
     """Implementation of ``lowp::grouped_linear`` (composed of ``lowp::`` ops on every device)."""
-    grouped_linear_output(x, weight, split_sizes, recipe)
+    check_grouped_linear(x, weight, split_sizes, recipe)
     return linear_fprop(x, weight, split_sizes, recipe)
 
 
@@ -137,7 +138,7 @@ def _shared_group_ends(split_sizes: torch.Tensor, rows: int, recipe: str) -> tor
     (2, 0) (its GEMMs take the split sizes)."""
     if recipe == "nvfp4":
         return split_sizes.new_empty((2, 0), dtype=torch.int32)
-    return registry().group_ends(split_sizes, rows, True)
+    return group_ends(split_sizes, rows, True)
 
 
 def grouped_swiglu_mlp(
@@ -153,7 +154,7 @@ def grouped_swiglu_mlp(
     """Implementation of ``lowp::grouped_swiglu_mlp``: ``(y, c, ends)`` with ``c = FC1(x)`` (bf16, saved
     for the backward), ``h = silu(gate) * linear * probs`` (bf16, not kept), ``y = FC2(h)`` (bf16) and
     the GEMMs' int32 group ends (:func:`_shared_group_ends`), which the backward reuses."""
-    grouped_swiglu_mlp_outputs(
+    check_grouped_swiglu_mlp(
         x, fc1_weight, fc2_weight, probs, split_sizes, recipe, interleave, fc1_dy_amax_from_dglu
     )
     ends = _shared_group_ends(split_sizes, x.shape[0], recipe)

@@ -148,9 +148,29 @@ def grouped_swiglu_mlp_outputs(
     """(y (T, H), c (T, 2F)) bf16 from x (T, H), fc1_weight (E, 2F, H) and fc2_weight (E, H, F), and the
     int32 group ends of the GEMMs with their extended row (``group_ends(..., with_extended=True)``), for
     the backward's: (2, E) for the bf16 and mxfp8 recipes, (2, 0) for nvfp4 (whose GEMMs take the split
-    sizes)."""
+    sizes); after :func:`check_grouped_swiglu_mlp`."""
+    check_grouped_swiglu_mlp(
+        x, fc1_weight, fc2_weight, probs, split_sizes, recipe, interleave, fc1_dy_amax_from_dglu
+    )
+    ends = split_sizes.new_empty((2, 0 if recipe == "nvfp4" else split_sizes.shape[0]), dtype=torch.int32)
+    return x.new_empty(x.shape), x.new_empty((x.shape[0], fc1_weight.shape[1])), ends
+
+
+def check_grouped_swiglu_mlp(
+    x: torch.Tensor,
+    fc1_weight: torch.Tensor,
+    fc2_weight: torch.Tensor,
+    probs: torch.Tensor,
+    split_sizes: torch.Tensor,
+    recipe: str,
+    interleave: int,
+    fc1_dy_amax_from_dglu: bool,
+) -> None:
+    """The checks of :func:`grouped_swiglu_mlp_outputs`, allocating nothing on x's device (the op's
+    implementation runs them before computing its outputs)."""
     check_grouped_linear(x, fc1_weight, split_sizes, recipe)
-    c = x.new_empty((x.shape[0], fc1_weight.shape[1]))
+    # c's metadata only: a meta tensor, no memory.
+    c = torch.empty((x.shape[0], fc1_weight.shape[1]), dtype=x.dtype, device="meta")
     check_glu_inputs(c, probs, interleave)
     _check_bf16_matrix(fc2_weight, "fc2_weight", 3)
     require(
@@ -169,5 +189,3 @@ def grouped_swiglu_mlp_outputs(
         not fc1_dy_amax_from_dglu or recipe == "nvfp4",
         lambda: f"fc1_dy_amax_from_dglu needs recipe='nvfp4' (it feeds the NVFP4 amaxes), got {recipe!r}",
     )
-    ends = split_sizes.new_empty((2, 0 if recipe == "nvfp4" else split_sizes.shape[0]), dtype=torch.int32)
-    return x.new_empty(x.shape), c, ends

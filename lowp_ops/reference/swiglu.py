@@ -72,15 +72,16 @@ def dglu(
     dc, dprobs, amax = dglu_outputs(grad, c, probs, split_sizes, interleave)
     experts = split_sizes.shape[0]
     expert = expert_of_rows(split_sizes, c.shape[0])
-    live = (expert < experts).unsqueeze(1)
+    alive = expert < experts
+    live = alive.unsqueeze(1)
     # Rows of no expert: zero inputs, hence zero outputs (0 * garbage could be NaN).
     gate, linear = (torch.where(live, half, 0.0) for half in split_glu(c, interleave))
     g = torch.where(live, grad.float(), 0.0)
-    probs = torch.where(live.squeeze(1), probs.float(), 0.0)
+    probs = torch.where(alive, probs.float(), 0.0)
     sig = sigmoid(gate)
     swish = gate * sig
     dprobs.copy_((g * swish * linear).sum(dim=1))
-    scaled = g * probs.float().unsqueeze(1)
+    scaled = g * probs.unsqueeze(1)
     d_gate = scaled * linear * sig * (1.0 + gate * (1.0 - sig))
     d_linear = scaled * swish
     dc.copy_(join_glu(d_gate, d_linear, interleave))
