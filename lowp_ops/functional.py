@@ -238,7 +238,8 @@ def cross_entropy(
             logits_rows, target_rows, float(label_smoothing), ignore_index, reduction, weight, z_loss,
             softcap, overwrite,
         )  # fmt: skip
-        loss = loss.view(_loss_shape(target, reduction))
+        if reduction == "none" and target.dim() != 1:  # mean / sum are 0-d, rows are (N,)
+            loss = loss.view(target.shape)
     else:
         from .distributed import check_process_group, vocab_parallel_cross_entropy_rows, vocab_shard
 
@@ -273,10 +274,6 @@ def _overwrites(overwrite_logits, input: torch.Tensor, logits_rows: torch.Tensor
         lambda: "overwrite_logits=True needs logits computed in the graph (not a leaf that requires grad)",
     )
     return input.requires_grad and torch.is_grad_enabled()
-
-
-def _loss_shape(target: torch.Tensor, reduction: str) -> tuple[int, ...]:
-    return tuple(target.shape) if reduction == "none" else ()
 
 
 def _loss_and_grad_rows(
@@ -428,6 +425,8 @@ def _softmax(x: torch.Tensor, dim: int, log: bool, masked_rows: str, dtype) -> t
         return torch.log_softmax(x, dim) if log else torch.softmax(x, dim)
     rows, moved_shape = _as_rows(x, dim)
     out = library.softmax_fwd(rows, log, masked_rows)
+    if rows is x:  # no view to undo (a view costs a tensor object: microseconds on a small call)
+        return out
     if moved_shape is None:
         return out.view(x.shape)
     return out.view(moved_shape).movedim(-1, dim)

@@ -822,6 +822,14 @@ nvfp4_group_decode_columns = _define(
     nvfp4_decode_meta.nvfp4_group_decode_columns_output,
 )
 
+nvfp4_scale_rows = _define(
+    "nvfp4_scale_rows",
+    "(Tensor y, Tensor amax_a, Tensor amax_b, Tensor? ends) -> Tensor",
+    nvfp4_decode_ref.nvfp4_scale_rows,
+    "nvfp4_decode.launch_nvfp4_scale_rows",
+    nvfp4_decode_meta.nvfp4_scale_rows_output,
+)
+
 # ----------------------------------------------------------------- fused eager calls of public functions
 # One autograd node per public call: the ops' own setup_context / backward formulas run as stages of one
 # torch.autograd.Function, so the eager bytes are the traced path's (which calls the ops one by one).

@@ -140,6 +140,10 @@ TRITON_LAUNCHES = {
     # bf16's 6 and one MXFP8 round trip per GEMM operand pair: fprop x, w1, h, w2 (row-wise); FC2's
     # dy (both copies), h and w2 (column-wise); the same three for FC1
     "grouped_swiglu_mlp mxfp8 fwd+bwd": 16,
+    # per GEMM (2 forward, 4 backward): each operand's quantize (with its amax pass where no amax is
+    # given: activations and weights) and decode, the grouped GEMM's zeroing of rows past the last end
+    # (input-side GEMMs), the global scales (nvfp4_scale_rows); SwiGLU forward and recomputation, dGLU
+    "grouped_swiglu_mlp nvfp4 fwd+bwd": 49,
 }
 
 
@@ -243,6 +247,13 @@ def _launch_cases(device):
             w2,
             probs,
         ),
+        "grouped_swiglu_mlp nvfp4 fwd+bwd": fwd_bwd(
+            lambda a, b, d, p: lowp_ops.grouped_swiglu_mlp(a, b, d, splits, p, recipe="nvfp4"),
+            xt,
+            w1,
+            w2,
+            probs,
+        ),
     }
 
 
@@ -276,6 +287,12 @@ CUDA_KERNELS = {
     "nvfp4_quantize row+col RHT, given amaxes, scales without padding": 1,
     # the 2 amax accumulators' fills, the amax kernel, the quantize kernel, the 2 scale-padding fills
     "nvfp4_quantize row+col RHT, computed amaxes, SR": 6,
+    # the whole fwd+bwd of the harness (4 leaf clones, the loss's float and sum, its gradient's fill,
+    # gradient accumulation included), measured on the H200 on 2026-12-04
+    "grouped_swiglu_mlp bf16 fwd+bwd": 27,
+    "grouped_swiglu_mlp mxfp8 fwd+bwd": 39,
+    # 357 for the same call at T 512 before the recipe's per-expert scalings and amaxes became kernels
+    "grouped_swiglu_mlp nvfp4 fwd+bwd": 126,
 }
 
 

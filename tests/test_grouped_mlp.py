@@ -21,7 +21,6 @@ from partition_checks import shapes_saved_by_compiled_forward
 import lowp_ops
 from lowp_ops import library
 from lowp_ops.composite import grouped_linear, grouped_nvfp4
-from lowp_ops.meta.split_sizes import expert_of_rows
 from lowp_ops.reference import grouped_mm as grouped_mm_ref
 from lowp_ops.reference import nvfp4 as nvfp4_ref
 
@@ -191,14 +190,14 @@ def saved_shapes(function, *args) -> list[tuple[int, ...]]:
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_backward_keeps_c_and_recomputes_h(recipe):
     """Under saved-tensor hooks (checkpointing, offload) the op saves both weights, probs, split sizes, the
-    forward's group ends (none for nvfp4), x and c (T, 2F), never h (T, F); without hooks it keeps x and
-    c itself and frees them as it goes (test below). The gradients are those of FC1, SwiGLU and FC2 as
-    three autograd nodes (h saved), bit for bit. The probabilities are bf16 values, so mxfp8's rounding
-    of them in the forward changes nothing."""
+    forward's (2, E) group ends (nvfp4: its plan), x and c (T, 2F), never h (T, F); without hooks it
+    keeps x and c itself and frees them as it goes (test below). The gradients are those of FC1, SwiGLU
+    and FC2 as three autograd nodes (h saved), bit for bit. The probabilities are bf16 values, so
+    mxfp8's rounding of them in the forward changes nothing."""
     inputs = make_inputs([32, 0, 64], 64, 48, seed=4)
     inputs["probs"] = inputs["probs"].bfloat16().float()
     shapes = saved_shapes(run_mlp, inputs, recipe)
-    ends = (2, 0) if recipe == "nvfp4" else (2, 3)
+    ends = (2, 3)
     assert sorted(shapes) == sorted([(3,), ends, (3, 64, 48), (3, 96, 64), (96,), (96, 64), (96, 96)]), shapes
     got = run_mlp(inputs, recipe)
     x, w1, w2, probs = grad_leaves(inputs)
@@ -352,16 +351,18 @@ def test_nvfp4_operands_from_the_quantize_ops_equal_the_pure_pytorch_local_value
     gen = torch.Generator().manual_seed(10)
     t = (torch.randn(96, 48, generator=gen) * torch.logspace(-3, 3, 48)).bfloat16()
     local, amax = grouped_nvfp4.rowwise_operand(t, split_sizes)
-    token_amax = grouped_nvfp4._token_values(amax, expert_of_rows(split_sizes, 96))[:, None]
+    assert torch.equal(amax, nvfp4_oracles.per_expert_amax(t.abs().amax(dim=1), split_sizes, 96))
+    token_amax = nvfp4_oracles.row_values(amax, split_sizes, 96)[:, None]
     assert torch.equal(local, nvfp4_oracles.local_values(t, token_amax))
     local, amax = grouped_nvfp4.columnwise_operand(t, split_sizes)
     transformed = nvfp4_ref.apply_rht(t.t().contiguous())
-    block_amax = grouped_nvfp4._token_values(amax, expert_of_rows(split_sizes, 96))[::16][None, :]
+    block_amax = nvfp4_oracles.row_values(amax, split_sizes, 96)[::16][None, :]
     assert torch.equal(local, nvfp4_oracles.local_values(transformed, block_amax))
-    expected_amax = grouped_nvfp4.per_expert_amax(transformed.abs().amax(dim=0), split_sizes, 96)
+    expected_amax = nvfp4_oracles.per_expert_amax(transformed.abs().amax(dim=0), split_sizes, 96)
     assert torch.equal(amax, expected_amax)
     weight = torch.randn(3, 32, 48, generator=gen).bfloat16()
     local, amax = grouped_nvfp4.weight_operand(weight)
+    assert torch.equal(amax, weight.abs().amax(dim=(1, 2)).float())
     for e in range(3):
         assert torch.equal(local[e], nvfp4_oracles.local_values(weight[e], amax[e].reshape(1), block_2d=True))
 
@@ -549,7 +550,7 @@ def capture_step_inputs(seed: int):
 
 
 @pytest.mark.cudagraph
-@pytest.mark.parametrize("recipe", ["bf16"])
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_manual_capture_of_grouped_mlp_forward_backward_replays_like_eager(recipe):
     torch.manual_seed(0)
     mlp = lowp_ops.nn.GroupedSwiGLUMLP(

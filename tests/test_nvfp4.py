@@ -238,13 +238,12 @@ def test_round_trip_of_values_up_to_the_dtype_max_is_finite(dtype):
 
 
 def test_grouped_recipe_alpha_factors_keep_finite_outputs_and_single_multiply_bits():
-    from lowp_ops.composite import grouped_nvfp4
-    from lowp_ops.meta.split_sizes import expert_of_rows
+    from lowp_ops.reference.nvfp4_decode import nvfp4_scale_rows
 
     out = torch.tensor([[2.0**-20, -(2.0**-17)], [1.5, -(2.0**-10)]], dtype=torch.bfloat16)
-    split_sizes = torch.tensor([1, 1])
+    ends = torch.tensor([1, 2], dtype=torch.int32)
     amax_a, amax_b = torch.tensor([1e30, 3.0]), torch.tensor([1e20, 5.0])
-    got = grouped_nvfp4._scale_rows(out, grouped_nvfp4._alpha(amax_a, amax_b), expert_of_rows(split_sizes, 2))
+    got = nvfp4_scale_rows(out, amax_a, amax_b, ends)
     # Expert 0: (1e30 / 2688)(1e20 / 2688) overflows fp32 on its own, the scaled row does not.
     row0 = out[0].double() * (1e30 / 2688.0) * (1e20 / 2688.0)
     assert torch.isfinite(got[0]).all()

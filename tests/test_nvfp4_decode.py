@@ -13,7 +13,6 @@ import torch
 from lowp_ops.composite import grouped_nvfp4
 from lowp_ops.formats import E2M1_MAGNITUDES
 from lowp_ops.kernels import nvfp4_decode as kernels
-from lowp_ops.meta.split_sizes import expert_of_rows
 from lowp_ops.reference import nvfp4 as nvfp4_ref
 from lowp_ops.reference import nvfp4_decode as reference
 
@@ -197,16 +196,69 @@ def test_recipe_operands_through_the_kernels_equal_the_pure_pytorch_local_values
     split_sizes = torch.tensor([32, 0, 48, 16])
     t = make_tokens(96, 48, seed=11)
     local, amax = grouped_nvfp4.rowwise_operand(t.to(kernel_device), split_sizes.to(kernel_device))
-    token_amax = grouped_nvfp4._token_values(amax.cpu(), expert_of_rows(split_sizes, 96))[:, None]
+    token_amax = nvfp4_oracles.row_values(amax.cpu(), split_sizes, 96)[:, None]
     assert_bits_equal(local, nvfp4_oracles.local_values(t, token_amax))
     local, amax = grouped_nvfp4.columnwise_operand(t.to(kernel_device), split_sizes.to(kernel_device))
-    block_amax = grouped_nvfp4._token_values(amax.cpu(), expert_of_rows(split_sizes, 96))[::16][None, :]
+    block_amax = nvfp4_oracles.row_values(amax.cpu(), split_sizes, 96)[::16][None, :]
     assert_bits_equal(local, nvfp4_oracles.local_values(nvfp4_ref.apply_rht(t.t().contiguous()), block_amax))
     weight = make_tokens(3 * 32, 48, seed=12).view(3, 32, 48)
     local, amax = grouped_nvfp4.weight_operand(weight.to(kernel_device))
     for e in range(3):
         expected = nvfp4_oracles.local_values(weight[e], amax[e].cpu().reshape(1), block_2d=True)
         assert_bits_equal(local[e], expected)
+
+
+# -------------------------------------------------------------------- global scales of GEMM outputs
+
+scale_rows = torch.ops.lowp.nvfp4_scale_rows
+
+
+def scale_rows_inputs(seed: int, rows: int = 40, cols: int = 72):
+    """(y, amax_a, amax_b, ends) over 5 experts (one empty, rows 36..39 of none), with the overflowing
+    alpha of expert 1, an inf and a NaN amax, and inf / NaN / -0 / large values in y."""
+    gen = torch.Generator().manual_seed(seed)
+    y = (
+        torch.randn(rows, cols, generator=gen) * torch.exp2(torch.randint(-30, 30, (rows, 1), generator=gen))
+    ).bfloat16()
+    y[0, 0], y[7, 1], y[12, 2], y[38, 3] = float("inf"), float("nan"), -0.0, float("-inf")
+    amax_a = torch.tensor([3.0, 1e30, float("inf"), 0.5, float("nan")])
+    amax_b = torch.tensor([5.0, 1e20, 2.0, 7e3, 1.0])
+    ends = torch.tensor([8, 8, 20, 30, 36], dtype=torch.int32)  # expert 1 empty
+    return y, amax_a, amax_b, ends
+
+
+def test_scale_rows_reference_is_each_rows_two_fp32_products():
+    y, amax_a, amax_b, ends = scale_rows_inputs(1)
+    got = reference.nvfp4_scale_rows(y, amax_a, amax_b, ends)
+    for row in range(y.shape[0]):
+        expert = int((ends <= row).sum())
+        if expert == len(ends):  # no expert: multiplied by 0
+            expected = (y[row].float() * 0.0).bfloat16()
+        else:
+            a, b = amax_a[expert] * (1 / 2688), amax_b[expert] * (1 / 2688)
+            alpha = a * b
+            first, second = (a, b) if alpha.isinf() and a.isfinite() and b.isfinite() else (alpha, 1.0)
+            expected = (y[row].float() * first * second).bfloat16()
+        assert_bits_equal(got[row], expected)
+    blocks = reference.nvfp4_scale_rows(y, amax_a[:4], amax_b[:4], None)  # 4 experts of 10 rows
+    assert_bits_equal(
+        blocks, reference.nvfp4_scale_rows(y, amax_a[:4], amax_b[:4], torch.tensor([10, 20, 30, 40]))
+    )
+
+
+@pytest.mark.parametrize("suite", SUITES)
+@pytest.mark.parametrize("shape", [(40, 72), (40, 300)])
+def test_scale_rows_kernel_matches_reference(suite, kernel_device, shape):
+    y, amax_a, amax_b, ends = scale_rows_inputs(sum(shape), *shape)
+    for ends_of_rows in (ends, ends.long()):
+        device_args = [t.to(kernel_device) for t in (y, amax_a, amax_b, ends_of_rows)]
+        got = kernels.launch_nvfp4_scale_rows(*device_args)
+        assert_bits_equal(got, reference.nvfp4_scale_rows(y, amax_a, amax_b, ends_of_rows))
+    strided = y.to(kernel_device)[:, : shape[1] - 8]  # rows through their stride
+    got = kernels.launch_nvfp4_scale_rows(
+        strided, amax_a[:4].to(kernel_device), amax_b[:4].to(kernel_device), None
+    )
+    assert_bits_equal(got, reference.nvfp4_scale_rows(y[:, : shape[1] - 8], amax_a[:4], amax_b[:4], None))
 
 
 # ----------------------------------------------------------------------------------- traceability
@@ -224,6 +276,11 @@ def opcheck_all(device: str) -> None:
     col_data, col_scale, _ = group_columnwise_copy(t, split_sizes, True)
     args = (col_data.to(device), col_scale.to(device), split_sizes.to(device), 40, 48)
     torch.library.opcheck(decode_columns.default, args)
+    y, amax_a, amax_b, ends = (t.to(device) for t in scale_rows_inputs(2))
+    # Finite values: opcheck compares outputs with assert_close, where NaN differs from NaN.
+    y, amax_a = y.nan_to_num(0.0, 1.0, -1.0), amax_a.nan_to_num(1.0, 2.0)
+    torch.library.opcheck(scale_rows.default, (y, amax_a, amax_b, ends))
+    torch.library.opcheck(scale_rows.default, (y, amax_a[:4], amax_b[:4], None))
 
 
 def test_opcheck_reference_ops():
@@ -301,6 +358,29 @@ _SPLITS = torch.tensor([16, 16])
 def test_group_decode_columns_bad_arguments_raise_naming_them(args, match):
     with pytest.raises(ValueError, match=match):
         decode_columns(*args)
+
+
+_Y = torch.zeros(8, 4, dtype=torch.bfloat16)
+_AMAX = torch.ones(2)
+_ENDS = torch.tensor([4, 8], dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((_Y.float(), _AMAX, _AMAX, _ENDS), "y must be 2-D bf16"),
+        ((_Y[0], _AMAX, _AMAX, _ENDS), "y must be 2-D bf16"),
+        ((_Y, _AMAX.double(), _AMAX, _ENDS), "amax_a must be 1-D float32"),
+        ((_Y, _AMAX, _AMAX[None], _ENDS), "amax_b must be 1-D float32"),
+        ((_Y, _AMAX, torch.ones(3), _ENDS), "amax_b must have amax_a's 2 experts"),
+        ((_Y, torch.ones(3), torch.ones(3), None), "must split evenly over the 3 experts"),
+        ((_Y, _AMAX, _AMAX, _ENDS.float()), "ends must be 1-D int32/int64 with one end per expert"),
+        ((_Y, _AMAX, _AMAX, _ENDS[:1]), "ends must be 1-D int32/int64 with one end per expert"),
+    ],
+)
+def test_scale_rows_bad_arguments_raise_naming_them(args, match):
+    with pytest.raises(ValueError, match=match):
+        scale_rows(*args)
 
 
 @pytest.mark.cudagraph

@@ -32,7 +32,7 @@ import torch
 
 from ..meta.grouped_mm import check_grouped_linear, check_grouped_swiglu_mlp
 from . import registry
-from .grouped_nvfp4 import nvfp4_backward, nvfp4_fprop
+from .grouped_nvfp4 import expert_plan, nvfp4_backward, nvfp4_fprop
 
 
 def group_ends(split_sizes: torch.Tensor, rows: int, with_extended: bool = False) -> torch.Tensor:
@@ -66,10 +66,10 @@ def linear_fprop(
     recipe: str,
     offs: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y (T, N) = x_e (T_e, K) w[e]^T per expert, bf16. ``offs``: ``group_ends(split_sizes, T)`` when the
-    caller has it already (bf16 and mxfp8)."""
+    """y (T, N) = x_e (T_e, K) w[e]^T per expert, bf16. ``offs``: ``group_ends(split_sizes, T)`` (bf16 and
+    mxfp8) or ``grouped_nvfp4.expert_plan(split_sizes, T)`` (nvfp4) when the caller has it already."""
     if recipe == "nvfp4":
-        return nvfp4_fprop(x, weight, split_sizes)
+        return nvfp4_fprop(x, weight, split_sizes, offs)
     offs = group_ends(split_sizes, x.shape[0]) if offs is None else offs
     if recipe == "bf16":
         return registry().grouped_mm(x, weight.transpose(1, 2), offs, True)
@@ -101,7 +101,7 @@ def linear_backward(
     if recipe == "nvfp4":
         handed = [x]
         del x
-        return nvfp4_backward(grad, handed.pop(), weight, split_sizes, grad_amax)
+        return nvfp4_backward(grad, handed.pop(), weight, split_sizes, grad_amax, offs)
     offs = group_ends(split_sizes, x.shape[0]) if offs is None else offs
     extended = dgrad_offs is not None
     dgrad_offs = offs if dgrad_offs is None else dgrad_offs
@@ -133,11 +133,11 @@ def fc1_probs(probs: torch.Tensor, recipe: str) -> torch.Tensor:
 
 
 def _shared_group_ends(split_sizes: torch.Tensor, rows: int, recipe: str) -> torch.Tensor:
-    """(2, E) int32: the group ends every bf16 / mxfp8 GEMM of one MLP call uses and their extended row
-    (the backward's input gradients), computed once by the forward and kept for the backward; nvfp4:
-    (2, 0) (its GEMMs take the split sizes)."""
+    """(2, E) int32 that every GEMM of one MLP call uses, computed once by the forward and kept for the
+    backward: bf16 / mxfp8, the group ends and their extended row (the backward's input gradients);
+    nvfp4, its recipe's plan (``grouped_nvfp4.expert_plan``: ends, then effective split sizes)."""
     if recipe == "nvfp4":
-        return split_sizes.new_empty((2, 0), dtype=torch.int32)
+        return expert_plan(split_sizes, rows)
     return group_ends(split_sizes, rows, True)
 
 
@@ -158,7 +158,7 @@ def grouped_swiglu_mlp(
         x, fc1_weight, fc2_weight, probs, split_sizes, recipe, interleave, fc1_dy_amax_from_dglu
     )
     ends = _shared_group_ends(split_sizes, x.shape[0], recipe)
-    offs = ends[0] if ends.shape[1] else None
+    offs = ends if recipe == "nvfp4" else ends[0]
     c = linear_fprop(x, fc1_weight, split_sizes, recipe, offs)
     h = registry().swiglu_fwd(c, fc1_probs(probs, recipe), interleave)
     return linear_fprop(h, fc2_weight, split_sizes, recipe, offs), c, ends
@@ -189,7 +189,7 @@ def grouped_swiglu_mlp_backward(
     rows of no expert ``dc = 0`` whatever its input holds there, and FC1's then multiplies those zero
     rows of ``dc``."""
     c = activations.pop()
-    offs, dgrad_offs = (ends[0], ends[1]) if ends.shape[1] else (None, None)
+    offs, dgrad_offs = (ends, None) if recipe == "nvfp4" else (ends[0], ends[1])
     h = registry().swiglu_fwd(c, fc1_probs(probs, recipe), interleave)
     handed = [h]
     del h  # linear_backward holds the only reference and drops it after FC2's weight gradient

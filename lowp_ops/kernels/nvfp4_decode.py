@@ -24,10 +24,11 @@ from ..meta.nvfp4_decode import (
     DECODE_SPLIT_MULTIPLE,
     nvfp4_decode_rows_output,
     nvfp4_group_decode_columns_output,
+    nvfp4_scale_rows_output,
 )
 from ..reference.nvfp4 import STAGED_AMAX_UNIT
 from .bf16_pairs import to_dtype_rne
-from .launch import cached_launch
+from .launch import cached_launch, rows_with_unit_stride
 from .split_sizes import effective_sizes, scale_col_start, tile_owner
 
 SCALE_COLS_MULTIPLE = tl.constexpr(SCALE_TILE_COLS)
@@ -288,6 +289,48 @@ def nvfp4_group_decode_columns_kernel(
 # ----------------------------------------------------------------------------------------- launchers
 
 
+@cached_launch
+@triton.jit
+def nvfp4_scale_rows_kernel(
+    y_ptr,
+    out_ptr,
+    amax_a_ptr,
+    amax_b_ptr,
+    ends_ptr,
+    rows,
+    cols,
+    y_row_stride,
+    experts,
+    rows_per_expert,
+    BY_ENDS: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):
+    """Grid (row tiles, column tiles). A row's expert is the number of ends <= it (BY_ENDS) or
+    ``row // rows_per_expert``; its two global-scale factors are formed per row, as the reference's."""
+    row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    col = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    if BY_ENDS:
+        e = tl.arange(0, EXPERTS_POW2)
+        ends = tl.load(ends_ptr + e, mask=e < experts, other=rows)  # padding: past every row
+        expert = tl.sum((ends[None, :] <= row[:, None]).to(tl.int32), axis=1)
+    else:
+        expert = row // rows_per_expert
+    owned = (row < rows) & (expert < experts)
+    a = tl.load(amax_a_ptr + expert, mask=owned, other=0.0) * GLOBAL_SCALE_RCP
+    b = tl.load(amax_b_ptr + expert, mask=owned, other=0.0) * GLOBAL_SCALE_RCP
+    alpha = a * b
+    overflows = (tl.abs(alpha) == float("inf")) & (tl.abs(a) < float("inf")) & (tl.abs(b) < float("inf"))
+    first = tl.where(overflows, a, alpha)
+    second = tl.where(owned, tl.where(overflows, b, 1.0), 0.0)
+    mask = (row < rows)[:, None] & (col < cols)[None, :]
+    y = tl.load(y_ptr + row[:, None].to(tl.int64) * y_row_stride + col[None, :], mask=mask, other=0.0)
+    scaled = (y.to(tl.float32) * first[:, None]) * second[:, None]
+    out = out_ptr + row[:, None].to(tl.int64) * cols + col[None, :]
+    tl.store(out, to_dtype_rne(scaled, tl.bfloat16), mask=mask)
+
+
 def decode_config(cols: int) -> tuple[int, int, int]:
     """(BLOCK_ROWS, BLOCK_COLS, num_warps): 16 x 256 tiles, 4 warps (32 values per thread); narrower
     (a power of two >= 16) for thin matrices. Not tuned on a GPU yet."""
@@ -386,6 +429,37 @@ def launch_nvfp4_group_decode_columns(
         BLOCK_ROWS=block_rows,
         BLOCK_TOKENS=block_tokens,
         EXPERTS_POW2=max(2, next_power_of_2(experts)),
+        num_warps=num_warps,
+    )
+    return out
+
+
+def launch_nvfp4_scale_rows(
+    y: torch.Tensor, amax_a: torch.Tensor, amax_b: torch.Tensor, ends: torch.Tensor | None
+) -> torch.Tensor:
+    """``lowp::nvfp4_scale_rows`` on CUDA (or interpreted CPU) tensors: one launch, 16 x 256 tiles."""
+    out = nvfp4_scale_rows_output(y, amax_a, amax_b, ends)
+    rows, cols = y.shape
+    if out.numel() == 0:
+        return out
+    y = rows_with_unit_stride(y)
+    experts = amax_a.shape[0]
+    block_rows, block_cols, num_warps = decode_config(cols)
+    nvfp4_scale_rows_kernel[(ceil_div(rows, block_rows), ceil_div(cols, block_cols))](
+        y,
+        out,
+        amax_a,
+        amax_b,
+        amax_a if ends is None else ends,  # unused pointer without ends
+        rows,
+        cols,
+        y.stride(0),
+        experts,
+        max(1, rows // experts),
+        BY_ENDS=ends is not None,
+        EXPERTS_POW2=max(2, next_power_of_2(experts)),
+        BLOCK_ROWS=block_rows,
+        BLOCK_COLS=block_cols,
         num_warps=num_warps,
     )
     return out

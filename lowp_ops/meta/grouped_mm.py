@@ -146,13 +146,13 @@ def grouped_swiglu_mlp_outputs(
     fc1_dy_amax_from_dglu: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y (T, H), c (T, 2F)) bf16 from x (T, H), fc1_weight (E, 2F, H) and fc2_weight (E, H, F), and the
-    int32 group ends of the GEMMs with their extended row (``group_ends(..., with_extended=True)``), for
-    the backward's: (2, E) for the bf16 and mxfp8 recipes, (2, 0) for nvfp4 (whose GEMMs take the split
-    sizes); after :func:`check_grouped_swiglu_mlp`."""
+    int32 (2, E) the backward reuses: the GEMMs' group ends with their extended row
+    (``group_ends(..., with_extended=True)``) for the bf16 and mxfp8 recipes, the recipe's plan for
+    nvfp4 (``composite.grouped_nvfp4.expert_plan``); after :func:`check_grouped_swiglu_mlp`."""
     check_grouped_swiglu_mlp(
         x, fc1_weight, fc2_weight, probs, split_sizes, recipe, interleave, fc1_dy_amax_from_dglu
     )
-    ends = split_sizes.new_empty((2, 0 if recipe == "nvfp4" else split_sizes.shape[0]), dtype=torch.int32)
+    ends = split_sizes.new_empty((2, split_sizes.shape[0]), dtype=torch.int32)
     return x.new_empty(x.shape), x.new_empty((x.shape[0], fc1_weight.shape[1])), ends
 
 

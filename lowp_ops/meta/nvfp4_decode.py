@@ -81,3 +81,41 @@ def nvfp4_group_decode_columns_output(
     )
     require(col_scale.device == col_data.device, lambda: "col_scale must be on the device of col_data")
     return col_data.new_empty((hidden, tokens), dtype=torch.bfloat16)
+
+
+def nvfp4_scale_rows_output(
+    y: torch.Tensor, amax_a: torch.Tensor, amax_b: torch.Tensor, ends: torch.Tensor | None
+) -> torch.Tensor:
+    """bf16 ``(R, C)`` contiguous for a 2-D bf16 GEMM output ``y`` whose rows belong to E experts: fp32
+    ``(E,)`` amaxes of both operands and either the int32/int64 ``(E,)`` group ends of its rows (valid
+    ends: non-decreasing, within ``[0, R]``; rows past the last end belong to no expert) or None, for E
+    equal blocks of ``R / E`` rows (a weight gradient ``(E, N, K)`` viewed as ``(E * N, K)``)."""
+    require(
+        y.dtype == torch.bfloat16 and y.dim() == 2, lambda: f"y must be 2-D bf16, got {y.dim()}-D {y.dtype}"
+    )
+    for amax, name in ((amax_a, "amax_a"), (amax_b, "amax_b")):
+        require(
+            amax.dtype == torch.float32 and amax.dim() == 1 and amax.shape[0] >= 1,
+            lambda amax=amax, name=name: f"{name} must be 1-D float32 (E,), got {amax.dim()}-D {amax.dtype}",
+        )
+        require(amax.device == y.device, lambda name=name: f"{name} must be on the device of y")
+    experts = amax_a.shape[0]
+    require(
+        amax_b.shape[0] == experts,
+        lambda: f"amax_b must have amax_a's {experts} experts, got {amax_b.shape[0]}",
+    )
+    if ends is None:
+        require(
+            y.shape[0] % experts == 0,
+            lambda: f"without ends, y's {y.shape[0]} rows must split evenly over the {experts} experts",
+        )
+    else:
+        require(
+            ends.dtype in (torch.int32, torch.int64) and ends.dim() == 1 and ends.shape[0] == experts,
+            lambda: (
+                f"ends must be 1-D int32/int64 with one end per expert ({experts}), got "
+                f"{ends.dim()}-D {ends.dtype} {tuple(ends.shape)}"
+            ),
+        )
+        require(ends.device == y.device, lambda: "ends must be on the device of y")
+    return y.new_empty(y.shape)

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import NVFP4_BLOCK_SIZE, ceil_div
+from ..formats import NVFP4_BLOCK_SIZE, NVFP4_GLOBAL_SCALE_NUMERATOR, ceil_div
 from ..meta.nvfp4_decode import (
     DECODE_SPLIT_MULTIPLE,
     nvfp4_decode_rows_output,
     nvfp4_group_decode_columns_output,
+    nvfp4_scale_rows_output,
 )
 from ..meta.split_sizes import effective_split_sizes, expert_of_rows
 from .nvfp4 import e2m1_values, group_col_scale_starts
@@ -65,4 +66,30 @@ def nvfp4_group_decode_columns(
     scale = col_scale[:hidden].gather(1, scale_col).view(torch.float8_e4m3fn).float()
     values = e2m1_values(codes) * scale
     out.copy_(torch.where(decodable, values, 0.0))
+    return out
+
+
+def global_scale_factors(amax_a: torch.Tensor, amax_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per expert, two fp32 factors whose product, applied in turn, is ``alpha = (amax_a / 2688)(amax_b /
+    2688)``: ``(alpha, 1)`` (the result bit-identical to one multiply by alpha) where alpha is finite, and
+    the two quotients where it overflows (a product that overflows alone can still give finite outputs)."""
+    a, b = amax_a * (1.0 / NVFP4_GLOBAL_SCALE_NUMERATOR), amax_b * (1.0 / NVFP4_GLOBAL_SCALE_NUMERATOR)
+    alpha = a * b
+    overflows = torch.isinf(alpha) & torch.isfinite(a) & torch.isfinite(b)
+    return torch.where(overflows, a, alpha), torch.where(overflows, b, 1.0)
+
+
+def nvfp4_scale_rows(
+    y: torch.Tensor, amax_a: torch.Tensor, amax_b: torch.Tensor, ends: torch.Tensor | None
+) -> torch.Tensor:
+    """Reference of ``lowp::nvfp4_scale_rows``: bf16 ``fp32(y) * first_e * second_e`` (two fp32 roundings,
+    in that order, then one to bf16) for the rows of expert e (:func:`global_scale_factors`); rows past
+    the last end are multiplied by 0 (NaN stays NaN)."""
+    out = nvfp4_scale_rows_output(y, amax_a, amax_b, ends)
+    rows, experts = y.shape[0], amax_a.shape[0]
+    row = torch.arange(rows, device=y.device)
+    expert = row // (rows // experts) if ends is None else torch.bucketize(row, ends, right=True)
+    no_expert = torch.zeros(1, dtype=torch.float32, device=y.device)
+    first, second = (torch.cat((f, no_expert))[expert][:, None] for f in global_scale_factors(amax_a, amax_b))
+    out.copy_(y.float().mul_(first).mul_(second))
     return out
