@@ -7,7 +7,6 @@ import torch
 from . import library
 from .formats import NVFP4GroupedTensor, NVFP4Tensor
 from .meta.checks import check_float_dtype, require
-from .meta.nvfp4 import check_group_quantize_args, check_quantize_args
 
 __all__ = ["nvfp4_dequantize", "nvfp4_group_quantize", "nvfp4_quantize"]
 
@@ -67,7 +66,7 @@ def nvfp4_quantize(
     for bit the reference, stochastic rounding included), the pure-PyTorch reference on CPU; no host sync.
     """
     sr_seed = _sr_seed(stochastic_rounding, sr_seed, x.device)
-    check_quantize_args(x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d, sr_seed)
+    # The op checks its arguments before it allocates (meta.nvfp4.check_quantize_args).
     outputs = library.nvfp4_quantize(
         x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d, sr_seed
     )
@@ -102,9 +101,7 @@ def nvfp4_group_quantize(
     every m_e a multiple of 16, no RHT; otherwise 1x16 blocks.
     """
     sr_seed = _sr_seed(stochastic_rounding, sr_seed, x.device)
-    check_group_quantize_args(
-        x, split_sizes, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, sr_seed, block_2d
-    )
+    # The op checks its arguments before it allocates (meta.nvfp4.check_group_quantize_args).
     outputs = library.nvfp4_group_quantize(
         x, split_sizes, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, sr_seed, block_2d
     )

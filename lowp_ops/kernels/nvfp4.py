@@ -612,7 +612,8 @@ def _launch(
     experts = amax_row.shape[0]
     need_abs = given_row is None or (columnwise and not rht and given_col is None)
     need_rht = columnwise and rht and given_col is None
-    abs_amax = amax_row if given_row is None else torch.empty_like(amax_row)
+    # The abs amax goes to the row-wise output unless that is given (then a buffer of its own, if needed).
+    abs_amax = torch.empty_like(amax_row) if need_abs and given_row is not None else amax_row
     common = {
         "TILE_ROWS": tile_rows,
         "BLOCK_COLS": block_cols,

@@ -210,13 +210,11 @@ def nvfp4_group_quantize_outputs(
     )
     tokens, hidden = x.shape
     experts = split_sizes.shape[0]
-    row_data, row_scale, col_data, col_scale = (x.new_empty((0, 0), dtype=torch.uint8) for _ in range(4))
-    if rowwise:
-        row_data = x.new_empty((tokens, hidden // 2), dtype=torch.uint8)
-        row_scale = x.new_zeros(scale_shape(tokens, hidden), dtype=torch.uint8)
-    if columnwise:
-        col_data = x.new_empty((hidden * tokens // 2,), dtype=torch.uint8)
-        col_rows = round_up(hidden, SCALE_TILE_ROWS)
-        col_scale = x.new_zeros((col_rows, group_col_scale_cols(tokens, experts)), dtype=torch.uint8)
+    none = (0, 0)  # the shape of a copy not asked for
+    row_data = x.new_empty((tokens, hidden // 2) if rowwise else none, dtype=torch.uint8)
+    row_scale = x.new_zeros(scale_shape(tokens, hidden) if rowwise else none, dtype=torch.uint8)
+    col_data = x.new_empty((hidden * tokens // 2,) if columnwise else none, dtype=torch.uint8)
+    col_scale_shape = (round_up(hidden, SCALE_TILE_ROWS), group_col_scale_cols(tokens, experts))
+    col_scale = x.new_zeros(col_scale_shape if columnwise else none, dtype=torch.uint8)
     amax = x.new_empty((experts,), dtype=torch.float32)
     return row_data, row_scale, col_data, col_scale, amax, torch.empty_like(amax)
