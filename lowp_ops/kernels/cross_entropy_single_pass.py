@@ -40,7 +40,7 @@ from .cross_entropy import (
     peel_align,
 )
 from .cross_entropy_math import grad_of_logits, one_row_grad_terms, store_row_loss
-from .cross_entropy_wide_pass import launch_wide_pass, wide_pass_applies
+from .cross_entropy_wide_pass import launch_wide_pass, one_pass_folds_like_the_forward, wide_pass_applies
 from .launch import cached_launch
 from .softmax import finish_log_sum, fold_masked_block, masked_safe_shift
 
@@ -123,10 +123,8 @@ def single_pass_applies(
         return wide_pass_applies(logits, label_smoothing, weight, softcap)
     return (
         n_cols > 0
-        and logits.is_contiguous()
         and peel_align(logits) == 0
-        and softcap == 0.0
-        and not (weight is not None and label_smoothing > 0)
+        and one_pass_folds_like_the_forward(logits, label_smoothing, weight, softcap)
     )
 
 

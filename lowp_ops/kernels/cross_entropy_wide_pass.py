@@ -139,6 +139,14 @@ def _has_cp_async(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 8
 
 
+def one_pass_folds_like_the_forward(
+    logits: torch.Tensor, label_smoothing: float, weight, softcap: float
+) -> bool:
+    """What both one-pass kernels need to repeat the forward's reduction order: contiguous logits, no
+    soft-capping, not class weights with label smoothing (those forwards fold the row in other helpers)."""
+    return logits.is_contiguous() and softcap == 0.0 and not (weight is not None and label_smoothing > 0)
+
+
 def wide_pass_applies(logits: torch.Tensor, label_smoothing: float, weight, softcap: float) -> bool:
     """Whether :func:`cross_entropy_fwd_bwd_wide_kernel` serves the call: CUDA (sm_80 or later) logits of
     2-byte floats, contiguous, 16-byte-aligned rows (the data and ``n_cols``) of 2 to ``MAX_BLOCKS``
@@ -152,9 +160,7 @@ def wide_pass_applies(logits: torch.Tensor, label_smoothing: float, weight, soft
         BLOCK < n_cols <= MAX_BLOCKS * BLOCK
         and n_cols % 8 == 0
         and logits.data_ptr() % 16 == 0
-        and logits.is_contiguous()
-        and softcap == 0.0
-        and not (weight is not None and label_smoothing > 0)
+        and one_pass_folds_like_the_forward(logits, label_smoothing, weight, softcap)
     )
 
 

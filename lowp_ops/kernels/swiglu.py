@@ -132,12 +132,13 @@ def dglu_kernel(
     _, ends = effective_bounds(split_ptr, experts, tokens, EXPERTS_POW2, 1)
     ends = tl.where(expert_idx < experts, ends, tokens)
     expert = tl.sum((rows[:, None] >= ends[None, :]).to(tl.int32), axis=1)
-    live = (expert < experts)[:, None]
+    owned = expert < experts
+    live = owned[:, None]
     if EVEN:
         prob = tl.load(probs_ptr + rows).to(tl.float32)
     else:
         prob = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    prob = tl.where(expert < experts, prob, 0.0)
+    prob = tl.where(owned, prob, 0.0)
     grad_row = grad_ptr + rows[:, None].to(tl.int64) * stride_grad
     c_row = c_ptr + rows[:, None].to(tl.int64) * stride_c
     dc_row = dc_ptr + rows[:, None].to(tl.int64) * (2 * ffn)
@@ -179,7 +180,7 @@ def dglu_kernel(
     tl.atomic_max(
         amax_bits_ptr + expert,
         row_amax.to(tl.int32, bitcast=True),
-        mask=row_ok & (expert < experts),
+        mask=row_ok & owned,
         sem="relaxed",
     )
 
