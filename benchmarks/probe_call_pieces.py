@@ -4,34 +4,28 @@ with the arguments it was given, and a CUDA allocation, next to ``x.abs().amax()
 
     python benchmarks/probe_call_pieces.py [--calls 200] [--repeats 7]
 
-Host us per call, ``--calls`` back to back before one sync, median of ``--repeats`` loops. Forward-only
-calls at the shapes of ``bench_host_overhead.py`` (256 x 4096 bf16).
+Host us per call, ``--calls`` back to back before one sync, median of ``--repeats`` loops
+(``bench_host_overhead.host_and_wall_us``). Forward-only calls at the shapes of
+``bench_host_overhead.py`` (256 x 4096 bf16).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 import lowp_ops
 from lowp_ops.kernels import launch
 
+try:
+    from bench_host_overhead import host_and_wall_us
+except ImportError:  # run from the repository root
+    from benchmarks.bench_host_overhead import host_and_wall_us
+
 
 def host_us(fn, calls: int, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    loops = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        loops.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(loops)
+    return host_and_wall_us(fn, calls, repeats)[0]
 
 
 def captured_launches(fn) -> list[tuple]:
