@@ -1,4 +1,5 @@
-"""Triton NVFP4 local-value decodes (semantics in ``lowp_ops.reference.nvfp4_decode``).
+"""Triton NVFP4 local-value decodes and the global scales of the recipe's GEMM outputs (semantics in
+``lowp_ops.reference.nvfp4_decode``).
 
 One program decodes a ``BLOCK_ROWS x BLOCK_COLS`` tile of one matrix of packed E2M1 codes with one E4M3
 scale per 16 columns: it reads the codes (8 bytes per 16-value block) and the block scales once and
@@ -286,9 +287,6 @@ def nvfp4_group_decode_columns_kernel(
         tl.store(out_ptrs, zeros, mask=rows_ok[:, None] & (out_col < n_tokens)[None, :])
 
 
-# ----------------------------------------------------------------------------------------- launchers
-
-
 @cached_launch
 @triton.jit
 def nvfp4_scale_rows_kernel(
@@ -329,6 +327,9 @@ def nvfp4_scale_rows_kernel(
     scaled = (y.to(tl.float32) * first[:, None]) * second[:, None]
     out = out_ptr + row[:, None].to(tl.int64) * cols + col[None, :]
     tl.store(out, to_dtype_rne(scaled, tl.bfloat16), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------- launchers
 
 
 def decode_config(cols: int) -> tuple[int, int, int]:

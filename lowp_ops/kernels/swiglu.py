@@ -178,10 +178,7 @@ def dglu_kernel(
             tl.store(dc_row + linear_col[None, :], d_linear, mask=mask)
     tl.store(dprobs_ptr + rows, dprob, mask=row_ok)
     tl.atomic_max(
-        amax_bits_ptr + expert,
-        row_amax.to(tl.int32, bitcast=True),
-        mask=row_ok & owned,
-        sem="relaxed",
+        amax_bits_ptr + expert, row_amax.to(tl.int32, bitcast=True), mask=row_ok & owned, sem="relaxed"
     )
 
 

@@ -1,6 +1,6 @@
 """Argument checks and output allocation for the NVFP4 local-value decodes (``lowp::nvfp4_decode_rows``,
 ``lowp::nvfp4_group_decode_columns``): the bf16 ``e2m1(code) * fp32(E4M3 block scale)`` operands of the
-emulated NVFP4 GEMMs."""
+emulated NVFP4 GEMMs; and for their outputs' global scales (``lowp::nvfp4_scale_rows``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Local values of NVFP4 copies: ``e2m1(code) * fp32(E4M3 block scale)`` in bf16, the operands of the
 emulated NVFP4 GEMMs (docs/nvfp4.md#gemm-emulation). The product of a 2-bit and a 4-bit significand is
 exact in fp32 and in bf16 (magnitudes 2^-10 .. 2688), so the result has one value whatever the order of
-the operations. The global scale ``amax / 2688`` is not applied (it scales the GEMM output).
+the operations. The global scale ``amax / 2688`` is not applied: it scales the GEMM output, by both
+operands' scales per expert (:func:`nvfp4_scale_rows`).
 
 Element-wise PyTorch on the device, no host sync: the CPU implementation and the kernels' oracle.
 """
