@@ -9,6 +9,9 @@ from __future__ import annotations
 import nvfp4_oracles
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from kernel_suites import kernel_property_settings
 
 from lowp_ops.composite import grouped_nvfp4
 from lowp_ops.formats import E2M1_MAGNITUDES
@@ -259,6 +262,38 @@ def test_scale_rows_kernel_matches_reference(suite, kernel_device, shape):
         strided, amax_a[:4].to(kernel_device), amax_b[:4].to(kernel_device), None
     )
     assert_bits_equal(got, reference.nvfp4_scale_rows(y[:, : shape[1] - 8], amax_a[:4], amax_b[:4], None))
+
+
+@pytest.mark.parametrize("suite", SUITES)
+@kernel_property_settings(10)
+@given(
+    data=st.data(),
+    experts=st.integers(1, 6),
+    by_ends=st.booleans(),
+    cols=st.integers(1, 300),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_scale_rows_kernel_matches_reference_for_any_ends_and_amaxes(
+    suite, kernel_device, data, experts, by_ends, cols, seed
+):
+    """Random valid ends (empty experts, rows of no expert) or equal blocks; amaxes from 0 to values whose
+    alpha overflows, inf and NaN; y with inf, NaN and signed zeros."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = data.draw(st.integers(1, 80), label="rows") if by_ends else experts * data.draw(st.integers(1, 16))
+    ends = torch.sort(torch.randint(0, rows + 1, (experts,), generator=gen)).values if by_ends else None
+    kinds = torch.randint(0, 6, (2, experts), generator=gen)
+    magnitudes = torch.exp2(torch.randint(-20, 127, (2, experts), generator=gen).float())
+    specials = torch.tensor([0.0, float("inf"), float("nan")])[kinds.clamp(max=2)]
+    amax_a, amax_b = torch.where(kinds >= 3, magnitudes, specials)
+    y = (
+        torch.randn(rows, cols, generator=gen) * torch.exp2(torch.randint(-40, 40, (rows, 1), generator=gen))
+    ).bfloat16()
+    flat = y.view(-1)
+    picks = torch.randint(0, flat.numel(), (3,), generator=gen)
+    flat[picks] = torch.tensor([float("inf"), float("nan"), -0.0], dtype=torch.bfloat16)
+    args = (y, amax_a.contiguous(), amax_b.contiguous(), ends)
+    got = kernels.launch_nvfp4_scale_rows(*(None if t is None else t.to(kernel_device) for t in args))
+    assert_bits_equal(got, reference.nvfp4_scale_rows(*args))
 
 
 # ----------------------------------------------------------------------------------- traceability
