@@ -30,7 +30,7 @@ from ..meta.nvfp4_decode import (
 from ..reference.nvfp4 import STAGED_AMAX_UNIT
 from .bf16_pairs import to_dtype_rne
 from .launch import cached_launch, rows_with_unit_stride
-from .split_sizes import effective_sizes, scale_col_start, tile_owner
+from .split_sizes import effective_sizes, expert_of_rows, scale_col_start, tile_owner
 
 SCALE_COLS_MULTIPLE = tl.constexpr(SCALE_TILE_COLS)
 SPLIT_MULTIPLE = tl.constexpr(DECODE_SPLIT_MULTIPLE)
@@ -312,7 +312,7 @@ def nvfp4_scale_rows_kernel(
     if BY_ENDS:
         e = tl.arange(0, EXPERTS_POW2)
         ends = tl.load(ends_ptr + e, mask=e < experts, other=rows)  # padding: past every row
-        expert = tl.sum((ends[None, :] <= row[:, None]).to(tl.int32), axis=1)
+        expert = expert_of_rows(ends, row)
     else:
         expert = row // rows_per_expert
     owned = (row < rows) & (expert < experts)

@@ -58,6 +58,13 @@ def effective_sizes(split_ptr, experts, rows, EXPERTS_POW2: tl.constexpr, MULTIP
 
 
 @triton.jit
+def expert_of_rows(ends, rows):
+    """int32 expert of each of ``rows`` (a block of row indices): the number of group ``ends`` at or below
+    it, ``experts`` for a row past the last end; padding lanes of ``ends`` must lie past every row."""
+    return tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), axis=1)
+
+
+@triton.jit
 def tile_owner(sizes, tile, TILE: tl.constexpr):
     """(TILE-row tiles per expert, their inclusive prefix sums, the expert owning tile number ``tile``)
     when every expert's ``sizes`` rows are cut into TILE-row tiles in order; ``expert >= experts`` for a

@@ -27,7 +27,7 @@ from ..meta.swiglu import dglu_outputs, swiglu_fwd_output
 from .bf16_pairs import to_dtype_rne
 from .launch import INTERPRETING_CONSTEXPR as INTERPRETING
 from .launch import cached_launch, rows_with_unit_stride
-from .split_sizes import effective_bounds
+from .split_sizes import effective_bounds, expert_of_rows
 
 
 @triton.jit
@@ -127,11 +127,11 @@ def dglu_kernel(
     (past the last effective end) get zeros, whatever grad and c hold there."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < tokens
-    # Expert of each row = number of expert ends at or below it (`experts` for rows past the last).
+    # The ends' padding lanes lie past every row (expert_of_rows).
     expert_idx = tl.arange(0, EXPERTS_POW2)
     _, ends = effective_bounds(split_ptr, experts, tokens, EXPERTS_POW2, 1)
     ends = tl.where(expert_idx < experts, ends, tokens)
-    expert = tl.sum((rows[:, None] >= ends[None, :]).to(tl.int32), axis=1)
+    expert = expert_of_rows(ends, rows)
     owned = expert < experts
     live = owned[:, None]
     if EVEN:
