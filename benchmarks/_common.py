@@ -203,17 +203,19 @@ def import_liger(module: str, name: str):
 
 # TransformerEngine's pure-Triton cross entropy, as TE's CrossEntropyFunction calls it.
 _TE_CROSS_ENTROPY = "transformer_engine.pytorch.triton.cross_entropy"
+# TE's autograd Function around it (what `parallel_cross_entropy` applies).
+_TE_CROSS_ENTROPY_FUNCTION = "transformer_engine.pytorch.cross_entropy"
 
 
-def import_te_triton_cross_entropy(site: str | None):
-    """The module ``transformer_engine.pytorch.triton.cross_entropy`` of a TransformerEngine wheel
-    installed under ``site`` (``pip install --no-deps --target <site>``), or None with a printed reason.
+def _import_te_module(site: str | None, module: str, extra: dict[str, dict] | None = None):
+    """``module`` of a TransformerEngine wheel installed under ``site`` (``pip install --no-deps --target
+    <site>``), or None with a printed reason.
 
     TE's package ``__init__`` loads its compiled library, which the wheel alone does not ship; the
     cross entropy needs none of it (Triton kernels and torch). So the parent packages are stand-ins
-    that only point at their folders, present while the two modules load and removed afterwards (so
-    that nothing else, such as peft's check for TE, sees a half-imported TE). ``site`` stays off
-    ``sys.path``."""
+    that only point at their folders, present while the modules load and removed afterwards (so that
+    nothing else, such as peft's check for TE, sees a half-imported TE). ``extra``: more stand-in
+    modules, name -> attributes. ``site`` stays off ``sys.path``."""
     if not site:
         return None
     root = os.path.join(site, "transformer_engine")
@@ -230,10 +232,39 @@ def import_te_triton_cross_entropy(site: str | None):
                 stand_in.__path__ = [os.path.join(site, *name.split("."))]
                 sys.modules[name] = stand_in
                 added.append(name)
-        return importlib.import_module(_TE_CROSS_ENTROPY)
+        for name, attributes in (extra or {}).items():
+            stand_in = types.ModuleType(name)
+            stand_in.__dict__.update(attributes)
+            sys.modules[name] = stand_in
+            added.append(name)
+        return importlib.import_module(module)
     except Exception as error:
-        print(f"TransformerEngine's Triton cross entropy unavailable: {type(error).__name__}: {error}")
+        print(f"TransformerEngine's {module} unavailable: {type(error).__name__}: {error}")
         return None
     finally:
-        for name in [*added, _TE_CROSS_ENTROPY, "transformer_engine.common.triton.cross_entropy"]:
+        loaded = [
+            _TE_CROSS_ENTROPY,
+            _TE_CROSS_ENTROPY_FUNCTION,
+            "transformer_engine.common.triton.cross_entropy",
+        ]
+        for name in [*added, *loaded]:
             sys.modules.pop(name, None)
+
+
+def import_te_triton_cross_entropy(site: str | None):
+    """The module ``transformer_engine.pytorch.triton.cross_entropy`` under ``site``, or None."""
+    return _import_te_module(site, _TE_CROSS_ENTROPY)
+
+
+def import_te_cross_entropy_function(site: str | None):
+    """TE's ``CrossEntropyFunction`` (the autograd node of ``parallel_cross_entropy``) under ``site``, or
+    None. Its module's one other import, ``transformer_engine.pytorch.jit`` (which needs TE's compiled
+    library), stands in with ``no_torch_dynamo`` as the identity: TE's real decorator wraps
+    ``parallel_cross_entropy`` in ``torch._dynamo.disable``, host time this leaves out of TE's figure."""
+
+    def no_torch_dynamo(recursive=True, when=None):
+        return lambda function: function
+
+    jit = {"transformer_engine.pytorch.jit": {"no_torch_dynamo": no_torch_dynamo}}
+    module = _import_te_module(site, _TE_CROSS_ENTROPY_FUNCTION, jit)
+    return None if module is None else module.CrossEntropyFunction

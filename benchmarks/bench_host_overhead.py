@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import statistics
 import time
@@ -26,9 +27,9 @@ import torch.nn.functional as F
 import lowp_ops
 
 try:
-    from _common import environment, write_json
+    from _common import environment, import_liger, import_te_cross_entropy_function, write_json
 except ImportError:  # run from the repository root
-    from benchmarks._common import environment, write_json
+    from benchmarks._common import environment, import_liger, import_te_cross_entropy_function, write_json
 
 
 def alternating_host_and_wall_us(fns, calls: int, repeats: int) -> list[tuple[float, float]]:
@@ -71,6 +72,43 @@ def fwd_bwd(forward, *leaves):
         out.backward(torch.ones_like(out))
 
     return step
+
+
+def peer_loss_cases(
+    logits: torch.Tensor, target: torch.Tensor, torch_ce
+) -> list[tuple[str, object, str, object]]:
+    """The peers' Python-and-Triton losses on the same logits (N, V) next to the same ``F.cross_entropy``
+    step: TransformerEngine's ``CrossEntropyFunction`` (from ``--te-site`` / ``LOWP_BENCH_TE_SITE``) and
+    Liger's ``LigerCrossEntropyFunction`` (a wheel on the path), each as one autograd node whose forward
+    launches Triton kernels. Liger's forward reads a count back to the host (it waits for the GPU); TE's
+    backward skips its launch when ``grad_output`` is 1 after comparing it on the host (``torch.equal``)."""
+    if not logits.is_cuda:
+        return []
+    cases = []
+    te = import_te_cross_entropy_function(os.environ.get("LOWP_BENCH_TE_SITE"))
+    if te is not None:
+        rows, vocab = logits.shape
+        te_loss = lambda: te.apply(logits.view(1, rows, vocab), target, 0.0, True, None, -100, False)
+        cases.append(
+            (
+                "peer: TE 2.20.2 CrossEntropyFunction fwd+bwd",
+                fwd_bwd(te_loss, logits),
+                "F.cross_entropy fwd+bwd",
+                torch_ce,
+            )
+        )
+    liger = import_liger("ops.cross_entropy", "LigerCrossEntropyFunction")
+    if liger is not None:
+        liger_loss = lambda: liger.apply(logits * 1, target, None, -100, 0.0, 0.0, "mean", None)[0]
+        cases.append(
+            (
+                "peer: Liger CrossEntropyFunction fwd+bwd of logits * 1",
+                fwd_bwd(liger_loss, logits),
+                "F.cross_entropy fwd+bwd of logits * 1",
+                fwd_bwd(lambda: F.cross_entropy(logits * 1, target), logits),
+            )
+        )
+    return cases
 
 
 def eager_cases(device: str) -> list[tuple[str, object, str, object]]:
@@ -122,6 +160,7 @@ def eager_cases(device: str) -> list[tuple[str, object, str, object]]:
             torch_ce,
         )
     )
+    cases += peer_loss_cases(logits, target, torch_ce)
     # softmax family, 256 x 4096
     x = randn(256, 4096, grad=True)
     xd = x.detach()
