@@ -42,14 +42,14 @@ def mxfp8_quantize(
         x, fp8_dtype, rowwise, columnwise, scale_layout
     )
     data_dtype = FP8_DTYPES[fp8_dtype]
-    return MXFP8Tensor(
-        row_data=row_data.view(data_dtype) if rowwise else None,
-        row_scale=row_scale if rowwise else None,
-        col_data=col_data.view(data_dtype) if columnwise else None,
-        col_scale=col_scale if columnwise else None,
-        fp8_dtype=fp8_dtype,
-        scale_layout=scale_layout,
-        shape=x.shape,
+    return MXFP8Tensor.of_op_outputs(
+        row_data.view(data_dtype) if rowwise else None,
+        row_scale if rowwise else None,
+        col_data.view(data_dtype) if columnwise else None,
+        col_scale if columnwise else None,
+        fp8_dtype,
+        scale_layout,
+        x.shape,
     )
 
 

@@ -95,7 +95,26 @@ class CachedLaunch:
     def __getitem__(self, grid):
         return lambda *args, **meta: self.launch(grid, args, meta)
 
-    def launch(self, grid, args: tuple, meta: dict) -> None:
+    def bind(self, grid, **meta) -> BoundLaunch:
+        """This kernel with ``grid`` and ``meta`` (constexprs and launch options only) fixed: calling the
+        result with the run-time arguments launches as ``self[grid](*args, **meta)`` would, without
+        building the keywords' part of the key on every call (for launchers that keep one per input
+        specialization)."""
+        return BoundLaunch(self, grid, meta)
+
+    def _meta_key(self, meta: dict) -> tuple:
+        run_time = self._meta_run_time
+        # A constexpr or launch option is its own key (no call per keyword: most launches pass 5-12).
+        return tuple(
+            [
+                (name, _arg_key(value))
+                if name in run_time
+                else (name, value.value if type(value) is tl.constexpr else value)
+                for name, value in meta.items()
+            ]
+        )
+
+    def launch(self, grid, args: tuple, meta: dict, bound: BoundLaunch | None = None) -> None:
         if _traced(args):
             # AOTAutograd traces the launcher: Inductor gets the kernel call and launches it itself.
             torch.library.wrap_triton(self.jit_function)[grid](*args, **meta)
@@ -110,16 +129,7 @@ class CachedLaunch:
         else:
             key_of = self._key_of
             args_key = tuple([key_of[i](value) for i, value in enumerate(args)])
-        run_time = self._meta_run_time
-        # A constexpr or launch option is its own key (no call per keyword: most launches pass 5-12).
-        meta_key = tuple(
-            [
-                (name, _arg_key(value))
-                if name in run_time
-                else (name, value.value if type(value) is tl.constexpr else value)
-                for name, value in meta.items()
-            ]
-        )
+        meta_key = self._meta_key(meta) if bound is None else bound.meta_key
         key = (device, args_key, meta_key)
         entry = self._binaries.get(key)
         if entry is None:
@@ -128,9 +138,12 @@ class CachedLaunch:
             self._binaries[key] = None if binary is None else (binary, binary.run, binary.function)
             return
         binary, run, function = entry
-        full_args = list(args)
-        for name in self._names[len(args) :]:
-            full_args.append(meta[name] if name in meta else self._defaults[name])
+        if bound is not None and bound.arg_count == len(args):
+            full_args = [*args, *bound.trailing]
+        else:
+            full_args = list(args)
+            for name in self._names[len(args) :]:
+                full_args.append(meta[name] if name in meta else self._defaults[name])
         grid_0, grid_1, grid_2 = (*grid, 1, 1)[:3]
         stream = torch._C._cuda_getCurrentRawStream(device)
         enter, leave = (
@@ -152,6 +165,28 @@ class CachedLaunch:
             leave,
             *full_args,
         )
+
+
+class BoundLaunch:
+    """A :class:`CachedLaunch` with its grid and keywords fixed (:meth:`CachedLaunch.bind`); called with
+    the run-time arguments, positionally."""
+
+    __slots__ = ("arg_count", "grid", "kernel", "meta", "meta_key", "trailing")
+
+    def __init__(self, kernel: CachedLaunch, grid, meta: dict) -> None:
+        self.kernel, self.grid, self.meta = kernel, grid, meta
+        self.meta_key = None if INTERPRETING else kernel._meta_key(meta)
+        # The parameters after the run-time ones, in order (the keywords and the defaults), filled in
+        # at the first call, which fixes how many run-time arguments a call passes.
+        self.arg_count, self.trailing = -1, ()
+
+    def __call__(self, *args) -> None:
+        if self.arg_count != len(args) and not INTERPRETING:
+            kernel = self.kernel
+            names = kernel._names[len(args) :]
+            self.trailing = tuple(self.meta[n] if n in self.meta else kernel._defaults[n] for n in names)
+            self.arg_count = len(args)
+        self.kernel.launch(self.grid, args, self.meta, self)
 
 
 def _traced(args: tuple) -> bool:
@@ -181,4 +216,11 @@ def rows_with_unit_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-__all__ = ["INTERPRETING", "INTERPRETING_CONSTEXPR", "CachedLaunch", "cached_launch", "rows_with_unit_stride"]
+__all__ = [
+    "INTERPRETING",
+    "INTERPRETING_CONSTEXPR",
+    "BoundLaunch",
+    "CachedLaunch",
+    "cached_launch",
+    "rows_with_unit_stride",
+]

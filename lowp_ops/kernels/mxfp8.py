@@ -26,7 +26,9 @@ from ..formats import (
     next_power_of_2,
     round_up,
 )
+from ..meta import mxfp8 as mxfp8_meta
 from ..meta.mxfp8 import (
+    check_quantize_args,
     flat_2d_dims,
     mxfp8_data_pitch,
     mxfp8_dequantize_output,
@@ -576,33 +578,56 @@ def launch_mxfp8_quantize(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``lowp::mxfp8_quantize`` on a CUDA (or interpreted CPU) tensor. Any strides: rows are read through
     their stride, an input whose last dim is not unit-stride is copied first. ``block_cols`` and
-    ``num_warps`` override the launch configuration (for benchmarks)."""
-    outputs = mxfp8_quantize_outputs(x, fp8_dtype, rowwise, columnwise, scale_layout, zero_padding=False)
-    row_data, row_scale, col_data, col_scale = outputs
+    ``num_warps`` override the launch configuration (for benchmarks). The outputs are
+    ``meta.mxfp8.mxfp8_quantize_outputs``'s (the fake's) without the scale fill."""
+    key = (x.shape, x.stride(), x.dtype, x.device, fp8_dtype, rowwise, columnwise, scale_layout)
+    key += (block_cols, num_warps)
+    plan = _QUANTIZE_PLANS.get(key)
+    if plan is None:
+        plan = _quantize_plan(x, fp8_dtype, rowwise, columnwise, scale_layout, block_cols, num_warps)
+        if len(_QUANTIZE_PLANS) >= _PLAN_LIMIT:
+            _QUANTIZE_PLANS.clear()
+        _QUANTIZE_PLANS[key] = plan
+    return plan(x)
+
+
+# launch_mxfp8_quantize's plans, one per input specialization: the checks, output layouts, grid and
+# constexprs depend on the key alone, so a call repeats none of them (~10 of a call's 22 us of host
+# time on a CI-class CPU were those). Cleared when full (shapes that vary per step).
+_QUANTIZE_PLANS: dict = {}
+_PLAN_LIMIT = 1024
+
+
+def _quantize_plan(
+    x: torch.Tensor,
+    fp8_dtype: str,
+    rowwise: bool,
+    columnwise: bool,
+    scale_layout: str,
+    block_cols: int | None,
+    num_warps: int | None,
+):
+    """The call of :func:`launch_mxfp8_quantize` for inputs of ``x``'s shape, strides, dtype and device:
+    a function of the input that allocates the outputs and launches the kernel."""
+    check_quantize_args(x, fp8_dtype, rowwise, columnwise, scale_layout)
     rows, cols = flat_2d_dims(x.shape)
     if rows == 0 or cols == 0:
-        return outputs
-    x2d = x.reshape(rows, cols)
-    if x2d.stride(1) != 1:
-        # The kernel reads row-major tiles only. Column-major 16-bit input (row stride 1) on one warp
-        # crashed the H200 (illegal address, Triton 3.6, 45 x 70 bf16 with strides (1, 45)).
-        x2d = x2d.contiguous()
+        return lambda t: mxfp8_quantize_outputs(t, fp8_dtype, rowwise, columnwise, scale_layout, False)
+    u8, fp8 = torch.uint8, FP8_DTYPES[fp8_dtype]
+    pitch = mxfp8_data_pitch(cols)
+    data_shape = (*x.shape[:-1], pitch)  # rows `pitch` bytes apart; the view drops the padding
+    row_scale_shape = mxfp8_meta.row_scale_shape(rows, cols) if rowwise else (0, 0)
+    col_scale_shape = mxfp8_meta.col_scale_shape(rows, cols) if columnwise else (0, 0)
+    # The kernel reads row-major tiles only. Column-major 16-bit input (row stride 1) on one warp
+    # crashed the H200 (illegal address, Triton 3.6, 45 x 70 bf16 with strides (1, 45)).
+    flat = x.reshape(rows, cols)
+    copy = flat.stride(1) != 1
+    reshape = not copy and x.dim() != 2
+    row_stride = cols if copy else flat.stride(0)
     default_cols, default_warps = quantize_config(cols, rowwise, columnwise)
     block_cols, num_warps = block_cols or default_cols, num_warps or default_warps
-    mxfp8_quantize_kernel[scale_padded_grid(rows, cols, block_cols)](
-        x2d,
-        x2d.stride(0),
-        rows,
-        cols,
-        mxfp8_data_pitch(cols),
-        row_data.view(FP8_DTYPES[fp8_dtype]),
-        row_scale,
-        row_scale.shape[0] if rowwise else 0,
-        row_scale.shape[1] if rowwise else 0,
-        col_data.view(FP8_DTYPES[fp8_dtype]),
-        col_scale,
-        col_scale.shape[0] if columnwise else 0,
-        col_scale.shape[1] if columnwise else 0,
+    launch = mxfp8_quantize_kernel.bind(
+        scale_padded_grid(rows, cols, block_cols),
         BLOCK_COLS=block_cols,
         EVEN=rows % TILE_ROWS == 0 and cols % block_cols == 0,
         FP8_MAX=FP8_MAX[fp8_dtype],
@@ -613,7 +638,36 @@ def launch_mxfp8_quantize(
         SWIZZLED=scale_layout == "swizzled",
         num_warps=num_warps,
     )
-    return outputs
+
+    def data(t: torch.Tensor, wanted: bool) -> torch.Tensor:
+        if not wanted:
+            return t.new_empty((0,), dtype=u8)
+        buffer = t.new_empty(data_shape, dtype=u8)
+        return buffer if pitch == cols else buffer[..., :cols]
+
+    def call(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        row_data, col_data = data(t, rowwise), data(t, columnwise)
+        row_scale = t.new_empty(row_scale_shape, dtype=u8)
+        col_scale = t.new_empty(col_scale_shape, dtype=u8)
+        t2d = t.contiguous().view(rows, cols) if copy else t.reshape(rows, cols) if reshape else t
+        launch(
+            t2d,
+            row_stride,
+            rows,
+            cols,
+            pitch,
+            row_data.view(fp8),
+            row_scale,
+            row_scale_shape[0],
+            row_scale_shape[1],
+            col_data.view(fp8),
+            col_scale,
+            col_scale_shape[0],
+            col_scale_shape[1],
+        )
+        return row_data, row_scale, col_data, col_scale
+
+    return call
 
 
 def launch_mxfp8_dequantize(
