@@ -190,6 +190,34 @@ def test_one_copy_kernels_match_reference_on_wide_inputs(suite, kernel_device, s
     assert_quantize_matches_reference(x, kernel_device, "e4m3", *COPIES[copies], scale_layout)
 
 
+@pytest.mark.parametrize("suite", SUITES)
+def test_quantize_plans_follow_strides_options_and_bad_arguments(suite, kernel_device):
+    """The launcher keeps one plan per input specialization: calls of one shape with other strides,
+    dtypes, copies and formats, one after another, each give the reference's bytes, and bad arguments
+    of a shape that has a plan still raise."""
+    shape = (64, 96)
+    for layout, dtype, fp8_dtype, copies, scale_layout in [
+        ("contiguous", torch.bfloat16, "e4m3", "both", "compact"),
+        ("transposed", torch.bfloat16, "e4m3", "both", "compact"),
+        ("strided", torch.bfloat16, "e4m3", "both", "compact"),
+        ("contiguous", torch.float32, "e4m3", "both", "compact"),
+        ("contiguous", torch.bfloat16, "e5m2", "rowwise", "swizzled"),
+        ("contiguous", torch.bfloat16, "e4m3", "columnwise", "compact"),
+        ("contiguous", torch.bfloat16, "e4m3", "both", "compact"),
+    ]:
+        x = make_input(shape, dtype, seed=7, n_special=1, layout=layout)
+        assert_quantize_matches_reference(x, kernel_device, fp8_dtype, *COPIES[copies], scale_layout)
+        x3d = make_input((4, 16, 96), dtype, seed=8, n_special=1, layout=layout)
+        assert_quantize_matches_reference(x3d, kernel_device, fp8_dtype, *COPIES[copies], scale_layout)
+    x = make_input(shape, torch.bfloat16, seed=7, n_special=0, layout="contiguous").to(kernel_device)
+    with pytest.raises(ValueError, match="fp8_dtype"):
+        kernels.launch_mxfp8_quantize(x, "e4m4", True, True, "compact")
+    with pytest.raises(ValueError, match="x must be float32"):
+        kernels.launch_mxfp8_quantize(x.to(torch.int32), "e4m3", True, True, "compact")
+    with pytest.raises(ValueError, match="at least one of rowwise"):
+        kernels.launch_mxfp8_quantize(x, "e4m3", False, False, "compact")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("shape", "dtype", "spread"),

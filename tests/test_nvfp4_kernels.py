@@ -332,6 +332,39 @@ def check_grouped_equals_per_expert(
         row0 += size
 
 
+@pytest.mark.parametrize("suite", SUITES)
+def test_quantize_plans_follow_given_amaxes_strides_options_and_bad_arguments(suite, kernel_device):
+    """The launchers keep one plan per specialization: calls of one shape with and without given amaxes,
+    with other strides, copies, transforms and split sizes, one after another, each give the reference's
+    (or the per-expert) bytes, and bad arguments of a shape that has a plan still raise."""
+    x = make_input(32, 48, seed=3)
+    for args in [
+        (True, True, True, False, "computed"),
+        (True, True, True, False, "given"),
+        (True, True, True, False, "computed"),
+        (True, False, False, True, "given"),
+        (False, True, False, False, "computed"),
+    ]:
+        check_quantize(x, kernel_device, *args)
+        check_quantize(x.t().contiguous().t(), kernel_device, *args)
+        check_quantize(x.view(2, 16, 48), kernel_device, *args)
+    for splits, amax_source in [([16, 16], "computed"), ([32, 0], "given"), ([0, 32], "computed")]:
+        check_grouped_equals_per_expert(x, splits, kernel_device, True, True, True, amax_source)
+    on_device = x.to(kernel_device)
+    with pytest.raises(ValueError, match="amax_rowwise must be a float32"):
+        kernels.launch_nvfp4_quantize(on_device, True, True, True, on_device[0, :1], None, False)
+    with pytest.raises(ValueError, match="rht needs bfloat16"):
+        kernels.launch_nvfp4_quantize(on_device.half(), True, True, True, None, None, False)
+    sizes = torch.tensor([16, 16], device=kernel_device)
+    with pytest.raises(ValueError, match=r"amax_columnwise must be float32 of shape \(2,\)"):
+        kernels.launch_nvfp4_group_quantize(on_device, sizes, True, True, True, None, sizes.float()[:1])
+    if kernel_device == "cpu":  # split-size values are read on the host for CPU tensors
+        with pytest.raises(ValueError, match="split_sizes must sum to the row count 32"):
+            kernels.launch_nvfp4_group_quantize(
+                on_device, sizes * torch.tensor([1, 0]), True, True, True, None, None
+            )
+
+
 GROUPED_SPLITS = {
     "empty_front": [0, 32, 48, 16],
     "empty_middle": [32, 0, 0, 64],

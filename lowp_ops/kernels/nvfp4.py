@@ -33,7 +33,15 @@ import triton.language as tl
 
 from ..formats import ceil_div, next_power_of_2
 from ..meta.mxfp8 import flat_2d_dims
-from ..meta.nvfp4 import group_split_multiple, nvfp4_group_quantize_outputs, nvfp4_quantize_outputs
+from ..meta.nvfp4 import (
+    allocate_outputs,
+    check_group_quantize_args,
+    check_group_split_values,
+    check_quantize_args,
+    group_quantize_output_layout,
+    group_split_multiple,
+    quantize_output_layout,
+)
 from .launch import INTERPRETING_CONSTEXPR as INTERPRETING
 from .launch import cached_launch, rows_with_unit_stride
 from .nvfp4_math import (
@@ -585,35 +593,33 @@ def quantize_config(rows: int, cols: int, columnwise: bool = True) -> tuple[int,
     return max(16, min(64, next_power_of_2(rows))), min(64, block_cols), 2, False
 
 
-def _launch(
-    x2d,
-    split_sizes,
-    n_tiles,
-    rowwise,
-    columnwise,
-    rht,
-    block_2d,
-    amax_row,
-    amax_col,
-    given_row,
-    given_col,
-    outputs,
-    grouped,
-    config,
-    sr_seed,
-    split_full_tiles=False,
+def _launch_plan(
+    rows: int,
+    cols: int,
+    row_stride: int,
+    experts: int,
+    n_tiles: int,
+    rowwise: bool,
+    columnwise: bool,
+    rht: bool,
+    block_2d: bool,
+    given_row: bool,
+    given_col: bool,
+    grouped: bool,
+    config: tuple,
+    stochastic: bool,
+    split_full_tiles: bool = False,
 ):
-    """Fill the amaxes (given ones copied, missing ones by the amax kernel), then quantize (grouped with
-    ``split_full_tiles``: the tiles wholly inside their expert in a launch of their own)."""
-    rows, cols = x2d.shape
-    row_data, row_scale, col_data, col_scale = outputs
+    """The launches of one specialization, fixed once: a function ``run(x2d, split_sizes, outputs,
+    given_row, given_col, sr_seed)`` that fills the amaxes (given ones copied, missing ones by the amax
+    kernel), then quantizes (grouped with ``split_full_tiles``: the tiles wholly inside their expert in a
+    launch of their own). ``given_row`` / ``given_col``: whether the call passes those amaxes."""
     # (TILE_ROWS, BLOCK_COLS, num_warps[, grid along rows[, register cap]]); defaults: along rows, no cap.
     tile_rows, block_cols, num_warps, along_rows, maxnreg = (*config, *(True, None)[len(config) - 3 :])
-    experts = amax_row.shape[0]
-    need_abs = given_row is None or (columnwise and not rht and given_col is None)
-    need_rht = columnwise and rht and given_col is None
+    need_abs = not given_row or (columnwise and not rht and not given_col)
+    need_rht = columnwise and rht and not given_col
     # The abs amax goes to the row-wise output unless that is given (then a buffer of its own, if needed).
-    abs_amax = torch.empty_like(amax_row) if need_abs and given_row is not None else amax_row
+    abs_apart = need_abs and given_row
     common = {
         "TILE_ROWS": tile_rows,
         "BLOCK_COLS": block_cols,
@@ -629,65 +635,85 @@ def _launch(
     }
     n_col_tiles = ceil_div(cols, block_cols)
     grid = (n_tiles * n_col_tiles,) if along_rows else (n_tiles, n_col_tiles)
-    source = (x2d, x2d.stride(0), rows, cols, split_sizes, experts)  # both kernels' first arguments
-    if need_abs or need_rht:
-        abs_amax.view(torch.int32).zero_()
-        if need_rht:
-            amax_col.view(torch.int32).zero_()
-        if rows and cols:
-            nvfp4_amax_kernel[grid](
-                *source,
-                abs_amax.view(torch.int32),
-                amax_col.view(torch.int32),
-                ABS_AMAX=need_abs,
-                RHT_AMAX=need_rht,
-                **common,
-            )
-    # Where the kernel reads each amax from: a given one, or the one the amax kernel computed. The
-    # op's amax outputs get the values the kernel read (copied by its first program where they differ).
-    source_row = amax_row if given_row is None else given_row.reshape(experts)
-    if not columnwise:
-        source_col = source_row
-    elif given_col is not None:
-        source_col = given_col.reshape(experts)
-    else:
-        source_col = amax_col if rht else abs_amax
-    copies = {"COPY_AMAX_ROW": source_row is not amax_row, "COPY_AMAX_COL": source_col is not amax_col}
-    if rows == 0 or cols == 0:  # no quantize launch to copy them
-        for out, source in ((amax_row, source_row), (amax_col, source_col)):
-            if source is not out:
-                out.copy_(source)
-        return
-    launches = [(grid, copies)]
+    empty = rows == 0 or cols == 0
+    amax_launch = None
+    if (need_abs or need_rht) and not empty:
+        amax_launch = nvfp4_amax_kernel.bind(grid, ABS_AMAX=need_abs, RHT_AMAX=need_rht, **common)
+    # The quantize kernel copies into the op's amax outputs the amaxes it read where they differ.
+    copies = {"COPY_AMAX_ROW": given_row, "COPY_AMAX_COL": not (columnwise and rht and not given_col)}
+    flags = {"ROWWISE": rowwise, "COLWISE": columnwise, "RHT": rht, "BLOCK_2D": block_2d}
+    flags |= {"STOCHASTIC": stochastic, **common}
+    launches = [nvfp4_quantize_kernel.bind(grid, **flags, **copies)]
     if split_full_tiles and common["EVEN_COLS"]:  # otherwise no tile takes the maskless path
         tails = (experts * n_col_tiles,) if along_rows else (experts, n_col_tiles)
         launches = [
-            (grid, {"PARTIAL_TILES": False, **copies}),
-            (tails, {"FULL_TILES": False, "TAIL_TILES": True}),
+            nvfp4_quantize_kernel.bind(grid, **flags, PARTIAL_TILES=False, **copies),
+            nvfp4_quantize_kernel.bind(tails, **flags, FULL_TILES=False, TAIL_TILES=True),
         ]
-    sr_state = amax_row if sr_seed is None else sr_seed.reshape(2).contiguous()  # unused without SR
-    for launch_grid, tiles in launches:
-        nvfp4_quantize_kernel[launch_grid](
-            *source,
-            source_row,
-            source_col,
-            amax_row,
-            amax_col,
-            row_data,
-            row_scale,
-            row_scale.shape[1] if rowwise else 0,
-            col_data,
-            col_scale,
-            col_scale.shape[1] if columnwise else 0,
-            sr_state,
-            ROWWISE=rowwise,
-            COLWISE=columnwise,
-            RHT=rht,
-            BLOCK_2D=block_2d,
-            STOCHASTIC=sr_seed is not None,
-            **common,
-            **tiles,
-        )
+
+    def run(x2d, split_sizes, outputs, given_row, given_col, sr_seed) -> None:
+        row_data, row_scale, col_data, col_scale, amax_row, amax_col = outputs
+        source = (x2d, row_stride, rows, cols, split_sizes, experts)  # both kernels' first arguments
+        abs_amax = torch.empty_like(amax_row) if abs_apart else amax_row
+        if need_abs or need_rht:
+            abs_amax.view(torch.int32).zero_()
+            if need_rht:
+                amax_col.view(torch.int32).zero_()
+            if amax_launch is not None:
+                amax_launch(*source, abs_amax.view(torch.int32), amax_col.view(torch.int32))
+        # Where the kernel reads each amax from: a given one, or the one the amax kernel computed.
+        source_row = amax_row if given_row is None else given_row.reshape(experts)
+        if not columnwise:
+            source_col = source_row
+        elif given_col is not None:
+            source_col = given_col.reshape(experts)
+        else:
+            source_col = amax_col if rht else abs_amax
+        if empty:  # no quantize launch to copy them
+            for out, amax in ((amax_row, source_row), (amax_col, source_col)):
+                if amax is not out:
+                    out.copy_(amax)
+            return
+        sr_state = amax_row if sr_seed is None else sr_seed.reshape(2).contiguous()  # unused without SR
+        row_scale_cols, col_scale_cols = row_scale.shape[1], col_scale.shape[1]
+        for launch in launches:
+            launch(
+                *source,
+                source_row,
+                source_col,
+                amax_row,
+                amax_col,
+                row_data,
+                row_scale,
+                row_scale_cols if rowwise else 0,
+                col_data,
+                col_scale,
+                col_scale_cols if columnwise else 0,
+                sr_state,
+            )
+
+    return run
+
+
+# The launchers' plans, one per specialization of their arguments (shapes, strides, dtypes, devices,
+# flags, which amaxes are given): the checks, output layouts, grids and constexprs depend on nothing
+# else, so a call repeats none of them. Cleared when full (shapes that vary per step).
+_PLANS: dict = {}
+_PLAN_LIMIT = 1024
+
+
+def _tensor_key(t: torch.Tensor | None):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _plan(key: tuple, build, *args):
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = build(*args)
+        if len(_PLANS) >= _PLAN_LIMIT:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
 
 
 def launch_nvfp4_quantize(
@@ -704,31 +730,33 @@ def launch_nvfp4_quantize(
     """``lowp::nvfp4_quantize`` on a CUDA (or interpreted CPU) tensor; outputs as
     ``meta.nvfp4.nvfp4_quantize_outputs``. ``config`` = (TILE_ROWS, BLOCK_COLS, num_warps[, grid
     along rows[, register cap]]) overrides the launch configuration (benchmarks, tests)."""
-    outputs = nvfp4_quantize_outputs(
-        x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d, sr_seed
-    )
-    row_data, row_scale, col_data, col_scale, amax_row, amax_col = outputs
+    key = ("quantize", x.shape, x.stride(), x.dtype, x.device, rowwise, columnwise, rht, block_2d, config)
+    key += (_tensor_key(amax_rowwise), _tensor_key(amax_columnwise), _tensor_key(sr_seed))
+    args = (x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d, sr_seed, config)
+    return _plan(key, _quantize_plan, *args)(x, amax_rowwise, amax_columnwise, sr_seed)
+
+
+def _quantize_plan(x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d, sr_seed, config):
+    check_quantize_args(x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d, sr_seed)
     rows, cols = flat_2d_dims(x.shape)
-    x2d = rows_with_unit_stride(x.reshape(rows, cols))
+    layout = quantize_output_layout(rows, cols, rowwise, columnwise)
+    flat = rows_with_unit_stride(x.reshape(rows, cols))
+    reshape = x.dim() != 2 or flat.stride(-1) != x.stride(-1)
     config = config or quantize_config(rows, cols, columnwise)
-    _launch(
-        x2d,
-        amax_row,  # unused pointer when not grouped
-        ceil_div(rows, config[0]),
-        rowwise,
-        columnwise,
-        rht,
-        block_2d,
-        amax_row,
-        amax_col,
-        amax_rowwise,
-        amax_columnwise,
-        (row_data, row_scale, col_data, col_scale),
-        False,
-        config,
-        sr_seed,
-    )
-    return outputs
+    n_tiles = ceil_div(rows, config[0])
+    given = (amax_rowwise is not None, amax_columnwise is not None)
+    run = _launch_plan(
+        rows, cols, flat.stride(0), 1, n_tiles, rowwise, columnwise, rht, block_2d, *given, False, config,
+        sr_seed is not None,
+    )  # fmt: skip
+
+    def call(x, amax_rowwise, amax_columnwise, sr_seed):
+        outputs = allocate_outputs(x, layout, 1)
+        x2d = rows_with_unit_stride(x.reshape(rows, cols)) if reshape else x
+        run(x2d, outputs[4], outputs, amax_rowwise, amax_columnwise, sr_seed)  # split sizes: unused
+        return outputs
+
+    return call
 
 
 def launch_nvfp4_group_quantize(
@@ -749,34 +777,43 @@ def launch_nvfp4_group_quantize(
     the most tiles any split can need, ``(T + E * (TILE_ROWS - 1)) // TILE_ROWS``. ``split_full_tiles``
     (None: where GROUPED_RHT_MAX_REGISTERS says) quantizes the tiles wholly inside their expert in a
     launch of their own."""
-    outputs = nvfp4_group_quantize_outputs(
+    key = ("group", x.shape, x.stride(), x.dtype, x.device, _tensor_key(split_sizes), rowwise, columnwise)
+    key += (rht, block_2d, config, split_full_tiles)
+    key += (_tensor_key(amax_rowwise), _tensor_key(amax_columnwise), _tensor_key(sr_seed))
+    args = (x, split_sizes, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, sr_seed, block_2d)
+    plan = _plan(key, _group_quantize_plan, *args, config, split_full_tiles)
+    # The values of the split sizes, where they are checked on the host (meta.split_sizes): every call.
+    check_group_split_values(split_sizes, x.shape[0], columnwise, rht, block_2d)
+    return plan(x, split_sizes, amax_rowwise, amax_columnwise, sr_seed)
+
+
+def _group_quantize_plan(
+    x, split_sizes, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, sr_seed, block_2d, config,
+    split_full_tiles,
+):  # fmt: skip
+    check_group_quantize_args(
         x, split_sizes, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, sr_seed, block_2d
     )
-    row_data, row_scale, col_data, col_scale, amax_row, amax_col = outputs
     rows, cols = x.shape
     experts = split_sizes.shape[0]
-    x2d = rows_with_unit_stride(x)
+    layout = group_quantize_output_layout(rows, cols, experts, rowwise, columnwise)
+    copy = x.stride(-1) != 1
     tuned = config is None and columnwise and rht and sr_seed is None and x.is_cuda
     config = config or quantize_config(rows, cols, columnwise)
     if tuned:
         config = (*config, GROUPED_RHT_MAX_REGISTERS)
     tile_rows = config[0]
-    _launch(
-        x2d,
-        split_sizes.contiguous(),
-        (rows + experts * (tile_rows - 1)) // tile_rows,
-        rowwise,
-        columnwise,
-        rht,
-        block_2d,
-        amax_row,
-        amax_col,
-        amax_rowwise,
-        amax_columnwise,
-        (row_data, row_scale, col_data, col_scale),
-        True,
-        config,
-        sr_seed,
-        split_full_tiles=tuned if split_full_tiles is None else split_full_tiles,
-    )
-    return outputs
+    given = (amax_rowwise is not None, amax_columnwise is not None)
+    run = _launch_plan(
+        rows, cols, cols if copy else x.stride(0), experts, (rows + experts * (tile_rows - 1)) // tile_rows,
+        rowwise, columnwise, rht, block_2d, *given, True, config, sr_seed is not None,
+        tuned if split_full_tiles is None else split_full_tiles,
+    )  # fmt: skip
+
+    def call(x, split_sizes, amax_rowwise, amax_columnwise, sr_seed):
+        outputs = allocate_outputs(x, layout, experts)
+        x2d = x.contiguous() if copy else x
+        run(x2d, split_sizes.contiguous(), outputs, amax_rowwise, amax_columnwise, sr_seed)
+        return outputs
+
+    return call

@@ -86,20 +86,29 @@ def nvfp4_quantize_outputs(
     not asked for is a 0-element tensor."""
     check_quantize_args(x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d, sr_seed)
     rows, cols = flat_2d_dims(x.shape)
+    return allocate_outputs(x, quantize_output_layout(rows, cols, rowwise, columnwise), 1)
+
+
+def quantize_output_layout(rows: int, cols: int, rowwise: bool, columnwise: bool) -> tuple:
+    """``(shape, zero-filled)`` of :func:`nvfp4_quantize_outputs`'s four uint8 outputs."""
 
     def copy(wanted: bool, outer, inner):
         if not wanted:
-            return x.new_empty((0, 0), dtype=torch.uint8), x.new_empty((0, 0), dtype=torch.uint8)
-        data = x.new_empty((outer, inner // 2), dtype=torch.uint8)
+            return ((0, 0), False), ((0, 0), False)
         shape = scale_shape(outer, inner)
         # Only the padding needs zeros: the kernel writes every scale of the data (no fill launch else).
         padded = shape != (outer, ceil_div(inner, NVFP4_BLOCK_SIZE))
-        return data, (x.new_zeros if padded else x.new_empty)(shape, dtype=torch.uint8)
+        return ((outer, inner // 2), False), (shape, padded)
 
-    row_data, row_scale = copy(rowwise, rows, cols)
-    col_data, col_scale = copy(columnwise, cols, rows)
-    amax = x.new_empty((1,), dtype=torch.float32)
-    return row_data, row_scale, col_data, col_scale, amax, torch.empty_like(amax)
+    return (*copy(rowwise, rows, cols), *copy(columnwise, cols, rows))
+
+
+def allocate_outputs(x: torch.Tensor, layout: tuple, experts: int) -> tuple[torch.Tensor, ...]:
+    """The four uint8 outputs of ``layout`` (``(shape, zero-filled)`` each) on x's device, then the two
+    fp32 ``(experts,)`` amaxes."""
+    outputs = [(x.new_zeros if zero else x.new_empty)(shape, dtype=torch.uint8) for shape, zero in layout]
+    amax = x.new_empty((experts,), dtype=torch.float32)
+    return (*outputs, amax, torch.empty_like(amax))
 
 
 def nvfp4_dequantize_output(
@@ -170,6 +179,14 @@ def check_group_quantize_args(
     experts = split_sizes.shape[0]
     _check_group_amax(amax_rowwise, experts, "amax_rowwise")
     _check_group_amax(amax_columnwise, experts, "amax_columnwise")
+    check_group_split_values(split_sizes, x.shape[0], columnwise, rht, block_2d)
+
+
+def check_group_split_values(
+    split_sizes: torch.Tensor, tokens: int, columnwise: bool, rht: bool, block_2d: bool
+) -> None:
+    """The values of the split sizes, where ``meta.split_sizes`` checks them on the host: they sum to
+    ``tokens``, each a multiple of :func:`group_split_multiple`."""
     multiple = group_split_multiple(columnwise, rht, block_2d)
     why = (
         "block_2d: 16x16 blocks"
@@ -178,7 +195,7 @@ def check_group_quantize_args(
         if rht
         else "columnwise: two rows per byte"
     )
-    check_split_size_values(split_sizes, x.shape[0], multiple=multiple, why=why)
+    check_split_size_values(split_sizes, tokens, multiple=multiple, why=why)
 
 
 def nvfp4_group_quantize_outputs(
@@ -210,11 +227,17 @@ def nvfp4_group_quantize_outputs(
     )
     tokens, hidden = x.shape
     experts = split_sizes.shape[0]
-    none = (0, 0)  # the shape of a copy not asked for
-    row_data = x.new_empty((tokens, hidden // 2) if rowwise else none, dtype=torch.uint8)
-    row_scale = x.new_zeros(scale_shape(tokens, hidden) if rowwise else none, dtype=torch.uint8)
-    col_data = x.new_empty((hidden * tokens // 2,) if columnwise else none, dtype=torch.uint8)
+    return allocate_outputs(
+        x, group_quantize_output_layout(tokens, hidden, experts, rowwise, columnwise), experts
+    )
+
+
+def group_quantize_output_layout(
+    tokens: int, hidden: int, experts: int, rowwise: bool, columnwise: bool
+) -> tuple:
+    """``(shape, zero-filled)`` of :func:`nvfp4_group_quantize_outputs`'s four uint8 outputs."""
+    none = ((0, 0), False)  # a copy not asked for
+    row = (((tokens, hidden // 2), False), (scale_shape(tokens, hidden), True)) if rowwise else (none, none)
     col_scale_shape = (round_up(hidden, SCALE_TILE_ROWS), group_col_scale_cols(tokens, experts))
-    col_scale = x.new_zeros(col_scale_shape if columnwise else none, dtype=torch.uint8)
-    amax = x.new_empty((experts,), dtype=torch.float32)
-    return row_data, row_scale, col_data, col_scale, amax, torch.empty_like(amax)
+    col = (((hidden * tokens // 2,), False), (col_scale_shape, True)) if columnwise else (none, none)
+    return (*row, *col)
