@@ -57,6 +57,21 @@ def _run_time_args_key(args: tuple) -> tuple:
     )
 
 
+def _exact_ints_args_key(args: tuple) -> tuple:
+    """:func:`_run_time_args_key` with each int as its value (finer than Triton's key, so as correct):
+    for bound launches, whose ints are their plan's constants; 1.9 against 3.2 us for 13 arguments."""
+    return tuple(
+        [
+            v
+            if type(v) is int
+            else (v.dtype, v.data_ptr() % 16 == 0)
+            if isinstance(v, torch.Tensor)
+            else _arg_key(v)
+            for v in args
+        ]
+    )
+
+
 def _arg_key(value):
     """The key of one run-time argument (:func:`_run_time_args_key`)."""
     return _run_time_args_key((value,))[0]
@@ -124,7 +139,9 @@ class CachedLaunch:
             self.jit_function[grid](*args, **meta)
             return
         device = torch._C._cuda_getDevice()  # CUDA is initialized: the arguments are CUDA tensors
-        if len(args) <= self._run_time_prefix:
+        if bound is not None:
+            args_key = _exact_ints_args_key(args)
+        elif len(args) <= self._run_time_prefix:
             args_key = _run_time_args_key(args)
         else:
             key_of = self._key_of
