@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import os
+from collections.abc import Callable
 
 import torch
 import triton.language as tl
@@ -206,6 +207,27 @@ class BoundLaunch:
         self.kernel.launch(self.grid, args, self.meta, self)
 
 
+class PlanCache:
+    """A launcher's plans, one per key of what the plan depends on (shapes, strides, dtypes, devices,
+    flags): ``cache.get(key, build, *args)`` returns the plan stored under ``key``, else ``build(*args)``
+    (which checks the arguments; a build that raises stores nothing) stored under it. A launcher keeps
+    per-call work (checks, output layouts, grids, bound launches) in its plans, so that a call only
+    allocates and launches. Cleared when ``limit`` plans are stored (shapes that vary from step to step)."""
+
+    def __init__(self, limit: int = 1024) -> None:
+        self.plans: dict = {}
+        self.limit = limit
+
+    def get(self, key: tuple, build: Callable, *args):
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = build(*args)
+            if len(self.plans) >= self.limit:
+                self.plans.clear()
+            self.plans[key] = plan
+        return plan
+
+
 def _traced(args: tuple) -> bool:
     """True when the first tensor argument is a tracer's (a functional or fake tensor), not real data."""
     for value in args:
@@ -238,6 +260,7 @@ __all__ = [
     "INTERPRETING_CONSTEXPR",
     "BoundLaunch",
     "CachedLaunch",
+    "PlanCache",
     "cached_launch",
     "rows_with_unit_stride",
 ]

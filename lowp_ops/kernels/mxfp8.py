@@ -36,7 +36,7 @@ from ..meta.mxfp8 import (
     mxfp8_round_trip_outputs,
 )
 from .bf16_pairs import to_dtype_rne
-from .launch import cached_launch
+from .launch import PlanCache, cached_launch
 
 TILE_ROWS = MXFP8_BLOCK_SIZE
 SOFTWARE_FP8_CAST = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
@@ -582,20 +582,14 @@ def launch_mxfp8_quantize(
     ``meta.mxfp8.mxfp8_quantize_outputs``'s (the fake's) without the scale fill."""
     key = (x.shape, x.stride(), x.dtype, x.device, fp8_dtype, rowwise, columnwise, scale_layout)
     key += (block_cols, num_warps)
-    plan = _QUANTIZE_PLANS.get(key)
-    if plan is None:
-        plan = _quantize_plan(x, fp8_dtype, rowwise, columnwise, scale_layout, block_cols, num_warps)
-        if len(_QUANTIZE_PLANS) >= _PLAN_LIMIT:
-            _QUANTIZE_PLANS.clear()
-        _QUANTIZE_PLANS[key] = plan
-    return plan(x)
+    args = (x, fp8_dtype, rowwise, columnwise, scale_layout, block_cols, num_warps)
+    return _QUANTIZE_PLANS.get(key, _quantize_plan, *args)(x)
 
 
 # launch_mxfp8_quantize's plans, one per input specialization: the checks, output layouts, grid and
 # constexprs depend on the key alone, so a call repeats none of them (~10 of a call's 22 us of host
-# time on a CI-class CPU were those). Cleared when full (shapes that vary per step).
-_QUANTIZE_PLANS: dict = {}
-_PLAN_LIMIT = 1024
+# time on a CI-class CPU were those).
+_QUANTIZE_PLANS = PlanCache()
 
 
 def _quantize_plan(

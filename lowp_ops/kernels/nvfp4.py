@@ -43,7 +43,7 @@ from ..meta.nvfp4 import (
     quantize_output_layout,
 )
 from .launch import INTERPRETING_CONSTEXPR as INTERPRETING
-from .launch import cached_launch, rows_with_unit_stride
+from .launch import PlanCache, cached_launch, rows_with_unit_stride
 from .nvfp4_math import (
     SCALE_COLS_MULTIPLE,
     _max_keep_nan,
@@ -697,23 +697,12 @@ def _launch_plan(
 
 # The launchers' plans, one per specialization of their arguments (shapes, strides, dtypes, devices,
 # flags, which amaxes are given): the checks, output layouts, grids and constexprs depend on nothing
-# else, so a call repeats none of them. Cleared when full (shapes that vary per step).
-_PLANS: dict = {}
-_PLAN_LIMIT = 1024
+# else, so a call repeats none of them.
+_PLANS = PlanCache()
 
 
 def _tensor_key(t: torch.Tensor | None):
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
-
-
-def _plan(key: tuple, build, *args):
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = build(*args)
-        if len(_PLANS) >= _PLAN_LIMIT:
-            _PLANS.clear()
-        _PLANS[key] = plan
-    return plan
 
 
 def launch_nvfp4_quantize(
@@ -733,7 +722,7 @@ def launch_nvfp4_quantize(
     key = ("quantize", x.shape, x.stride(), x.dtype, x.device, rowwise, columnwise, rht, block_2d, config)
     key += (_tensor_key(amax_rowwise), _tensor_key(amax_columnwise), _tensor_key(sr_seed))
     args = (x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d, sr_seed, config)
-    return _plan(key, _quantize_plan, *args)(x, amax_rowwise, amax_columnwise, sr_seed)
+    return _PLANS.get(key, _quantize_plan, *args)(x, amax_rowwise, amax_columnwise, sr_seed)
 
 
 def _quantize_plan(x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d, sr_seed, config):
@@ -781,7 +770,7 @@ def launch_nvfp4_group_quantize(
     key += (rht, block_2d, config, split_full_tiles)
     key += (_tensor_key(amax_rowwise), _tensor_key(amax_columnwise), _tensor_key(sr_seed))
     args = (x, split_sizes, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, sr_seed, block_2d)
-    plan = _plan(key, _group_quantize_plan, *args, config, split_full_tiles)
+    plan = _PLANS.get(key, _group_quantize_plan, *args, config, split_full_tiles)
     # The values of the split sizes, where they are checked on the host (meta.split_sizes): every call.
     check_group_split_values(split_sizes, x.shape[0], columnwise, rht, block_2d)
     return plan(x, split_sizes, amax_rowwise, amax_columnwise, sr_seed)
