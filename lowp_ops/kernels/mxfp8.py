@@ -26,14 +26,15 @@ from ..formats import (
     next_power_of_2,
     round_up,
 )
-from ..meta import mxfp8 as mxfp8_meta
 from ..meta.mxfp8 import (
+    allocate_uint8,
     check_quantize_args,
     flat_2d_dims,
     mxfp8_data_pitch,
     mxfp8_dequantize_output,
     mxfp8_quantize_outputs,
     mxfp8_round_trip_outputs,
+    quantize_output_layout,
 )
 from .bf16_pairs import to_dtype_rne
 from .launch import PlanCache, cached_launch
@@ -607,11 +608,10 @@ def _quantize_plan(
     rows, cols = flat_2d_dims(x.shape)
     if rows == 0 or cols == 0:
         return lambda t: mxfp8_quantize_outputs(t, fp8_dtype, rowwise, columnwise, scale_layout, False)
-    u8, fp8 = torch.uint8, FP8_DTYPES[fp8_dtype]
+    fp8 = FP8_DTYPES[fp8_dtype]
+    layout = quantize_output_layout(x.shape, rowwise, columnwise)  # the fake's
     pitch = mxfp8_data_pitch(cols)
-    data_shape = (*x.shape[:-1], pitch)  # rows `pitch` bytes apart; the view drops the padding
-    row_scale_shape = mxfp8_meta.row_scale_shape(rows, cols) if rowwise else (0, 0)
-    col_scale_shape = mxfp8_meta.col_scale_shape(rows, cols) if columnwise else (0, 0)
+    (row_scale_rows, row_scale_cols), (col_scale_rows, col_scale_cols) = layout[1][0], layout[3][0]
     # The kernel reads row-major tiles only. Column-major 16-bit input (row stride 1) on one warp
     # crashed the H200 (illegal address, Triton 3.6, 45 x 70 bf16 with strides (1, 45)).
     flat = x.reshape(rows, cols)
@@ -633,16 +633,8 @@ def _quantize_plan(
         num_warps=num_warps,
     )
 
-    def data(t: torch.Tensor, wanted: bool) -> torch.Tensor:
-        if not wanted:
-            return t.new_empty((0,), dtype=u8)
-        buffer = t.new_empty(data_shape, dtype=u8)
-        return buffer if pitch == cols else buffer[..., :cols]
-
     def call(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        row_data, col_data = data(t, rowwise), data(t, columnwise)
-        row_scale = t.new_empty(row_scale_shape, dtype=u8)
-        col_scale = t.new_empty(col_scale_shape, dtype=u8)
+        row_data, row_scale, col_data, col_scale = outputs = allocate_uint8(t, layout)
         t2d = t.contiguous().view(rows, cols) if copy else t.reshape(rows, cols) if reshape else t
         launch(
             t2d,
@@ -652,14 +644,14 @@ def _quantize_plan(
             pitch,
             row_data.view(fp8),
             row_scale,
-            row_scale_shape[0],
-            row_scale_shape[1],
+            row_scale_rows,
+            row_scale_cols,
             col_data.view(fp8),
             col_scale,
-            col_scale_shape[0],
-            col_scale_shape[1],
+            col_scale_rows,
+            col_scale_cols,
         )
-        return row_data, row_scale, col_data, col_scale
+        return outputs
 
     return call
 

@@ -105,17 +105,6 @@ def mxfp8_data_pitch(cols):
     return round_up(cols, MXFP8_ROW_ALIGN)
 
 
-def mxfp8_data_empty(x: torch.Tensor) -> torch.Tensor:
-    """Uninitialized uint8 MXFP8 data of x's shape and device, rows :func:`mxfp8_data_pitch` apart: a
-    view of a ``(..., pitch)`` buffer, so the last row's padding is allocated too (kernels write whole
-    words up to the padded row's end)."""
-    cols = x.shape[-1]
-    pitch = mxfp8_data_pitch(cols)
-    if pitch == cols:
-        return x.new_empty(x.shape, dtype=torch.uint8)
-    return x.new_empty((*x.shape[:-1], pitch), dtype=torch.uint8)[..., :cols]
-
-
 def mxfp8_quantize_outputs(
     x: torch.Tensor,
     fp8_dtype: str,
@@ -135,23 +124,36 @@ def mxfp8_quantize_outputs(
     scale tensors at 8192 x 50257 took 2 x 4.9 us on the H200.
     """
     check_quantize_args(x, fp8_dtype, rowwise, columnwise, scale_layout)
-    rows, cols = flat_2d_dims(x.shape)
-
-    def data(wanted: bool) -> torch.Tensor:
-        return mxfp8_data_empty(x) if wanted else x.new_empty((0,), dtype=torch.uint8)
-
-    def scale(wanted: bool, shape) -> torch.Tensor:
-        return x.new_empty(shape if wanted else (0, 0), dtype=torch.uint8)
-
-    outputs = (
-        data(rowwise),
-        scale(rowwise, row_scale_shape(rows, cols)),
-        data(columnwise),
-        scale(columnwise, col_scale_shape(rows, cols)),
-    )
+    outputs = allocate_uint8(x, quantize_output_layout(x.shape, rowwise, columnwise))
     if zero_padding:
-        zero_scale_padding(outputs[1], outputs[3], rows, cols)
+        zero_scale_padding(outputs[1], outputs[3], *flat_2d_dims(x.shape))
     return outputs
+
+
+def quantize_output_layout(shape, rowwise: bool, columnwise: bool) -> tuple:
+    """``(buffer shape, columns viewed or None)`` of :func:`mxfp8_quantize_outputs`'s four uint8 outputs.
+    Data: a view of a ``(..., pitch)`` buffer (:func:`mxfp8_data_pitch`) to its ``cols``, so the last
+    row's padding is allocated too (kernels write whole words up to the padded row's end); scales
+    padded; a copy not asked for is 0-element. Launchers that keep a plan per shape allocate from it."""
+    rows, cols = flat_2d_dims(shape)
+    pitch = mxfp8_data_pitch(cols)
+    data = ((*shape[:-1], pitch), None if pitch == cols else cols)
+    unwanted = ((0,), None)
+    return (
+        data if rowwise else unwanted,
+        (row_scale_shape(rows, cols) if rowwise else (0, 0), None),
+        data if columnwise else unwanted,
+        (col_scale_shape(rows, cols) if columnwise else (0, 0), None),
+    )
+
+
+def allocate_uint8(x: torch.Tensor, layout: tuple) -> tuple[torch.Tensor, ...]:
+    """Uninitialized uint8 tensors on x's device, one per ``(buffer shape, columns viewed or None)``."""
+    outputs = []
+    for shape, viewed in layout:
+        buffer = x.new_empty(shape, dtype=torch.uint8)
+        outputs.append(buffer if viewed is None else buffer[..., :viewed])
+    return tuple(outputs)
 
 
 def zero_scale_padding(row_scale: torch.Tensor, col_scale: torch.Tensor, rows: int, cols: int) -> None:
