@@ -595,3 +595,30 @@ def test_the_launch_key_holds_what_triton_specializes_on():
     assert _run_time_args_key(args) == tuple(key for _, key in cases)
     assert all(_arg_key(value) == key for value, key in cases)
     assert _run_time_args_key(args[1:]) != _run_time_args_key(args[:-1])
+
+
+# ------------------------------------------------------------------------------------------ plan caches
+
+
+def test_plan_cache_builds_once_per_key_stores_no_failed_build_and_clears_when_full():
+    from lowp_ops.kernels.launch import PlanCache
+
+    builds = []
+
+    def build(value):
+        builds.append(value)
+        if value < 0:
+            raise ValueError("negative")
+        return lambda: value
+
+    cache = PlanCache(limit=3)
+    assert [cache.get(("k", v), build, v)() for v in (1, 2, 1, 2)] == [1, 2, 1, 2]
+    assert builds == [1, 2]
+    for _ in range(2):  # a failed build stores nothing: the next call checks (and raises) again
+        with pytest.raises(ValueError, match="negative"):
+            cache.get(("k", -1), build, -1)
+    assert builds == [1, 2, -1, -1] and len(cache.plans) == 2
+    cache.get(("k", 3), build, 3)
+    cache.get(("k", 4), build, 4)  # the fourth key: the full cache is cleared first
+    assert len(cache.plans) == 1 and cache.get(("k", 4), build, 4)() == 4
+    assert cache.get(("k", 1), build, 1)() == 1 and builds[-1] == 1  # built again after the clear
