@@ -726,18 +726,30 @@ def launch_nvfp4_quantize(
 
 
 def _quantize_plan(x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d, sr_seed, config):
+    """The call of :func:`launch_nvfp4_quantize` for arguments of this specialization: a function of
+    ``(x, amax_rowwise, amax_columnwise, sr_seed)`` that allocates the outputs and launches."""
     check_quantize_args(x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d, sr_seed)
     rows, cols = flat_2d_dims(x.shape)
     layout = quantize_output_layout(rows, cols, rowwise, columnwise)
     flat = rows_with_unit_stride(x.reshape(rows, cols))
     reshape = x.dim() != 2 or flat.stride(-1) != x.stride(-1)
     config = config or quantize_config(rows, cols, columnwise)
-    n_tiles = ceil_div(rows, config[0])
-    given = (amax_rowwise is not None, amax_columnwise is not None)
     run = _launch_plan(
-        rows, cols, flat.stride(0), 1, n_tiles, rowwise, columnwise, rht, block_2d, *given, False, config,
-        sr_seed is not None,
-    )  # fmt: skip
+        rows=rows,
+        cols=cols,
+        row_stride=flat.stride(0),
+        experts=1,
+        n_tiles=ceil_div(rows, config[0]),
+        rowwise=rowwise,
+        columnwise=columnwise,
+        rht=rht,
+        block_2d=block_2d,
+        given_row=amax_rowwise is not None,
+        given_col=amax_columnwise is not None,
+        grouped=False,
+        config=config,
+        stochastic=sr_seed is not None,
+    )
 
     def call(x, amax_rowwise, amax_columnwise, sr_seed):
         outputs = allocate_outputs(x, layout, 1)
@@ -780,6 +792,8 @@ def _group_quantize_plan(
     x, split_sizes, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, sr_seed, block_2d, config,
     split_full_tiles,
 ):  # fmt: skip
+    """The call of :func:`launch_nvfp4_group_quantize` for arguments of this specialization: a function
+    of ``(x, split_sizes, amax_rowwise, amax_columnwise, sr_seed)`` that allocates and launches."""
     check_group_quantize_args(
         x, split_sizes, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, sr_seed, block_2d
     )
@@ -792,12 +806,23 @@ def _group_quantize_plan(
     if tuned:
         config = (*config, GROUPED_RHT_MAX_REGISTERS)
     tile_rows = config[0]
-    given = (amax_rowwise is not None, amax_columnwise is not None)
     run = _launch_plan(
-        rows, cols, cols if copy else x.stride(0), experts, (rows + experts * (tile_rows - 1)) // tile_rows,
-        rowwise, columnwise, rht, block_2d, *given, True, config, sr_seed is not None,
-        tuned if split_full_tiles is None else split_full_tiles,
-    )  # fmt: skip
+        rows=rows,
+        cols=cols,
+        row_stride=cols if copy else x.stride(0),
+        experts=experts,
+        n_tiles=(rows + experts * (tile_rows - 1)) // tile_rows,
+        rowwise=rowwise,
+        columnwise=columnwise,
+        rht=rht,
+        block_2d=block_2d,
+        given_row=amax_rowwise is not None,
+        given_col=amax_columnwise is not None,
+        grouped=True,
+        config=config,
+        stochastic=sr_seed is not None,
+        split_full_tiles=tuned if split_full_tiles is None else split_full_tiles,
+    )
 
     def call(x, split_sizes, amax_rowwise, amax_columnwise, sr_seed):
         outputs = allocate_outputs(x, layout, experts)
