@@ -597,6 +597,69 @@ def test_the_launch_key_holds_what_triton_specializes_on():
     assert _run_time_args_key(args[1:]) != _run_time_args_key(args[:-1])
 
 
+def test_the_bound_launch_key_is_at_least_as_fine_as_tritons():
+    """Bound launches key each int by its value: two argument lists with equal such keys have equal
+    :func:`_run_time_args_key` keys (so they get the binary Triton would pick), ints stay apart by value
+    and a bool never collides with the int of its value."""
+    import itertools
+
+    from lowp_ops.kernels.launch import _exact_ints_args_key, _run_time_args_key
+
+    base = torch.zeros(16, dtype=torch.bfloat16)
+    values = [base, base[1:], base.float(), True, False, 1, 0, 16, 17, 2**31, 0.5, 2.0, None]
+    for a, b in itertools.product(values, repeat=2):
+        if _exact_ints_args_key((a,)) == _exact_ints_args_key((b,)):
+            assert _run_time_args_key((a,)) == _run_time_args_key((b,)), (a, b)
+    assert _exact_ints_args_key((16,)) != _exact_ints_args_key((32,))
+    assert _exact_ints_args_key((True,)) != _exact_ints_args_key((1,))
+    assert _exact_ints_args_key((False,)) != _exact_ints_args_key((0,))
+
+
+def test_a_bound_launch_runs_the_binary_with_the_arguments_of_the_unbound_launch(monkeypatch):
+    """Outside the interpreter, with Triton's compile path and the binary stood in for: a bound launch
+    goes through Triton's path once per key (a new alignment or int value is a new key), then calls the
+    stored binary with the run-time arguments followed by the constexprs and defaults in parameter order,
+    exactly what the unbound launch passes it."""
+    import triton
+    import triton.language as tl
+
+    from lowp_ops.kernels import launch
+
+    @triton.jit
+    def kernel(x_ptr, n, scale, BLOCK: tl.constexpr, FLAG: tl.constexpr = True):
+        pass
+
+    cached = launch.CachedLaunch(kernel)
+    compiled, runs = [], []
+
+    class Binary:
+        packed_metadata, function = "packed", "function"
+
+        def run(self, *args):
+            runs.append(args)
+
+    class TritonPath:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: compiled.append((grid, args, meta)) or Binary()
+
+    cached.jit_function = TritonPath()
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)  # CPU builds lack it
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
+    x = torch.zeros(8)
+    bound = cached.bind((4,), BLOCK=32, num_warps=2)
+    bound(x, 8, 0.5)
+    bound(x, 8, 0.5)
+    assert len(compiled) == 1 and compiled[0] == ((4,), (x, 8, 0.5), {"BLOCK": 32, "num_warps": 2})
+    header = (4, 1, 1, 7, "function", "packed", None, None, None)
+    assert runs == [(*header, x, 8, 0.5, 32, True)]
+    for _ in range(2):
+        cached[(4,)](x, 8, 0.5, BLOCK=32, num_warps=2)
+    assert len(compiled) == 2 and runs[-1] == runs[0]
+    bound(x[1:], 8, 0.5)  # unaligned: another specialization
+    bound(x, 9, 0.5)  # another int value: another key
+    assert len(compiled) == 4 and len(runs) == 2
+
+
 # ------------------------------------------------------------------------------------------ plan caches
 
 
