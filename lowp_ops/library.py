@@ -523,6 +523,43 @@ cross_entropy_reduce.register_autograd(
     _cross_entropy_reduce_backward, setup_context=_cross_entropy_reduce_setup
 )
 
+# The mean or sum as one op (cross_entropy_fwd, then cross_entropy_reduce): one node eagerly, one opaque
+# call in a compiled forward.
+cross_entropy_reduced = _define(
+    "cross_entropy_reduced",
+    "(Tensor logits, Tensor target, float label_smoothing, SymInt ignore_index, bool mean,"
+    " Tensor? weight=None, float z_loss=0.0, float softcap=0.0) -> (Tensor, Tensor, Tensor)",
+    ce_ref.cross_entropy_reduced,
+    "cross_entropy.launch_cross_entropy_reduced",
+    ce_meta.cross_entropy_reduced_outputs,
+)
+
+
+def _cross_entropy_reduced_setup(ctx, inputs, output):
+    logits, target, label_smoothing, ignore_index, _mean, weight, z_loss, softcap = inputs
+    _, grad_scale, stats = output
+    refuse_weight_grad(weight)
+    ctx.loss_args = (label_smoothing, ignore_index, 0, 0)  # vocab_start, vocab_total: the whole row
+    ctx.features = (z_loss, softcap)
+    ctx.save_for_backward(logits, target, stats, weight, grad_scale)
+    ctx.mark_non_differentiable(grad_scale, stats)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients of grad_scale and stats
+
+
+def _cross_entropy_reduced_backward(ctx, grad_loss, _grad_scale, _grad_stats):
+    if grad_loss is None:
+        return (None,) * 8
+    logits, target, stats, weight, grad_scale = ctx.saved_tensors
+    # The reduction's chain rule (cross_entropy_reduce's backward), then the rows' gradient.
+    grad_rows = (grad_loss.float() * grad_scale).expand(logits.shape[0])
+    dlogits = cross_entropy_bwd(logits, target, stats, grad_rows, *ctx.loss_args, weight, *ctx.features)
+    return dlogits, *(None,) * 7
+
+
+cross_entropy_reduced.register_autograd(
+    _cross_entropy_reduced_backward, setup_context=_cross_entropy_reduced_setup
+)
+
 # The forward with the gradient (for grad_loss = 1) written over the logits: overwrite_logits=True.
 cross_entropy_fwd_bwd_ = _define(
     "cross_entropy_fwd_bwd_",
@@ -585,6 +622,28 @@ grouped_swiglu_mlp = _define(
 )
 
 
+# The backwards as one op each: a compiled backward calls it once instead of its 2-12 (grouped linear)
+# or 6-25 (grouped MLP; bf16-nvfp4) GEMM, quantize, SwiGLU and dGLU ops, each an opaque call
+# (docs/registration.md).
+grouped_swiglu_mlp_bwd = _define(
+    "grouped_swiglu_mlp_bwd",
+    "(Tensor grad, Tensor x, Tensor c, Tensor fc1_weight, Tensor fc2_weight, Tensor probs,"
+    " Tensor split_sizes, Tensor ends, str recipe, int interleave, bool fc1_dy_amax_from_dglu)"
+    " -> (Tensor, Tensor, Tensor, Tensor)",
+    grouped_linear_impl.grouped_swiglu_mlp_bwd,
+    None,
+    grouped_mm_meta.grouped_swiglu_mlp_bwd_outputs,
+)
+
+grouped_linear_bwd = _define(
+    "grouped_linear_bwd",
+    "(Tensor grad, Tensor x, Tensor weight, Tensor split_sizes, str recipe) -> (Tensor, Tensor)",
+    grouped_linear_impl.grouped_linear_bwd,
+    None,
+    grouped_mm_meta.grouped_linear_bwd_outputs,
+)
+
+
 def _grouped_linear_setup(ctx, inputs, output):
     x, weight, split_sizes, recipe = inputs
     ctx.recipe = recipe
@@ -593,7 +652,7 @@ def _grouped_linear_setup(ctx, inputs, output):
 
 def _grouped_linear_backward(ctx, grad):
     x, weight, split_sizes = ctx.saved_tensors
-    dx, dweight = grouped_linear_impl.linear_backward(grad, x, weight, split_sizes, ctx.recipe)
+    dx, dweight = grouped_linear_bwd(grad, x, weight, split_sizes, ctx.recipe)
     return dx, dweight, None, None
 
 
@@ -641,9 +700,17 @@ def _grouped_swiglu_mlp_backward(ctx, grad_y, _grad_c, _grad_ends):
             )
         fc1_weight, fc2_weight, probs, split_sizes, ends = ctx.saved_tensors
         activations, ctx.activations = ctx.activations, []
-    dx, dfc1_weight, dfc2_weight, dprobs = grouped_linear_impl.grouped_swiglu_mlp_backward(
-        grad_y, activations, fc1_weight, fc2_weight, probs, split_sizes, ends, *ctx.config
-    )
+    weights = (fc1_weight, fc2_weight, probs, split_sizes, ends)
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        # Traced (AOTAutograd): one op in the graph. Eager: the steps here, so that x and c can be
+        # freed after their last use (an op's caller holds its arguments to its end).
+        dx, dfc1_weight, dfc2_weight, dprobs = grouped_swiglu_mlp_bwd(
+            grad_y, *activations, *weights, *ctx.config
+        )
+    else:
+        dx, dfc1_weight, dfc2_weight, dprobs = grouped_linear_impl.grouped_swiglu_mlp_backward(
+            grad_y, activations, *weights, *ctx.config
+        )
     # dprobs stays fp32: autograd casts it once for bf16 probs.
     return dx, dfc1_weight, dfc2_weight, dprobs, None, None, None, None
 
@@ -830,55 +897,7 @@ nvfp4_scale_rows = _define(
     nvfp4_decode_meta.nvfp4_scale_rows_output,
 )
 
-# ----------------------------------------------------------------- fused eager calls of public functions
-# One autograd node per public call: the ops' own setup_context / backward formulas run as stages of one
-# torch.autograd.Function, so the eager bytes are the traced path's (which calls the ops one by one).
-
-
-class _Stage:
-    """Stands in for ``ctx`` while one op's ``setup_context`` / ``backward`` runs as a stage of a fused
-    Function: attributes land on it, its saved tensors go through the fused Function's ``ctx``."""
-
-    def __init__(self, needs_input_grad: tuple[bool, ...]) -> None:
-        self.needs_input_grad = needs_input_grad
-        self.saved_tensors: tuple = ()
-
-    def save_for_backward(self, *tensors) -> None:
-        self.saved_tensors = tensors
-
-    def mark_non_differentiable(self, *tensors) -> None:
-        pass
-
-    def set_materialize_grads(self, value: bool) -> None:
-        pass
-
-
-class _CrossEntropyLoss(torch.autograd.Function):
-    """``cross_entropy_fwd`` then ``cross_entropy_reduce`` (mean or sum) as one autograd node."""
-
-    @staticmethod
-    def forward(ctx, logits, target, label_smoothing, ignore_index, weight, z_loss, softcap, mean):
-        rows_args = (logits, target, label_smoothing, ignore_index, weight, z_loss, softcap)
-        reduce_args = (target, ignore_index, mean, weight)
-        loss_rows, stats = cross_entropy_fwd.implementation(logits)(*rows_args)
-        loss, grad_scale = cross_entropy_reduce.implementation(logits)(loss_rows, *reduce_args)
-        rows, reduced = _Stage((True,) + (False,) * 6), _Stage((True, False, False, False, False))
-        _cross_entropy_setup(rows, rows_args, (loss_rows, stats))
-        _cross_entropy_reduce_setup(reduced, (loss_rows, *reduce_args), (loss, grad_scale))
-        ctx.stages, ctx.split = (rows, reduced), len(rows.saved_tensors)
-        ctx.save_for_backward(*rows.saved_tensors, *reduced.saved_tensors)
-        ctx.mark_non_differentiable(grad_scale, stats)
-        ctx.set_materialize_grads(False)  # no zero-filled gradients of grad_scale and stats
-        return loss, grad_scale, stats
-
-    @staticmethod
-    def backward(ctx, grad_loss, *_):
-        refuse_double_backward("cross_entropy")
-        rows, reduced = ctx.stages
-        saved = ctx.saved_tensors
-        rows.saved_tensors, reduced.saved_tensors = saved[: ctx.split], saved[ctx.split :]
-        grad_rows = _cross_entropy_reduce_backward(reduced, grad_loss, None)[0]
-        return _cross_entropy_backward(rows, grad_rows, None)[0], *(None,) * 7
+# ------------------------------------------------------------------------ the cross entropy's entry
 
 
 class _CrossEntropyOverwrite(torch.autograd.Function):
@@ -934,9 +953,5 @@ def cross_entropy_loss(
         return _CrossEntropyOverwrite.apply(*args, reduction)
     if reduction == "none":
         return cross_entropy_fwd(*args)
-    mean = reduction == "mean"
-    if logits.requires_grad and torch.is_grad_enabled() and eager_call_allowed(args):
-        loss, _, stats = _CrossEntropyLoss.apply(*args, mean)
-        return loss, stats
-    loss_rows, stats = cross_entropy_fwd(*args)
-    return cross_entropy_reduce(loss_rows, target, ignore_index, mean, weight)[0], stats
+    loss, _, stats = cross_entropy_reduced(*args[:4], reduction == "mean", *args[4:])
+    return loss, stats

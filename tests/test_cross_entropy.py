@@ -683,6 +683,39 @@ def test_opcheck_cross_entropy_fwd(requires_grad, layout, dtype, label_smoothing
     )
 
 
+@pytest.mark.parametrize("mean", [False, True])
+@pytest.mark.parametrize("layout", ["contiguous", "permuted"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_cross_entropy_reduced(mean, layout, dtype):
+    logits, target = opcheck_inputs(dtype, layout)
+    torch.library.opcheck(
+        torch.ops.lowp.cross_entropy_reduced.default,
+        (logits.requires_grad_(), target, 0.1, -100, mean, None, 1e-3, 0.0),
+    )
+
+
+def test_compiled_loss_is_one_op_each_way():
+    """A compiled mean cross entropy calls ``cross_entropy_reduced`` in its forward and ``cross_entropy_bwd``
+    in its backward: one opaque call each (docs/dispatch.md)."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        def keep(graph, _):
+            graphs.append(graph)
+            return make_boxed_func(graph.forward)
+
+        return aot_module_simplified(gm, example_inputs, fw_compiler=keep, bw_compiler=keep)
+
+    logits, target = opcheck_inputs(torch.bfloat16, "contiguous")
+    compiled = torch.compile(lambda x, t: lowp_ops.cross_entropy(x, t), backend=backend, fullgraph=True)
+    compiled(logits.requires_grad_(), target).backward()
+    ops = [[str(n.target) for n in g.graph.nodes if "lowp" in str(n.target)] for g in graphs]
+    assert ops == [["lowp.cross_entropy_reduced.default"], ["lowp.cross_entropy_bwd.default"]]
+
+
 @pytest.mark.parametrize("grad_rows_kind", ["dense", "expanded"])
 @pytest.mark.parametrize("layout", ["contiguous", "permuted"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -30,7 +30,12 @@ from __future__ import annotations
 
 import torch
 
-from ..meta.grouped_mm import check_grouped_linear, check_grouped_swiglu_mlp
+from ..meta.grouped_mm import (
+    check_grouped_linear,
+    check_grouped_linear_bwd,
+    check_grouped_swiglu_mlp,
+    check_grouped_swiglu_mlp_bwd,
+)
 from . import registry
 from .grouped_nvfp4 import expert_plan, nvfp4_backward, nvfp4_fprop
 
@@ -126,6 +131,15 @@ def grouped_linear(
     return linear_fprop(x, weight, split_sizes, recipe)
 
 
+def grouped_linear_bwd(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, split_sizes: torch.Tensor, recipe: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Implementation of ``lowp::grouped_linear_bwd``: :func:`linear_backward` as one op (a compiled
+    backward calls it once instead of its GEMM and quantize ops one by one)."""
+    check_grouped_linear_bwd(grad, x, weight, split_sizes, recipe)
+    return linear_backward(grad, x, weight, split_sizes, recipe)
+
+
 def fc1_probs(probs: torch.Tensor, recipe: str) -> torch.Tensor:
     """The probabilities the forward multiplies by: TE's MXFP8 path rounds them to bf16 first; the
     backward always uses them as given (docs/grouped_mlp.md#router-probability-gradient)."""
@@ -203,3 +217,29 @@ def grouped_swiglu_mlp_backward(
         dc, activations.pop(), fc1_weight, split_sizes, recipe, amax, offs, dgrad_offs
     )
     return dx, dfc1_weight, dfc2_weight, dprobs
+
+
+def grouped_swiglu_mlp_bwd(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    c: torch.Tensor,
+    fc1_weight: torch.Tensor,
+    fc2_weight: torch.Tensor,
+    probs: torch.Tensor,
+    split_sizes: torch.Tensor,
+    ends: torch.Tensor,
+    recipe: str,
+    interleave: int,
+    fc1_dy_amax_from_dglu: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Implementation of ``lowp::grouped_swiglu_mlp_bwd``: :func:`grouped_swiglu_mlp_backward` as one op,
+    which a compiled backward calls once instead of its GEMM, SwiGLU and dGLU ops one by one. ``x`` and
+    ``c`` stay alive until it returns (the caller holds them)."""
+    check_grouped_swiglu_mlp_bwd(
+        grad, x, c, fc1_weight, fc2_weight, probs, split_sizes, ends, recipe, interleave,
+        fc1_dy_amax_from_dglu,
+    )  # fmt: skip
+    return grouped_swiglu_mlp_backward(
+        grad, [x, c], fc1_weight, fc2_weight, probs, split_sizes, ends, recipe, interleave,
+        fc1_dy_amax_from_dglu,
+    )  # fmt: skip

@@ -784,6 +784,24 @@ def launch_cross_entropy_reduce(
     return loss, grad_scale
 
 
+def launch_cross_entropy_reduced(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    mean: bool,
+    weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``lowp::cross_entropy_reduced``: :func:`launch_cross_entropy_fwd`, then
+    :func:`launch_cross_entropy_reduce`."""
+    loss_rows, stats = launch_cross_entropy_fwd(
+        logits, target, label_smoothing, ignore_index, weight, z_loss, softcap
+    )
+    return (*launch_cross_entropy_reduce(loss_rows, target, ignore_index, mean, weight), stats)
+
+
 def launch_cross_entropy_grad_scale(
     target: torch.Tensor, ignore_index: int, weight: torch.Tensor | None = None
 ) -> torch.Tensor:

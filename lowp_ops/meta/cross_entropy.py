@@ -155,6 +155,24 @@ def cross_entropy_fwd_outputs(
     return row_loss_and_stats_outputs(logits, rows)
 
 
+def cross_entropy_reduced_outputs(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    mean: bool,
+    weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, grad_scale)`` 0-d fp32 as :func:`cross_entropy_reduce_outputs`, then ``row_stats`` (2, N) fp32
+    as :func:`cross_entropy_fwd_outputs`."""
+    loss_rows, stats = cross_entropy_fwd_outputs(
+        logits, target, label_smoothing, ignore_index, weight, z_loss, softcap
+    )
+    return (*cross_entropy_reduce_outputs(loss_rows, target, ignore_index, mean, weight), stats)
+
+
 def cross_entropy_fwd_bwd_outputs(
     logits: torch.Tensor,
     target: torch.Tensor,

@@ -126,13 +126,22 @@ def grouped_linear_output(
 def grouped_linear_bwd_outputs(
     grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, split_sizes: torch.Tensor, recipe: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx (T, K), dweight (E, N, K)) bf16."""
-    check_grouped_linear(x, weight, split_sizes, recipe)
-    require(
-        grad.shape == (x.shape[0], weight.shape[1]),
-        lambda: f"grad must have shape {(x.shape[0], weight.shape[1])}, got {tuple(grad.shape)}",
-    )
+    """(dx (T, K), dweight (E, N, K)) bf16 of ``lowp::grouped_linear_bwd``, after
+    :func:`check_grouped_linear_bwd`."""
+    check_grouped_linear_bwd(grad, x, weight, split_sizes, recipe)
     return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def check_grouped_linear_bwd(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, split_sizes: torch.Tensor, recipe: str
+) -> None:
+    """The forward's arguments (:func:`check_grouped_linear`), then ``grad`` = dy (T, N) like ``x``."""
+    check_grouped_linear(x, weight, split_sizes, recipe)
+    expected = (x.shape[0], weight.shape[1])
+    require(
+        grad.dtype == x.dtype and grad.shape == expected,
+        lambda: f"grad must be {x.dtype} of shape {expected}, got {grad.dtype} {tuple(grad.shape)}",
+    )
 
 
 def grouped_swiglu_mlp_outputs(
@@ -154,6 +163,64 @@ def grouped_swiglu_mlp_outputs(
     )
     ends = split_sizes.new_empty((2, split_sizes.shape[0]), dtype=torch.int32)
     return x.new_empty(x.shape), x.new_empty((x.shape[0], fc1_weight.shape[1])), ends
+
+
+def grouped_swiglu_mlp_bwd_outputs(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    c: torch.Tensor,
+    fc1_weight: torch.Tensor,
+    fc2_weight: torch.Tensor,
+    probs: torch.Tensor,
+    split_sizes: torch.Tensor,
+    ends: torch.Tensor,
+    recipe: str,
+    interleave: int,
+    fc1_dy_amax_from_dglu: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx (T, H), dW1 (E, 2F, H), dW2 (E, H, F) bf16; dprobs (T,) fp32) of ``lowp::grouped_swiglu_mlp_bwd``,
+    after :func:`check_grouped_swiglu_mlp_bwd`."""
+    check_grouped_swiglu_mlp_bwd(
+        grad, x, c, fc1_weight, fc2_weight, probs, split_sizes, ends, recipe, interleave,
+        fc1_dy_amax_from_dglu,
+    )  # fmt: skip
+    dx = x.new_empty(x.shape)
+    dprobs = probs.new_empty(probs.shape, dtype=torch.float32)
+    return dx, fc1_weight.new_empty(fc1_weight.shape), fc2_weight.new_empty(fc2_weight.shape), dprobs
+
+
+def check_grouped_swiglu_mlp_bwd(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    c: torch.Tensor,
+    fc1_weight: torch.Tensor,
+    fc2_weight: torch.Tensor,
+    probs: torch.Tensor,
+    split_sizes: torch.Tensor,
+    ends: torch.Tensor,
+    recipe: str,
+    interleave: int,
+    fc1_dy_amax_from_dglu: bool,
+) -> None:
+    """The forward's arguments (:func:`check_grouped_swiglu_mlp`), then ``grad`` = dy like ``x`` (T, H)
+    and what the forward kept: ``c`` (T, 2F) like ``x``, ``ends`` (2, E) int32."""
+    check_grouped_swiglu_mlp(
+        x, fc1_weight, fc2_weight, probs, split_sizes, recipe, interleave, fc1_dy_amax_from_dglu
+    )
+    experts = split_sizes.shape[0]
+    require(
+        grad.dtype == x.dtype and grad.shape == x.shape,
+        lambda: f"grad must be {x.dtype} of shape {tuple(x.shape)}, got {grad.dtype} {tuple(grad.shape)}",
+    )
+    c_shape = (x.shape[0], fc1_weight.shape[1])
+    require(
+        c.dtype == x.dtype and tuple(c.shape) == c_shape,
+        lambda: f"c must be {x.dtype} of shape {c_shape}, got {c.dtype} {tuple(c.shape)}",
+    )
+    require(
+        ends.dtype == torch.int32 and tuple(ends.shape) == (2, experts),
+        lambda: f"ends must be int32 of shape (2, {experts}), got {ends.dtype} {tuple(ends.shape)}",
+    )
 
 
 def check_grouped_swiglu_mlp(

@@ -316,6 +316,24 @@ def cross_entropy_reduce(
     return loss, grad_scale
 
 
+def cross_entropy_reduced(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float,
+    ignore_index: int,
+    mean: bool,
+    weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference of ``lowp::cross_entropy_reduced``: ``(loss, grad_scale, row_stats)``,
+    :func:`cross_entropy_fwd` then :func:`cross_entropy_reduce` (their outputs but the per-row losses)."""
+    loss_rows, stats = cross_entropy_fwd(
+        logits, target, label_smoothing, ignore_index, weight, z_loss, softcap
+    )
+    return (*cross_entropy_reduce(loss_rows, target, ignore_index, mean, weight), stats)
+
+
 def cross_entropy_fwd_bwd_(
     logits: torch.Tensor,
     target: torch.Tensor,
