@@ -384,6 +384,18 @@ def compiled_cases(device: str) -> list[tuple[str, object, str, object]]:
             fwd_bwd(lambda: theirs_mlp(xt, w1, w2, splits, probs), xt, w1, w2, probs),
         )
     )
+    for recipe in ("mxfp8", "nvfp4"):  # against the same bf16 plain MLP, as the eager rows
+        ours_q = torch.compile(
+            lambda a, u, v, s, p, r=recipe: lowp_ops.grouped_swiglu_mlp(a, u, v, s, p, recipe=r)
+        )
+        cases.append(
+            (
+                f"compiled grouped_swiglu_mlp {recipe} fwd+bwd",
+                fwd_bwd(lambda q=ours_q: q(xt, w1, w2, splits, probs), xt, w1, w2, probs),
+                "compiled plain grouped MLP",
+                fwd_bwd(lambda: theirs_mlp(xt, w1, w2, splits, probs), xt, w1, w2, probs),
+            )
+        )
     return cases
 
 
