@@ -1,8 +1,8 @@
 """THE place where the ``lowp::`` ops are defined and registered.
 
 Pattern (docs/registration.md): the default implementation is the pure-PyTorch reference, so
-every device works and CPU CI can trace, compile and ``opcheck``; ``register_kernel("cuda")`` calls the
-Triton launcher; ``register_fake`` allocates through ``meta/``; backward formulas call backward ops.
+every device works and CPU CI can trace, compile and ``opcheck``; a CUDA kernel registered on the
+dispatcher calls the Triton launcher; ``register_fake`` allocates through ``meta/``; backward formulas call backward ops.
 Under ``TRITON_INTERPRET=1`` with ``LOWP_OPS_CPU_KERNELS=triton`` the CPU path runs the Triton kernels
 in the interpreter instead, so the same op-level tests exercise them without a GPU.
 """
@@ -219,6 +219,9 @@ def _inline_kernels_rule(lowp_op: LowpOp) -> Callable:
     return rule
 
 
+_CUDA_KERNELS = torch.library.Library("lowp", "IMPL")
+
+
 def _define(
     name: str,
     schema: str,
@@ -239,7 +242,10 @@ def _define(
 
     custom = torch.library.custom_op(f"lowp::{name}", default, mutates_args=mutates_args, schema=schema)
     if launcher is not None:
-        custom.register_kernel("cuda")(lambda *args: lowp_op.launcher()(*args))
+        # Registered on the dispatcher directly rather than through custom_op's register_kernel, whose
+        # per-call wrapper (output aliasing checks, a dynamo-disabled call) cost more host time than
+        # the launch inside a compiled graph (docs/registration.md); opcheck checks the aliasing.
+        _CUDA_KERNELS.impl(name, lambda *args: lowp_op.launcher()(*args), "CUDA")
     custom.register_fake(fake)
     lowp_op = LowpOp(name, custom, reference, launcher, fake, mutates_args)
     if inline_kernels:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks a change and measures it against an older tree on the same machine: the
 # GPU tests of the given test files, each of their cudagraph tests in its own process, the host-time
-# table of both trees (scripts/host_ab.sh; HOST_ARGS), and the example's training step of both trees
+# table of both trees (scripts/host_ab.sh; HOST_ARGS, HOST_ONLY), and the example's training step of both trees
 # and of the plain-PyTorch baseline (MOE_RUNS: "mode:recipe" items; recipe "baseline" = --baseline).
 # OLD: a directory holding the older lowp_ops/. Logs under $OUT.
 #   OLD=scratch/old_tree MOE_RUNS="compiled:bf16 compiled:baseline" bash scripts/gpu_ab_round.sh tests/test_x.py
@@ -19,7 +19,7 @@ if [ "${#files[@]}" -gt 0 ]; then
         | tee "$OUT/cudagraph.log" | grep -v "^PASS"
     echo "cudagraph PASS: $(grep -c "^PASS" "$OUT/cudagraph.log")"
 fi
-[ -n "${HOST_ARGS:-}" ] && bash scripts/host_ab.sh
+[ -n "${HOST_ARGS:-}${HOST_ONLY:-}" ] && bash scripts/host_ab.sh
 for run in ${MOE_RUNS:-}; do
     mode="${run%%:*}" recipe="${run##*:}"
     for tree in "$OLD" "$PWD"; do
