@@ -2,7 +2,8 @@
 
 Pattern (docs/registration.md): the default implementation is the pure-PyTorch reference, so
 every device works and CPU CI can trace, compile and ``opcheck``; a CUDA kernel registered on the
-dispatcher calls the Triton launcher; ``register_fake`` allocates through ``meta/``; backward formulas call backward ops.
+dispatcher calls the Triton launcher; ``register_fake`` allocates through ``meta/``; backward formulas
+call backward ops.
 Under ``TRITON_INTERPRET=1`` with ``LOWP_OPS_CPU_KERNELS=triton`` the CPU path runs the Triton kernels
 in the interpreter instead, so the same op-level tests exercise them without a GPU.
 """
@@ -319,7 +320,7 @@ nvfp4_dequantize = _define(
 
 swiglu_fwd = _define(
     "swiglu_fwd",
-    "(Tensor c, Tensor probs, int interleave) -> Tensor",
+    "(Tensor c, Tensor probs, int interleave, Tensor? ends=None) -> Tensor",
     swiglu_ref.swiglu_fwd,
     "swiglu.launch_swiglu_fwd",
     swiglu_meta.swiglu_fwd_output,
@@ -335,17 +336,20 @@ dglu = _define(
 
 
 def _swiglu_setup(ctx, inputs, output):
-    c, probs, interleave = inputs
+    c, probs, interleave, ends = inputs
     ctx.interleave = interleave
-    ctx.save_for_backward(c, probs)
+    ctx.save_for_backward(c, probs, ends)
 
 
 def _swiglu_backward(ctx, grad):
-    c, probs = ctx.saved_tensors
-    one_expert = c.new_full((1,), c.shape[0], dtype=torch.int64)
-    dc, dprobs, _ = dglu(grad, c, probs, one_expert, ctx.interleave)
+    c, probs, ends = ctx.saved_tensors
+    if ends is None:
+        split_sizes = c.new_full((1,), c.shape[0], dtype=torch.int64)
+    else:  # the rows past the last end got +0: no gradient (dGLU's rows of no expert)
+        split_sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+    dc, dprobs, _ = dglu(grad, c, probs, split_sizes, ctx.interleave)
     # dprobs stays fp32; autograd casts it once for bf16 probs (never bf16 before that).
-    return dc, dprobs, None
+    return dc, dprobs, None, None
 
 
 swiglu_fwd.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)

@@ -143,6 +143,10 @@ def test_opcheck(interleave):
     c, probs, grad = make(8, 64, seed=6)
     c = c.t().contiguous().t()
     torch.library.opcheck(torch.ops.lowp.swiglu_fwd.default, (c.requires_grad_(), probs, interleave))
+    ends = torch.tensor([3, 3, 5], dtype=torch.int32)  # rows 5..7 of no expert: +0, no gradient
+    torch.library.opcheck(
+        torch.ops.lowp.swiglu_fwd.default, (c, probs.detach().requires_grad_(), interleave, ends)
+    )
     torch.library.opcheck(
         torch.ops.lowp.dglu.default, (grad, c.detach(), probs, torch.tensor([3, 0, 5]), interleave)
     )

@@ -155,6 +155,23 @@ def test_dglu_rows_of_no_expert_get_zeros_whatever_they_hold(suite, kernel_devic
 
 
 @pytest.mark.parametrize("suite", SUITES)
+@pytest.mark.parametrize("even", [True, False])
+def test_swiglu_rows_past_the_last_end_are_zero_whatever_they_hold(suite, kernel_device, even):
+    """With ``ends``, rows at or past ``ends[-1]`` hold NaN, Inf and large values (the last expert's product
+    on the extended ends): h is +0 there, the other rows as without ``ends``, and the reference agrees."""
+    tokens, ffn = (64, 256) if even else (45, 100)
+    c, probs, _ = make(tokens, ffn, 12, kernel_device)
+    live = 37
+    c[live:] = 3e4
+    c[live + 1, :5], probs[live + 3] = float("nan"), float("inf")
+    ends = torch.tensor([20, 20, live], dtype=torch.int32, device=kernel_device)
+    h = kernels.launch_swiglu_fwd(c, probs, 0, ends)
+    assert torch.equal(h[live:].view(torch.int16), torch.zeros_like(h[live:]).view(torch.int16))
+    assert torch.equal(h[:live], kernels.launch_swiglu_fwd(c, probs, 0)[:live])
+    assert_close_or_identical(h, reference.swiglu_fwd(c, probs, 0, ends), kernel_device == "cuda", "h")
+
+
+@pytest.mark.parametrize("suite", SUITES)
 def test_kernels_handle_no_tokens(suite, kernel_device):
     c, probs, grad = make(0, 32, 0, kernel_device)
     assert kernels.launch_swiglu_fwd(c, probs, 0).shape == (0, 32)

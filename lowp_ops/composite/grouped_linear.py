@@ -70,17 +70,21 @@ def linear_fprop(
     split_sizes: torch.Tensor,
     recipe: str,
     offs: torch.Tensor | None = None,
+    extended: bool = False,
 ) -> torch.Tensor:
     """y (T, N) = x_e (T_e, K) w[e]^T per expert, bf16. ``offs``: ``group_ends(split_sizes, T)`` (bf16 and
-    mxfp8) or ``grouped_nvfp4.expert_plan(split_sizes, T)`` (nvfp4) when the caller has it already."""
+    mxfp8) or ``grouped_nvfp4.expert_plan(split_sizes, T)`` (nvfp4) when the caller has it already.
+    ``extended`` (bf16 and mxfp8): ``offs`` is the extended row of ``group_ends(..., with_extended=True)``
+    (last end T): the rows past the last true end get x's rows there times the last expert's weight
+    instead of zeros, with no zeroing launch."""
     if recipe == "nvfp4":
         return nvfp4_fprop(x, weight, split_sizes, offs)
     offs = group_ends(split_sizes, x.shape[0]) if offs is None else offs
     if recipe == "bf16":
-        return registry().grouped_mm(x, weight.transpose(1, 2), offs, True)
+        return registry().grouped_mm(x, weight.transpose(1, 2), offs, True, extended)
     x_deq = _mxfp8_dequantized(x, "rowwise")
     w_deq = _mxfp8_dequantized(_flat(weight), "rowwise").view(weight.shape)
-    return registry().grouped_mm(x_deq, w_deq.transpose(1, 2), offs, True)
+    return registry().grouped_mm(x_deq, w_deq.transpose(1, 2), offs, True, extended)
 
 
 def linear_backward(
@@ -167,15 +171,23 @@ def grouped_swiglu_mlp(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Implementation of ``lowp::grouped_swiglu_mlp``: ``(y, c, ends)`` with ``c = FC1(x)`` (bf16, saved
     for the backward), ``h = silu(gate) * linear * probs`` (bf16, not kept), ``y = FC2(h)`` (bf16) and
-    the GEMMs' int32 group ends (:func:`_shared_group_ends`), which the backward reuses."""
+    the GEMMs' int32 group ends (:func:`_shared_group_ends`), which the backward reuses.
+
+    Rows past the last end (of no expert) get ``y = 0`` without a zeroing launch (bf16 and mxfp8): both
+    GEMMs run on the extended ends, so such rows of ``c`` hold the last expert's product (which the
+    backward's dGLU ignores), and the SwiGLU writes +0 to those rows of ``h``, so FC2 gives them zeros
+    (+-0; NaN only where the last expert's FC2 weight holds an inf or NaN)."""
     check_grouped_swiglu_mlp(
         x, fc1_weight, fc2_weight, probs, split_sizes, recipe, interleave, fc1_dy_amax_from_dglu
     )
     ends = _shared_group_ends(split_sizes, x.shape[0], recipe)
-    offs = ends if recipe == "nvfp4" else ends[0]
-    c = linear_fprop(x, fc1_weight, split_sizes, recipe, offs)
-    h = registry().swiglu_fwd(c, fc1_probs(probs, recipe), interleave)
-    return linear_fprop(h, fc2_weight, split_sizes, recipe, offs), c, ends
+    if recipe == "nvfp4":
+        c = linear_fprop(x, fc1_weight, split_sizes, recipe, ends)
+        h = registry().swiglu_fwd(c, fc1_probs(probs, recipe), interleave)
+        return linear_fprop(h, fc2_weight, split_sizes, recipe, ends), c, ends
+    c = linear_fprop(x, fc1_weight, split_sizes, recipe, ends[1], extended=True)
+    h = registry().swiglu_fwd(c, fc1_probs(probs, recipe), interleave, ends[0])
+    return linear_fprop(h, fc2_weight, split_sizes, recipe, ends[1], extended=True), c, ends
 
 
 def grouped_swiglu_mlp_backward(
@@ -204,7 +216,8 @@ def grouped_swiglu_mlp_backward(
     rows of ``dc``."""
     c = activations.pop()
     offs, dgrad_offs = (ends, None) if recipe == "nvfp4" else (ends[0], ends[1])
-    h = registry().swiglu_fwd(c, fc1_probs(probs, recipe), interleave)
+    # The forward's h, bit for bit (rows of no expert +0 as there: MXFP8's 32-row column blocks see them).
+    h = registry().swiglu_fwd(c, fc1_probs(probs, recipe), interleave, None if recipe == "nvfp4" else offs)
     handed = [h]
     del h  # linear_backward holds the only reference and drops it after FC2's weight gradient
     dh, dfc2_weight = linear_backward(

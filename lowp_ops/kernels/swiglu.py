@@ -70,6 +70,8 @@ def swiglu_fwd_kernel(
     c_ptr,
     probs_ptr,
     out_ptr,
+    ends_ptr,
+    last_group,
     tokens,
     ffn,
     stride_c,
@@ -77,8 +79,10 @@ def swiglu_fwd_kernel(
     BLOCK_F: tl.constexpr,
     INTERLEAVE: tl.constexpr,
     EVEN: tl.constexpr,
+    MASK_ROWS: tl.constexpr,
 ):
-    """h[t, f] = gate * sigmoid(gate) * linear * p[t], one [BLOCK_T, BLOCK_F] tile per program."""
+    """h[t, f] = gate * sigmoid(gate) * linear * p[t], one [BLOCK_T, BLOCK_F] tile per program; with
+    ``MASK_ROWS``, rows at or past ``ends[last_group]`` get +0."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     ffn_idx = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     gate_col, linear_col = glu_columns(ffn_idx, ffn, INTERLEAVE)
@@ -95,6 +99,8 @@ def swiglu_fwd_kernel(
         linear = tl.load(c_row + linear_col[None, :], mask=mask, other=0.0).to(tl.float32)
         prob = tl.load(probs_ptr + rows, mask=rows < tokens, other=0.0).to(tl.float32)
     h = gate * sigmoid(gate) * linear * prob[:, None]
+    if MASK_ROWS:
+        h = tl.where(rows[:, None] < tl.load(ends_ptr + last_group), h, 0.0)
     h = to_dtype_rne(h, out_ptr.dtype.element_ty)
     if EVEN:
         tl.store(out_ptrs, h)
@@ -190,12 +196,13 @@ def launch_swiglu_fwd(
     c: torch.Tensor,
     probs: torch.Tensor,
     interleave: int,
+    ends: torch.Tensor | None = None,
     block_rows: int = 8,
     block_cols: int | None = None,
     num_warps: int = 4,
 ) -> torch.Tensor:
     """``lowp::swiglu_fwd`` on a CUDA (or interpreted CPU) tensor; rows read through their stride."""
-    out = swiglu_fwd_output(c, probs, interleave)
+    out = swiglu_fwd_output(c, probs, interleave, ends)
     tokens, ffn = out.shape
     if tokens == 0:
         return out
@@ -206,6 +213,8 @@ def launch_swiglu_fwd(
         c,
         probs.contiguous(),
         out,
+        out if ends is None else ends,
+        0 if ends is None else ends.shape[0] - 1,
         tokens,
         ffn,
         c.stride(0),
@@ -213,6 +222,7 @@ def launch_swiglu_fwd(
         BLOCK_F=block_cols,
         INTERLEAVE=interleave,
         EVEN=tokens % block_rows == 0 and ffn % block_cols == 0,
+        MASK_ROWS=ends is not None,
         num_warps=num_warps,
         enable_fp_fusion=False,
     )

@@ -62,9 +62,20 @@ def _explain_glu_inputs(c: torch.Tensor, probs: torch.Tensor, interleave: int) -
     )
 
 
-def swiglu_fwd_output(c: torch.Tensor, probs: torch.Tensor, interleave: int) -> torch.Tensor:
-    """h = silu(gate) * linear * probs: ``(tokens, ffn)`` in c's dtype."""
+def swiglu_fwd_output(
+    c: torch.Tensor, probs: torch.Tensor, interleave: int, ends: torch.Tensor | None = None
+) -> torch.Tensor:
+    """h = silu(gate) * linear * probs: ``(tokens, ffn)`` in c's dtype. ``ends``: int32 (E,) group ends on
+    c's device, valid (``lowp::group_ends``), whose last bounds the rows that get values."""
     check_glu_inputs(c, probs, interleave)
+    if ends is not None:
+        require(
+            ends.dtype == torch.int32 and ends.dim() == 1 and ends.shape[0] > 0 and ends.device == c.device,
+            lambda: (
+                f"ends must be a non-empty 1-D int32 tensor on c's device, got {ends.dtype} "
+                f"{tuple(ends.shape)} on {ends.device}"
+            ),
+        )
     return c.new_empty((c.shape[0], c.shape[1] // 2))
 
 

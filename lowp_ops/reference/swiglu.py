@@ -57,11 +57,18 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
     return 1.0 / (1.0 + torch.exp(-x))
 
 
-def swiglu_fwd(c: torch.Tensor, probs: torch.Tensor, interleave: int) -> torch.Tensor:
-    """Reference of ``lowp::swiglu_fwd``: ``(a * sigmoid(a) * b * p)`` rounded once to c's dtype."""
-    out = swiglu_fwd_output(c, probs, interleave)
+def swiglu_fwd(
+    c: torch.Tensor, probs: torch.Tensor, interleave: int, ends: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Reference of ``lowp::swiglu_fwd``: ``(a * sigmoid(a) * b * p)`` rounded once to c's dtype; with
+    ``ends``, rows at or past ``ends[-1]`` (of no expert) are +0 whatever c and probs hold there."""
+    out = swiglu_fwd_output(c, probs, interleave, ends)
     gate, linear = split_glu(c, interleave)
-    out.copy_(gate * sigmoid(gate) * linear * probs.float().unsqueeze(1))
+    h = gate * sigmoid(gate) * linear * probs.float().unsqueeze(1)
+    if ends is not None:
+        rows = torch.arange(c.shape[0], device=c.device)
+        h = torch.where((rows < ends[-1]).unsqueeze(1), h, 0.0)
+    out.copy_(h)
     return out
 
 
