@@ -244,8 +244,8 @@ def _define(
     custom = torch.library.custom_op(f"lowp::{name}", default, mutates_args=mutates_args, schema=schema)
     if launcher is not None:
         # Registered on the dispatcher directly rather than through custom_op's register_kernel, whose
-        # per-call wrapper (output aliasing checks, a dynamo-disabled call) cost more host time than
-        # the launch inside a compiled graph (docs/registration.md); opcheck checks the aliasing.
+        # per-call wrapper adds an output-aliasing check and a Dynamo-disabled call to every dispatched
+        # call (docs/registration.md); opcheck checks the aliasing.
         _CUDA_KERNELS.impl(name, lambda *args: lowp_op.launcher()(*args), "CUDA")
     custom.register_fake(fake)
     lowp_op = LowpOp(name, custom, reference, launcher, fake, mutates_args)
