@@ -23,6 +23,7 @@ from ce_softmax_oracles import (
 from cudagraph_checks import ce_inputs, same_bits, warm_up
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from partition_checks import lowp_ops_in_compiled_graphs
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
@@ -697,22 +698,9 @@ def test_opcheck_cross_entropy_reduced(mean, layout, dtype):
 def test_compiled_loss_is_one_op_each_way():
     """A compiled mean cross entropy calls ``cross_entropy_reduced`` in its forward and ``cross_entropy_bwd``
     in its backward: one opaque call each (docs/dispatch.md)."""
-    from functorch.compile import make_boxed_func
-    from torch._functorch.aot_autograd import aot_module_simplified
-
-    graphs = []
-
-    def backend(gm, example_inputs):
-        def keep(graph, _):
-            graphs.append(graph)
-            return make_boxed_func(graph.forward)
-
-        return aot_module_simplified(gm, example_inputs, fw_compiler=keep, bw_compiler=keep)
-
     logits, target = opcheck_inputs(torch.bfloat16, "contiguous")
-    compiled = torch.compile(lambda x, t: lowp_ops.cross_entropy(x, t), backend=backend, fullgraph=True)
+    compiled, ops = lowp_ops_in_compiled_graphs(lambda x, t: lowp_ops.cross_entropy(x, t))
     compiled(logits.requires_grad_(), target).backward()
-    ops = [[str(n.target) for n in g.graph.nodes if "lowp" in str(n.target)] for g in graphs]
     assert ops == [["lowp.cross_entropy_reduced.default"], ["lowp.cross_entropy_bwd.default"]]
 
 

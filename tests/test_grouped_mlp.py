@@ -16,7 +16,7 @@ import torch
 from cudagraph_checks import same_bits, warm_up
 from hypothesis import given
 from hypothesis import strategies as st
-from partition_checks import shapes_saved_by_compiled_forward
+from partition_checks import lowp_ops_in_compiled_graphs, shapes_saved_by_compiled_forward
 
 import lowp_ops
 from lowp_ops import library
@@ -424,52 +424,30 @@ def test_opcheck(recipe):
 
 @pytest.mark.parametrize("recipe", ["bf16", "mxfp8", "nvfp4"])
 def test_compiled_backward_is_one_op_with_the_eager_bytes(recipe):
-    """A compiled backward calls ``lowp::grouped_swiglu_mlp_bwd`` once (not its GEMM, quantize and GLU
-    ops one by one), and gives the eager backward's gradients bit for bit."""
-    from functorch.compile import make_boxed_func
-    from torch._functorch.aot_autograd import aot_module_simplified
-
-    graphs = []
-
-    def backend(gm, example_inputs):
-        def keep(graph, _):
-            graphs.append(graph)
-            return make_boxed_func(graph.forward)
-
-        return aot_module_simplified(gm, example_inputs, fw_compiler=keep, bw_compiler=keep)
-
+    """A compiled backward calls ``lowp::grouped_swiglu_mlp_bwd`` (``grouped_linear_bwd``) once, not its
+    GEMM, quantize and GLU ops one by one, and gives the eager backward's gradients bit for bit."""
     inputs = make_inputs([16, 0, 32, 16], 32, 32, seed=7)
     splits, dy = inputs["split_sizes"], inputs["dy"]
 
-    def grads(fn):
-        leaves = [inputs[k].detach().requires_grad_() for k in ("x", "fc1_weight", "fc2_weight", "probs")]
+    def grads(fn, *names):
+        leaves = [inputs[name].detach().requires_grad_() for name in names]
         fn(*leaves).backward(dy)
         return [leaf.grad for leaf in leaves]
 
     def mlp(x, w1, w2, probs):
         return lowp_ops.grouped_swiglu_mlp(x, w1, w2, splits, probs, recipe=recipe)
 
-    expected = grads(mlp)
-    got = grads(torch.compile(mlp, backend=backend, fullgraph=True))
-    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
-    forward, backward = ([str(n.target) for n in g.graph.nodes if "lowp" in str(n.target)] for g in graphs)
-    assert forward == ["lowp.grouped_swiglu_mlp.default"]
-    assert backward == ["lowp.grouped_swiglu_mlp_bwd.default"]
-
-    graphs.clear()
-    x, w1, dy = inputs["x"], inputs["fc2_weight"].transpose(1, 2).contiguous(), torch.randn(64, 32).bfloat16()
-
     def linear(x, w):
         return torch.ops.lowp.grouped_linear(x, w, splits, recipe)
 
-    leaves = [x.detach().requires_grad_(), w1.detach().requires_grad_()]
-    linear(*leaves).backward(dy)
-    expected = [leaf.grad for leaf in leaves]
-    leaves = [x.detach().requires_grad_(), w1.detach().requires_grad_()]
-    torch.compile(linear, backend=backend, fullgraph=True)(*leaves).backward(dy)
-    assert all(torch.equal(leaf.grad, e) for leaf, e in zip(leaves, expected, strict=True))
-    forward, backward = ([str(n.target) for n in g.graph.nodes if "lowp" in str(n.target)] for g in graphs)
-    assert (forward, backward) == (["lowp.grouped_linear.default"], ["lowp.grouped_linear_bwd.default"])
+    for fn, names, ops in (
+        (mlp, ("x", "fc1_weight", "fc2_weight", "probs"), ["grouped_swiglu_mlp", "grouped_swiglu_mlp_bwd"]),
+        (linear, ("x", "fc2_weight"), ["grouped_linear", "grouped_linear_bwd"]),  # (E, 32, 32)
+    ):
+        compiled, graphs = lowp_ops_in_compiled_graphs(fn)
+        got, expected = grads(compiled, *names), grads(fn, *names)
+        assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True)), fn.__name__
+        assert graphs == [[f"lowp.{op}.default"] for op in ops]
 
 
 def test_compiled_forward_backward_does_not_recompile_over_token_counts_and_splits():
