@@ -202,10 +202,13 @@ def test_scale_grad_rows_reference_leaves_rows_of_factor_one_alone():
     assert torch.equal(bits(scaled), bits(want))
 
 
-def test_overwrite_compiles_without_graph_breaks():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_overwrite_compiles_without_graph_breaks(device):
+    """Compiled, the in-place ops go through the dispatcher (CUDA: the kernels registered there)."""
     torch.manual_seed(0)
-    head = torch.nn.Linear(16, 50)
-    hidden, target = torch.randn(12, 16), torch.randint(0, 50, (12,))
+    head = torch.nn.Linear(16, 50).to(device)
+    hidden = torch.randn(12, 16).to(device)
+    target = torch.randint(0, 50, (12,)).to(device)
 
     def step(h, t, overwrite):
         return lowp_ops.cross_entropy(head(h), t, overwrite_logits=overwrite)
