@@ -457,6 +457,33 @@ def test_quantized_mlp_with_malformed_sizes_is_the_mlp_of_the_effective_sizes(ch
     assert_rows_of_no_expert_are_zero(got, oracle_ends(sizes, T, multiple)[-1])
 
 
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param("cpu", marks=pytest.mark.interp, id="interp"),
+        pytest.param("cuda", marks=pytest.mark.gpu, id="gpu"),
+    ],
+)
+@pytest.mark.parametrize("recipe", ["bf16", "mxfp8"])
+def test_rows_past_the_last_end_change_nothing_but_the_fc1_weight_gradient(checks_off, recipe, device):
+    """Rows of no expert (past the last end) with large x and zero dy: y, dx and dprobs of the other rows
+    and FC2's weight gradient are those of the MLP without those rows, bit for bit. For MXFP8 this needs
+    the backward's recomputed h to be +0 there as in the forward (32-row column blocks cross the end);
+    only dW1 may differ (x's column-wise blocks hold those rows of x)."""
+    end = 40
+    x, w1, w2, probs, dy = mlp_inputs(device)
+    x[end:], dy[end:] = 3.0, 0.0
+    sizes = torch.tensor([16, 0, end - 16], device=device)
+    got = lowp_mlp(x, w1, w2, probs, dy, sizes, recipe)
+    alone = lowp_mlp(x[:end], w1, w2, probs[:end], dy[:end], sizes, recipe)
+    for name, g, e in zip(("y", "dx"), got, alone, strict=False):
+        assert_exact(g[:end], e, name)
+    assert_exact(got[3], alone[3], "dW2")
+    assert_exact(got[4][:end], alone[4], "dprobs")
+    assert_rows_of_no_expert_are_zero(got, end)
+
+
 def dglu_inputs(device="cpu", tokens=T, ffn=32):
     gen = torch.Generator().manual_seed(16)
     grad = torch.randn(tokens, ffn, generator=gen).bfloat16().to(device)
