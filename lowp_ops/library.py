@@ -488,22 +488,30 @@ def _cross_entropy_setup(ctx, inputs, output):
     # get no gradient.
     logits, target, label_smoothing, ignore_index, *rest = inputs
     weight, z_loss, softcap = (*rest, *(None, 0.0, 0.0)[len(rest) :])
-    refuse_weight_grad(weight)
-    ctx.label_smoothing = label_smoothing
-    ctx.ignore_index = ignore_index
-    ctx.features = (z_loss, softcap)
+    _keep_loss_options(ctx, label_smoothing, ignore_index, weight, z_loss, softcap)
     ctx.save_for_backward(logits, target, output[1], weight)
     ctx.mark_non_differentiable(output[1])
 
 
-def _cross_entropy_backward(ctx, grad_loss, _grad_row_stats):
-    logits, target, row_stats, weight = ctx.saved_tensors
-    # grad_loss may be an expanded (stride-0) view: the kernel reads it through its stride.
-    dlogits = cross_entropy_bwd(
-        logits, target, row_stats, grad_loss.float(), ctx.label_smoothing, ctx.ignore_index, 0, 0, weight,
+def _keep_loss_options(ctx, label_smoothing, ignore_index, weight, z_loss, softcap) -> None:
+    refuse_weight_grad(weight)
+    ctx.label_smoothing = label_smoothing
+    ctx.ignore_index = ignore_index
+    ctx.features = (z_loss, softcap)
+
+
+def _rows_grad(ctx, logits, target, row_stats, weight, grad_rows) -> torch.Tensor:
+    """dlogits of per-row losses whose upstream gradient is ``grad_rows`` (N,), with the options that
+    :func:`_keep_loss_options` kept on ``ctx``."""
+    # grad_rows may be an expanded (stride-0) view: the kernel reads it through its stride.
+    return cross_entropy_bwd(
+        logits, target, row_stats, grad_rows.float(), ctx.label_smoothing, ctx.ignore_index, 0, 0, weight,
         *ctx.features,
     )  # fmt: skip
-    return dlogits, None, None, None, None, None, None
+
+
+def _cross_entropy_backward(ctx, grad_loss, _grad_row_stats):
+    return _rows_grad(ctx, *ctx.saved_tensors, grad_loss), None, None, None, None, None, None
 
 
 cross_entropy_fwd.register_autograd(_cross_entropy_backward, setup_context=_cross_entropy_setup)
@@ -524,9 +532,14 @@ def _cross_entropy_reduce_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])
 
 
+def _reduced_grad_rows(grad_loss: torch.Tensor, grad_scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """The reduction's chain rule: each row's upstream gradient ``grad_loss * dloss / dloss_row``."""
+    return (grad_loss.float() * grad_scale).expand(rows)
+
+
 def _cross_entropy_reduce_backward(ctx, grad_loss, _grad_scale):
     (grad_scale,) = ctx.saved_tensors
-    return (grad_loss.float() * grad_scale).expand(ctx.rows), None, None, None, None
+    return _reduced_grad_rows(grad_loss, grad_scale, ctx.rows), None, None, None, None
 
 
 cross_entropy_reduce.register_autograd(
@@ -548,22 +561,19 @@ cross_entropy_reduced = _define(
 def _cross_entropy_reduced_setup(ctx, inputs, output):
     logits, target, label_smoothing, ignore_index, _mean, weight, z_loss, softcap = inputs
     _, grad_scale, stats = output
-    refuse_weight_grad(weight)
-    ctx.loss_args = (label_smoothing, ignore_index, 0, 0)  # vocab_start, vocab_total: the whole row
-    ctx.features = (z_loss, softcap)
+    _keep_loss_options(ctx, label_smoothing, ignore_index, weight, z_loss, softcap)
     ctx.save_for_backward(logits, target, stats, weight, grad_scale)
     ctx.mark_non_differentiable(grad_scale, stats)
     ctx.set_materialize_grads(False)  # no zero-filled gradients of grad_scale and stats
 
 
 def _cross_entropy_reduced_backward(ctx, grad_loss, _grad_scale, _grad_stats):
+    """cross_entropy_reduce's chain rule, then cross_entropy_fwd's backward (the two ops' formulas)."""
     if grad_loss is None:
         return (None,) * 8
     logits, target, stats, weight, grad_scale = ctx.saved_tensors
-    # The reduction's chain rule (cross_entropy_reduce's backward), then the rows' gradient.
-    grad_rows = (grad_loss.float() * grad_scale).expand(logits.shape[0])
-    dlogits = cross_entropy_bwd(logits, target, stats, grad_rows, *ctx.loss_args, weight, *ctx.features)
-    return dlogits, *(None,) * 7
+    grad_rows = _reduced_grad_rows(grad_loss, grad_scale, logits.shape[0])
+    return _rows_grad(ctx, logits, target, stats, weight, grad_rows), *(None,) * 7
 
 
 cross_entropy_reduced.register_autograd(

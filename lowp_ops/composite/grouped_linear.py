@@ -181,13 +181,11 @@ def grouped_swiglu_mlp(
         x, fc1_weight, fc2_weight, probs, split_sizes, recipe, interleave, fc1_dy_amax_from_dglu
     )
     ends = _shared_group_ends(split_sizes, x.shape[0], recipe)
-    if recipe == "nvfp4":
-        c = linear_fprop(x, fc1_weight, split_sizes, recipe, ends)
-        h = registry().swiglu_fwd(c, fc1_probs(probs, recipe), interleave)
-        return linear_fprop(h, fc2_weight, split_sizes, recipe, ends), c, ends
-    c = linear_fprop(x, fc1_weight, split_sizes, recipe, ends[1], extended=True)
-    h = registry().swiglu_fwd(c, fc1_probs(probs, recipe), interleave, ends[0])
-    return linear_fprop(h, fc2_weight, split_sizes, recipe, ends[1], extended=True), c, ends
+    # (the GEMMs' ends, whether they are the extended ones, the true ends that bound h's rows)
+    offs, extended, h_ends = (ends, False, None) if recipe == "nvfp4" else (ends[1], True, ends[0])
+    c = linear_fprop(x, fc1_weight, split_sizes, recipe, offs, extended)
+    h = registry().swiglu_fwd(c, fc1_probs(probs, recipe), interleave, h_ends)
+    return linear_fprop(h, fc2_weight, split_sizes, recipe, offs, extended), c, ends
 
 
 def grouped_swiglu_mlp_backward(
