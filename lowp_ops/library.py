@@ -54,13 +54,16 @@ def cpu_runs_triton() -> bool:
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
+def tracing() -> bool:
+    """True while Dynamo, AOTAutograd or another dispatch mode (proxy, fake, functional) sees the calls."""
+    return torch.compiler.is_compiling() or bool(torch._C._len_torch_dispatch_stack())
+
+
 def eager_call_allowed(args: tuple) -> bool:
     """True when an op call may run its implementation directly instead of through the dispatcher:
     nothing traces it (Dynamo, AOTAutograd's fake and functional tensors, proxy or other dispatch modes,
     functorch transforms) and every tensor argument is a plain tensor (no subclass such as DTensor)."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
-        return False
-    if torch._C._are_functorch_transforms_active():
+    if tracing() or torch._C._are_functorch_transforms_active():
         return False
     for arg in args:  # noqa: SIM110  (a loop: no generator object on this hot path)
         if isinstance(arg, torch.Tensor) and type(arg) not in _PLAIN_TENSOR_TYPES:
@@ -161,8 +164,7 @@ def refuse_double_backward(name: str) -> None:
     """Raise when a backward runs under ``create_graph=True``: the formulas are not differentiable, and
     without this check the second-order terms would silently be missing. Grad mode is on in a backward
     only then (tracers run with dispatch modes pushed, and are let through)."""
-    tracing = torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-    if torch.is_grad_enabled() and not tracing:
+    if torch.is_grad_enabled() and not tracing():
         raise RuntimeError(
             f"lowp::{name} does not support double backward: its gradient cannot be differentiated "
             "(create_graph=True through it)"
@@ -672,7 +674,9 @@ def _grouped_linear_setup(ctx, inputs, output):
 
 def _grouped_linear_backward(ctx, grad):
     x, weight, split_sizes = ctx.saved_tensors
-    dx, dweight = grouped_linear_bwd(grad, x, weight, split_sizes, ctx.recipe)
+    # Traced: one op in the graph; eager: its steps (the forward checked the arguments).
+    backward = grouped_linear_bwd if tracing() else grouped_linear_impl.linear_backward
+    dx, dweight = backward(grad, x, weight, split_sizes, ctx.recipe)
     return dx, dweight, None, None
 
 
@@ -721,7 +725,7 @@ def _grouped_swiglu_mlp_backward(ctx, grad_y, _grad_c, _grad_ends):
         fc1_weight, fc2_weight, probs, split_sizes, ends = ctx.saved_tensors
         activations, ctx.activations = ctx.activations, []
     weights = (fc1_weight, fc2_weight, probs, split_sizes, ends)
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+    if tracing():
         # Traced (AOTAutograd): one op in the graph. Eager: the steps here, so that x and c can be
         # freed after their last use (an op's caller holds its arguments to its end).
         dx, dfc1_weight, dfc2_weight, dprobs = grouped_swiglu_mlp_bwd(
