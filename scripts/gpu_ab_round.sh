@@ -10,15 +10,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$(mktemp -d)}"
 export OUT PYTHONUNBUFFERED=1
 files=("$@")
-if [ "${#files[@]}" -gt 0 ]; then
-    PYTHONPATH="$PWD" timeout "${TEST_TIMEOUT:-300}" python -m pytest -q -m "gpu and not cudagraph" -n 6 \
-        -p no:cacheprovider "${files[@]}" > "$OUT/gpu.log" 2>&1
-    tail -n 1 "$OUT/gpu.log"
-    grep -E "^(FAILED|ERROR) " "$OUT/gpu.log" | head -n 20
-    PYTHONPATH="$PWD" timeout "${GRAPH_TIMEOUT:-150}" bash scripts/cudagraph_each.sh "${files[@]}" 2>&1 \
-        | tee "$OUT/cudagraph.log" | grep -v "^PASS"
-    echo "cudagraph PASS: $(grep -c "^PASS" "$OUT/cudagraph.log")"
-fi
+[ "${#files[@]}" -gt 0 ] && bash scripts/gpu_test_files.sh "${files[@]}"
 [ -n "${HOST_ARGS:-}${HOST_ONLY:-}" ] && bash scripts/host_ab.sh
 for run in ${MOE_RUNS:-}; do
     mode="${run%%:*}" recipe="${run##*:}"
