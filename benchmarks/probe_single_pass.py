@@ -1,8 +1,9 @@
 """The cross entropy with the gradient written over the logits (``overwrite_logits=True``): the one-pass
-kernels (``cross_entropy_single_pass``, rows of at most 8192 classes; ``cross_entropy_wide_pass``, up
-to 32768) against the forward, reduction and
-in-place backward it replaces. CUDA-graph GPU time and % of a same-run copy at each variant's byte
-floor (bf16: forward 2, two passes 6, one pass 4 bytes per element); wider rows show the fallback.
+kernels (``cross_entropy_single_pass``, rows of at most 8192 classes; ``cross_entropy_wide_pass``,
+wider rows: one program per row up to 32768 classes, one per 32768-class part past that) against the
+forward, reduction and in-place backward they replace. CUDA-graph GPU time and % of a same-run copy at
+each variant's byte floor (bf16: forward 2, two passes 6, one pass 4 bytes per element); rows that are
+not 16-byte aligned show the fallback.
 The LM head's chunk step (per-row gradient factors) the same way, and ``--lm-head N,H,V``: the whole
 gradient-in-the-forward schedule (three GEMMs a chunk, explicit chunk) with that step against the
 forward and backward launches it replaces.
@@ -94,7 +95,12 @@ def main() -> None:
             print(f"{shape:>12} {name:<20} {ms:8.4f} ms {pct:6.1f}% of copy", flush=True)
     if args.lm_head:
         lm_head(*map(int, args.lm_head.split(",")))
-    for kernel in (single.cross_entropy_fwd_bwd_kernel, wide.cross_entropy_fwd_bwd_wide_kernel):
+    kernels = (
+        single.cross_entropy_fwd_bwd_kernel,
+        wide.cross_entropy_fwd_bwd_wide_kernel,
+        wide.cross_entropy_fwd_bwd_parts_kernel,
+    )
+    for kernel in kernels:
         name = kernel.jit_function.fn.__name__
         for key, entry in kernel._binaries.items():
             if entry is not None:

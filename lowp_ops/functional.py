@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.nn._reduction import legacy_get_string
 
@@ -230,7 +232,7 @@ def cross_entropy(
     check_return_flags(return_z_loss, return_lse)
     logits_rows, target_rows = _class_rows(input, target, classes_last)
     overwrite = overwrite_logits is not False and _overwrites(
-        overwrite_logits, input, logits_rows, process_group
+        overwrite_logits, input, classes_last, process_group
     )
     if process_group is None:
         check_class_weight(weight, logits_rows.shape[1], logits_rows)
@@ -256,14 +258,16 @@ def cross_entropy(
     return (loss, *extras)
 
 
-def _overwrites(overwrite_logits, input: torch.Tensor, logits_rows: torch.Tensor, process_group) -> bool:
+def _overwrites(overwrite_logits, input: torch.Tensor, classes_last: bool, process_group) -> bool:
     """Whether the forward writes the gradient over the logits (``overwrite_logits`` given, not False): the
-    arguments checked, and a gradient is needed."""
+    arguments checked, and a gradient is needed. The rows :func:`_class_rows` makes alias a contiguous
+    input when its classes are last (or it has no dims past the classes); decided from the layout, not by
+    comparing data pointers, which Dynamo cannot trace."""
     if not isinstance(overwrite_logits, bool):
         raise TypeError(f"overwrite_logits must be a bool, got {type(overwrite_logits).__name__}")
     require(process_group is None, lambda: "overwrite_logits=True does not combine with process_group")
     require(
-        input.is_contiguous() and logits_rows.data_ptr() == input.data_ptr(),
+        input.is_contiguous() and (classes_last or input.dim() <= 2 or math.prod(input.shape[2:]) == 1),
         lambda: (
             "overwrite_logits=True needs contiguous logits with classes in the last dim ((N, C), or "
             f"classes_last=True), got shape {tuple(input.shape)} strides {input.stride()}"

@@ -121,7 +121,9 @@ def test_gpu_overwrite_gives_the_default_paths_loss_and_gradient(shape, options)
 
 @pytest.mark.gpu
 def test_gpu_overwrite_saves_the_gradient_buffer():
-    """Peak memory of forward + backward drops by the N x V gradient (bf16) against the default path."""
+    """Peak memory of forward + backward drops by the N x V gradient (bf16) against the default path. The
+    logits are a view of the leaf, whose backward allocates nothing (``leaf * 1``'s would allocate the
+    N x V product of the gradient on either path)."""
     logits, target = inputs(4096, 32000, "cuda")
     peaks = []
     for overwrite in (False, True):
@@ -129,7 +131,7 @@ def test_gpu_overwrite_saves_the_gradient_buffer():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        loss = lowp_ops.cross_entropy(leaf * 1, target, overwrite_logits=overwrite)
+        loss = lowp_ops.cross_entropy(leaf.view_as(leaf), target, overwrite_logits=overwrite)
         (grad,) = torch.autograd.grad(loss, leaf)
         torch.cuda.synchronize()
         peaks.append(torch.cuda.max_memory_allocated() - base)
@@ -154,6 +156,17 @@ def test_the_logits_hold_the_gradient_and_autograd_refuses_their_saved_use():
     assert torch.equal(bits(head.detach()), bits(want))
 
 
+def test_overwrite_takes_classes_in_dim_1_with_no_other_dims_past_them():
+    """(N, C, 1) logits are their own rows: the gradient lands in them, as for (N, C)."""
+    logits, target = inputs(8, 40, dtype=torch.float32)
+    leaf = logits.view(8, 40, 1).requires_grad_()
+    head = leaf * 2
+    lowp_ops.cross_entropy(head, target.view(8, 1), overwrite_logits=True)
+    doubled = (logits * 2).requires_grad_()
+    (want,) = torch.autograd.grad(lowp_ops.cross_entropy(doubled, target), doubled)
+    assert torch.equal(bits(head.detach().view(8, 40)), bits(want))
+
+
 def test_without_a_gradient_the_logits_stay_untouched():
     logits, target = inputs(9, 40)
     before = logits.clone()
@@ -169,6 +182,7 @@ def test_without_a_gradient_the_logits_stay_untouched():
         ("leaf", ValueError, "not a leaf"),
         ("non-contiguous", ValueError, "contiguous"),
         ("classes in dim 1", ValueError, "contiguous logits with classes in the last dim"),
+        ("classes in dim 1, contiguous", ValueError, "contiguous logits with classes in the last dim"),
         ("process group", ValueError, "process_group"),
         ("not a bool", TypeError, "overwrite_logits must be a bool"),
     ],
@@ -184,6 +198,8 @@ def test_bad_overwrite_arguments_raise(case, error, match):
         x = torch.cat([leaf, leaf], 1)[:, :40]  # rows 80 apart
     elif case == "classes in dim 1":
         x, target = (leaf * 1).view(2, 4, 40).transpose(1, 2), target.view(2, 4)
+    elif case == "classes in dim 1, contiguous":  # (N, C, d) rows are a copy of the input
+        x, target = (leaf * 1).view(2, 40, 4), target.view(2, 4)
     elif case == "process group":
         kwargs["process_group"] = object()
     else:
@@ -285,7 +301,9 @@ def _check_single_pass(
     want_loss, want_stats = single._two_passes(two, target, *args, *features)
     one = logits.clone()
     kernel = single.cross_entropy_fwd_bwd_kernel
-    if cols > single.SINGLE_PASS_MAX_COLS:
+    if cols > wide.MAX_BLOCKS * wide.BLOCK:
+        kernel = wide.cross_entropy_fwd_bwd_parts_kernel
+    elif cols > single.SINGLE_PASS_MAX_COLS:
         kernel = wide.cross_entropy_fwd_bwd_wide_kernel
     launches = []
     original = kernel.launch
@@ -356,6 +374,48 @@ def test_gpu_wide_single_pass_equals_the_two_passes_at_large_magnitudes(dtype):
     )
 
 
+# Rows of several 32768-class parts, one program per part: 2 parts (the last of 8 classes), 4 (the
+# last of 30976: 129280 classes), 3 parts whose last is one masked block, and 8 parts.
+PARTS_SHAPES = [(33, 32776), (17, 129280), (40, 65544 + 8192), (9, 262144)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", PARTS_SHAPES)
+@pytest.mark.parametrize("options", SINGLE_PASS_OPTIONS)
+def test_gpu_single_pass_in_parts_equals_the_two_passes(shape, options):
+    _check_single_pass("cuda", *shape, options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_single_pass_in_parts_equals_the_two_passes_at_large_magnitudes(dtype):
+    scale = 3e4 if dtype == torch.bfloat16 else 5e3
+    _check_single_pass("cuda", 24, 98312, {"reduction": "mean", "label_smoothing": 0.1}, scale, dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_single_pass_in_parts_keeps_masked_and_ignored_rows():
+    """Rows whose first parts are all -inf (their maximum arrives in a later part), a row of -inf only
+    and ignored rows: the two passes' bytes, no NaN where the two passes have none."""
+    from lowp_ops.kernels import cross_entropy_single_pass as single
+
+    rows, cols = 6, 3 * 32768 + 40
+    logits, target = inputs(rows, cols, "cuda", torch.bfloat16)
+    logits[0, : 2 * 32768] = float("-inf")
+    logits[1, :] = float("-inf")
+    logits[2, 32768:] = float("-inf")
+    target[0] = 2 * 32768 + 5
+    target[2] = 7
+    target[3] = IGNORE
+    two = logits.clone()
+    want = single._two_passes(two, target, 0.0, IGNORE, "none", None, 0.0, 0.0)
+    one = logits.clone()
+    got = single.launch_cross_entropy_fwd_bwd_(one, target, 0.0, IGNORE, "none")
+    assert torch.equal(bits(got[0]), bits(want[0])) and torch.equal(bits(got[1]), bits(want[1]))
+    assert torch.equal(bits(one), bits(two))
+    assert not one[[0, 2, 3]].isnan().any()
+
+
 @pytest.mark.gpu
 def test_gpu_wide_single_pass_declines_what_it_cannot_hold():
     """Rows wider than ``MAX_BLOCKS`` blocks, fp32 logits and rows that are not 16-byte aligned take the
@@ -367,7 +427,7 @@ def test_gpu_wide_single_pass_declines_what_it_cannot_hold():
 
     widest = wide.MAX_BLOCKS * wide.BLOCK
     assert applies(widest) and applies(wide.BLOCK + 8) and applies(widest, torch.float16)
-    assert not applies(widest + 8)
+    assert applies(widest + 8) and applies(129280)
     assert not applies(widest, torch.float32)
     assert not applies(wide.BLOCK + 4)
 

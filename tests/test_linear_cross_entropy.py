@@ -618,6 +618,8 @@ WIDE_ONE_PASS_CASES = [  # rows past one 8192-class block: the wide one pass on 
     (16392, "rows", 0.1, 1e-3, 0.0, False, True),  # a length of 8 mod 16
     (24576, "rows", 0.0, 0.0, 0.0, True, True),
     (16400, "mean", 0.1, 0.0, 0.0, True, False),  # class weights with smoothing: two launches
+    (32776, "rows", 0.1, 1e-3, 0.0, False, True),  # two parts of a row, one program each
+    (65552, "mean", 0.0, 0.0, 0.0, True, True),
 ]
 
 

@@ -51,7 +51,7 @@ from .mxfp8 import (
     tile_cols,
     tile_coords,
 )
-from .softmax import finish_log_sum, masked_safe_shift, row_stats_and_shifted_sum, row_stats_peeled
+from .softmax import finish_log_sum, masked_safe_shift, row_stats_in_parts, row_stats_peeled
 
 FWD_BLOCK = 8192
 
@@ -102,7 +102,7 @@ def cross_entropy_fwd_kernel(
         row_start = row * stride_row
         m, d, shifted_sum = row_stats_peeled(logits_ptr, row_start, n_cols, BLOCK, HAS_SMOOTHING, ALIGN)
     else:
-        m, d, shifted_sum = row_stats_and_shifted_sum(row_ptr, n_cols, BLOCK, HAS_SMOOTHING)
+        m, d, shifted_sum = row_stats_in_parts(row_ptr, n_cols, BLOCK, HAS_SMOOTHING)
     shift = masked_safe_shift(m)
     log_sum = finish_log_sum(d)
 

@@ -7,9 +7,10 @@ and the gradient for the given row factors over the row it read: 4 bytes of traf
 where the forward, the reduction and the in-place backward take 6. Its block and warps are the
 forward's (``cross_entropy.fwd_config``) and it calls the same helpers in the same order
 (``fold_masked_block``, ``store_row_loss``, ``grad_of_logits``), so its loss, statistics and gradient are the
-two-pass path's bytes. Rows of up to 32768 classes take the same pass through shared memory
-(``cross_entropy_wide_pass``, CUDA); wider rows, soft-capping, class weights with label smoothing and
-rows that are not 16-byte aligned take the two passes (``launch_cross_entropy_fwd_bwd_``).
+two-pass path's bytes. Wider rows take the same pass through shared memory (``cross_entropy_wide_pass``,
+CUDA: one program per row up to 32768 classes, one per 32768-class part past that); soft-capping, class
+weights with label smoothing and rows that are not 16-byte aligned take the two passes
+(``launch_cross_entropy_fwd_bwd_``).
 
 Why 8192 classes: wider rows are several blocks in the forward, whose reduction order a one-row
 program can repeat only holding every block at once. On the H200 (2026-12-02; benchmarks/RESULTS.md,

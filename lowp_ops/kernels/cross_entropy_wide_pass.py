@@ -1,27 +1,32 @@
-"""Cross entropy forward and backward in one read of the logits for rows of 2 to ``MAX_BLOCKS`` blocks of
-8192 classes (Gluon, CUDA): ``overwrite_logits=True`` and the LM head's gradient-in-the-forward chunks.
+"""Cross entropy forward and backward in one read of the logits for rows of more than one 8192-class
+block (Gluon, CUDA): ``overwrite_logits=True`` and the LM head's gradient-in-the-forward chunks.
 
-One program per row (the forward's 4 warps) copies the whole row into shared memory with asynchronous
-16-byte copies (``cp.async``), one commit group per 8192-element block, all issued before the first
-is used: 64 KB of a row in flight per program and three programs per SM at ``MAX_BLOCKS`` (a block
-held in registers keeps 16 KB in flight). It folds the row's statistics block by block as the copies
-land, writes the loss and statistics, then forms the gradient from the shared-memory copy and writes
-it over the row: 4 bytes of HBM traffic per bf16 element where the forward, the reduction and the
-in-place backward move 6.
+Rows of up to ``MAX_BLOCKS`` blocks (32768 classes): one program per row (the forward's 4 warps) copies
+the whole row into shared memory with asynchronous 16-byte copies (``cp.async``), one commit group per
+8192-element block, all issued before the first is used: 64 KB of a row in flight per program and three
+programs per SM (a block held in registers keeps 16 KB in flight). It folds the row's statistics block
+by block as the copies land, writes the loss and statistics, then forms the gradient from the
+shared-memory copy and writes it over the row: 4 bytes of HBM traffic per bf16 element where the
+forward, the reduction and the in-place backward move 6.
 
-Bytes: the forward's (``cross_entropy.cross_entropy_fwd_kernel``). Its layout is the one Triton gives
-the forward's 8192-element block at 4 warps (8 consecutive elements a thread), it folds the blocks in
-the forward's order through the same helper (``softmax.fold_masked_block``: with every lane in the row,
-an unmasked block's bits) and forms the loss and gradient through the Triton one-pass kernel's helpers
-(``store_row_loss``, ``grad_of_logits``). GPU tests hold it to the two-pass bytes.
+Wider rows: one program per 32768-class part (``softmax.STATS_PART``, the parts the forward folds on
+their own and merges, ``softmax.row_stats_in_parts``), the same copy and fold per part; the row's
+programs exchange their parts' statistics through global memory (a counter per row, tickets so that
+waiting cannot deadlock) and each writes its part's gradient from its copy.
 
-Why ``MAX_BLOCKS = 4``: on the H200 (2026-12-03, benchmarks/RESULTS.md, "One pass for rows of up to
-32768 classes") the one pass took 0.274 ms against 0.392 ms for the two passes at 8192 x 32768, but rows
-of 14-16 blocks (one program per SM, 224 KB of shared memory) ran at 46-54% of copy at its 4-byte floor,
-slower than the two passes, with or without the next row's copies issued during a row's stores, 8
-warps or two programs per SM re-reading half the row from L2; a row's blocks spread over several
-programs that exchange their terms through global memory were slower still (RESULTS.md, "What we
-tried": 1.18-1.55 ms against 0.77 ms at 4096 x 129280).
+Bytes: the forward's (``cross_entropy.cross_entropy_fwd_kernel``). The layout is the one Triton gives
+the forward's 8192-element block at 4 warps (8 consecutive elements a thread); blocks fold in the
+forward's order through the same helper (``softmax.fold_masked_block``: with every lane in the row, an
+unmasked block's bits), parts merge through ``softmax.merge_row_stats``, and the loss and gradient come
+from the Triton one-pass kernel's helpers (``store_row_loss``, ``grad_of_logits``). GPU tests hold both
+kernels to the two-pass bytes.
+
+Speed on the H200 (benchmarks/RESULTS.md, "One pass for rows wider than 32768 classes"): one program a
+row runs at 92-94% of copy at its 4-byte floor (8192 x 32768: 0.27 against 0.40 ms for the two passes);
+the parts kernel at 73-78% (4096 x 129280: 0.65-0.68 against 0.79 ms), with or without its waiting
+(which costs little: the row's programs start together); what it lacks is bytes in flight while a part
+is held (a part's 64 KB of shared memory stays taken from its fold to its gradient's stores, and three
+parts fill an SM's shared memory).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from .bf16_pairs import to_dtype_rne
 from .cross_entropy import FWD_BLOCK, fwd_config
 from .cross_entropy_math import grad_of_logits, one_row_grad_terms, store_row_loss
 from .launch import cached_launch
-from .softmax import finish_log_sum, fold_masked_block, masked_safe_shift
+from .softmax import STATS_PART, finish_log_sum, fold_masked_block, masked_safe_shift, merge_row_stats
 
 try:
     from triton.experimental import gluon
@@ -44,8 +49,9 @@ except ImportError:  # a Triton without Gluon: the two passes serve these rows
     gluon = gl = async_copy = None
 
 BLOCK = FWD_BLOCK
-MAX_BLOCKS = 4
-"""The widest row, in blocks: 64 KB of shared memory a program, three programs per SM on the H200."""
+MAX_BLOCKS = STATS_PART.value // BLOCK
+"""The widest row of one program, in blocks (the forward's part): 64 KB of shared memory a program,
+three programs per SM on the H200."""
 
 
 if gluon is not None:
@@ -129,8 +135,128 @@ if gluon is not None:
             )  # fmt: skip
             gl.store(row_ptr + cols, to_dtype_rne(grad, dtype), mask=cols < n_cols)
 
+    @cached_launch
+    @gluon.jit
+    def cross_entropy_fwd_bwd_parts_kernel(
+        logits_ptr,
+        target_ptr,
+        loss_ptr,
+        shift_ptr,
+        log_sum_ptr,
+        grad_ptr,
+        grad_stride,
+        n_vecs,
+        ignore_index,
+        label_smoothing,
+        smoothing_eps,
+        target_weight,
+        weight_ptr,
+        smooth_total_ptr,
+        z_loss,
+        z_loss2,
+        sync_ptr,
+        published_ptr,
+        N_PARTS: gl.constexpr,
+        HAS_GRAD_ROWS: gl.constexpr,
+        HAS_SMOOTHING: gl.constexpr,
+        HAS_WEIGHT: gl.constexpr,
+        HAS_Z_LOSS: gl.constexpr,
+    ):
+        """One ``STATS_PART``-class part of a row of ``n_cols = 8 n_vecs > STATS_PART`` classes, the row's
+        ``N_PARTS`` parts in as many programs: :func:`cross_entropy_fwd_bwd_wide_kernel`'s outputs. A
+        program copies its part into shared memory, folds the part's statistics (the forward's
+        ``row_stats_in_parts`` term), publishes them, counts itself in on the row's counter, waits until
+        the row's parts are all in, merges them in order, and writes its part's gradient from the copy.
+
+        ``sync_ptr``: int32 zeros, a ticket counter then one counter per row. Parts are taken in ticket
+        order, so a program only waits for parts of a row that programs already running have taken or
+        that the next programs to start take: no deadlock whatever order the hardware starts programs
+        in. ``published_ptr``: fp32 ``(rows, 3 N_PARTS + 1)``, each part's ``(m, d, total)`` and the
+        target logit (written by the program whose part holds it, before any program of the row writes)."""
+        layout: gl.constexpr = gl.BlockedLayout([8], [32], [gl.num_warps()], [0])
+        block: gl.constexpr = 8192
+        part_blocks: gl.constexpr = STATS_PART // block
+        dtype: gl.constexpr = logits_ptr.dtype.element_ty
+        n_cols = n_vecs * 8
+        ticket = gl.atomic_add(sync_ptr, 1)
+        row = (ticket // N_PARTS).to(gl.int64)
+        part = ticket % N_PARTS
+        part_start = part * STATS_PART
+        part_ptr = logits_ptr + row * n_cols + part_start
+        part_len = gl.minimum(n_cols - part_start, STATS_PART)
+        in_block = gl.arange(0, block, layout=layout)
+        held = gl.allocate_shared_memory(dtype, [part_blocks, block], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        for b in gl.static_range(part_blocks):
+            cols = b * block + in_block
+            async_copy.async_copy_global_to_shared(held.index(b), part_ptr + cols, mask=cols < part_len)
+            async_copy.commit_group()
+
+        target = gl.load(target_ptr + row).to(gl.int64)
+        holds_target = (target != ignore_index) & (target >= part_start) & (target < part_start + part_len)
+        target_logit = gl.load(part_ptr + (target - part_start), mask=holds_target, other=0.0).to(gl.float32)
+        m = float("-inf")
+        d = 0.0
+        total = 0.0
+        n_blocks = gl.cdiv(part_len, block)
+        for b in range(n_blocks):
+            async_copy.commit_group()
+            async_copy.wait_group(part_blocks)
+            cols = b * block + in_block
+            in_part = cols < part_len
+            x = gl.where(in_part, held.index(b).load(layout).to(gl.float32), float("-inf"))
+            m, d, total = fold_masked_block(m, d, total, b * block, x, in_part, HAS_SMOOTHING)
+
+        # Plain stores, then one release: the barrier before the counter's atomic orders every thread's.
+        row_published = published_ptr + row * (3 * N_PARTS + 1)
+        mine = row_published + 3 * part
+        gl.store(mine, m)
+        gl.store(mine + 1, d)
+        gl.store(mine + 2, total)
+        gl.store(row_published + 3 * N_PARTS, target_logit, mask=holds_target)
+        gl.atomic_add(sync_ptr + 1 + row, 1, sem="release")  # no result used: a `red`, nothing to wait for
+        arrived = gl.atomic_add(sync_ptr + 1 + row, 0, sem="acquire")  # an acquiring load of the counter
+        while arrived < N_PARTS:
+            arrived = gl.atomic_add(sync_ptr + 1 + row, 0, sem="acquire")
+
+        # Read at L2 (.cg), after the acquire; unrolled, so that the loads issue together.
+        m = gl.load(row_published, cache_modifier=".cg")
+        d = gl.load(row_published + 1, cache_modifier=".cg")
+        total = gl.load(row_published + 2, cache_modifier=".cg")
+        for p in gl.static_range(1, N_PARTS):
+            m_part = gl.load(row_published + 3 * p, cache_modifier=".cg")
+            d_part = gl.load(row_published + 3 * p + 1, cache_modifier=".cg")
+            total_part = gl.load(row_published + 3 * p + 2, cache_modifier=".cg")
+            count = gl.minimum(n_cols - p * STATS_PART, STATS_PART)
+            seen = p * STATS_PART
+            m, d, total = merge_row_stats(m, d, total, seen, m_part, d_part, total_part, count, HAS_SMOOTHING)
+        shift = masked_safe_shift(m)
+        log_sum = finish_log_sum(d)
+        valid = (target != ignore_index) & (target >= 0) & (target < n_cols)
+        target_logit = gl.where(valid, gl.load(row_published + 3 * N_PARTS, cache_modifier=".cg"), 0.0)
+        # Every part's program stores the row's same loss and statistics.
+        store_row_loss(
+            row, target, target_logit, shift, log_sum, total, loss_ptr, shift_ptr, log_sum_ptr, weight_ptr,
+            smooth_total_ptr, n_cols, ignore_index, label_smoothing, smoothing_eps, z_loss, HAS_SMOOTHING,
+            HAS_WEIGHT, HAS_Z_LOSS,
+        )  # fmt: skip
+
+        target_col, row_scale, ignored, class_weight, alpha, factor = one_row_grad_terms(
+            row, target, shift, log_sum, target_ptr, grad_ptr, grad_stride, weight_ptr, smooth_total_ptr,
+            n_cols, ignore_index, target_weight, z_loss2, HAS_GRAD_ROWS, HAS_WEIGHT, HAS_Z_LOSS,
+        )  # fmt: skip
+        log2_sum = log_sum * 1.4426950408889634
+        for b in range(n_blocks):
+            cols = b * block + in_block
+            x = held.index(b).load(layout).to(gl.float32)
+            grad = grad_of_logits(
+                x, part_start + cols, shift, log2_sum, target_col, row_scale, ignored, True, class_weight,
+                alpha, 0.0, factor, smoothing_eps, target_weight, 0.0, 0.0, HAS_SMOOTHING, HAS_WEIGHT,
+                HAS_Z_LOSS, False,
+            )  # fmt: skip
+            gl.store(part_ptr + cols, to_dtype_rne(grad, dtype), mask=cols < part_len)
+
 else:
-    cross_entropy_fwd_bwd_wide_kernel = None
+    cross_entropy_fwd_bwd_wide_kernel = cross_entropy_fwd_bwd_parts_kernel = None
 
 
 @functools.cache
@@ -148,16 +274,17 @@ def one_pass_folds_like_the_forward(
 
 
 def wide_pass_applies(logits: torch.Tensor, label_smoothing: float, weight, softcap: float) -> bool:
-    """Whether :func:`cross_entropy_fwd_bwd_wide_kernel` serves the call: CUDA (sm_80 or later) logits of
-    2-byte floats, contiguous, 16-byte-aligned rows (the data and ``n_cols``) of 2 to ``MAX_BLOCKS``
-    blocks; no soft-capping; not class weights with label smoothing."""
+    """Whether the Gluon one pass serves the call (:func:`cross_entropy_fwd_bwd_wide_kernel` up to
+    ``MAX_BLOCKS`` blocks, :func:`cross_entropy_fwd_bwd_parts_kernel` past them): CUDA (sm_80 or later)
+    logits of 2-byte floats, contiguous, 16-byte-aligned rows (the data and ``n_cols``) of more than one
+    block; no soft-capping; not class weights with label smoothing."""
     if cross_entropy_fwd_bwd_wide_kernel is None or not logits.is_cuda or logits.element_size() != 2:
         return False
     if not _has_cp_async(logits.device.index):
         return False
     n_cols = logits.shape[1]
     return (
-        BLOCK < n_cols <= MAX_BLOCKS * BLOCK
+        n_cols > BLOCK
         and n_cols % 8 == 0
         and logits.data_ptr() % 16 == 0
         and one_pass_folds_like_the_forward(logits, label_smoothing, weight, softcap)
@@ -165,11 +292,21 @@ def wide_pass_applies(logits: torch.Tensor, label_smoothing: float, weight, soft
 
 
 def launch_wide_pass(args: tuple, flags: dict) -> None:
-    """:func:`cross_entropy_fwd_bwd_wide_kernel` over every row of ``args[0]`` (the logits), for which
-    :func:`wide_pass_applies` holds; ``args`` and ``flags`` as the Triton one-pass kernel takes them."""
+    """The one pass over every row of ``args[0]`` (the logits), for which :func:`wide_pass_applies`
+    holds; ``args`` and ``flags`` as the Triton one-pass kernel takes them. Rows of more than
+    ``STATS_PART`` classes take one program per part and two workspaces: int32 counters (zeroed) and
+    the parts' published statistics."""
     logits = args[0]
     rows, n_cols = logits.shape
     args = (*args[:7], n_cols // 8, *args[8:])  # n_cols as whole 16-byte vectors
-    cross_entropy_fwd_bwd_wide_kernel[(rows,)](
-        *args, N_BLOCKS=-(-n_cols // BLOCK), **flags, num_warps=fwd_config(n_cols)[1]
+    num_warps = fwd_config(n_cols)[1]
+    if n_cols <= MAX_BLOCKS * BLOCK:
+        n_blocks = -(-n_cols // BLOCK)
+        cross_entropy_fwd_bwd_wide_kernel[(rows,)](*args, N_BLOCKS=n_blocks, **flags, num_warps=num_warps)
+        return
+    n_parts = -(-n_cols // STATS_PART.value)
+    sync = torch.zeros(rows + 1, dtype=torch.int32, device=logits.device)
+    published = torch.empty(rows * (3 * n_parts + 1), dtype=torch.float32, device=logits.device)
+    cross_entropy_fwd_bwd_parts_kernel[(rows * n_parts,)](
+        *args, sync, published, N_PARTS=n_parts, **flags, num_warps=num_warps
     )

@@ -88,6 +88,44 @@ def fold_row_blocks(row_ptr, n_cols, m, d, total, seen, BLOCK: tl.constexpr, WIT
     return m, d, total
 
 
+STATS_PART = tl.constexpr(32768)
+"""The cross entropy forward folds a row in parts of this many classes (:func:`row_stats_in_parts`)."""
+
+
+@triton.jit
+def merge_row_stats(m, d, total, seen, m_part, d_part, total_part, count, WITH_SUM: tl.constexpr):
+    """Merge the state ``(m, d, total)`` of a row's first ``seen`` elements with the state of the next
+    ``count`` elements folded on their own (from ``m = -inf``, ``d = total = 0``). Each product meets a
+    sum only inside an explicit FMA, so every kernel that merges rounds alike."""
+    m_new = tl.maximum(m, m_part)
+    shift = masked_safe_shift(m_new)
+    d = tl.fma(d, tl.exp(m - shift), d_part * tl.exp(m_part - shift))
+    if WITH_SUM:
+        total = _rebase_fma(total, seen, m, m_new) + _rebase_fma(total_part, count, m_part, m_new)
+    return m_new, d, total
+
+
+@triton.jit
+def _rebase_fma(total, count, m_old, m_new):
+    """:func:`rebase_shifted_sum` with its product inside an FMA."""
+    delta = masked_safe_shift(m_old) - masked_safe_shift(m_new)
+    return tl.where(m_old == float("-inf"), total, tl.fma(count * 1.0, delta, total))
+
+
+@triton.jit
+def row_stats_in_parts(row_ptr, n_cols, BLOCK: tl.constexpr, WITH_SUM: tl.constexpr):
+    """:func:`row_stats_and_shifted_sum`'s terms with the row folded in parts of ``STATS_PART`` classes,
+    each on its own, the parts merged in order (:func:`merge_row_stats`): a kernel that holds one part
+    per program (``cross_entropy_wide_pass``) repeats these bits. Rows of at most ``STATS_PART``: the
+    bits of :func:`row_stats_and_shifted_sum`."""
+    m, d, total = row_stats_and_shifted_sum(row_ptr, tl.minimum(n_cols, STATS_PART), BLOCK, WITH_SUM)
+    for start in range(STATS_PART, n_cols, STATS_PART):
+        count = tl.minimum(n_cols - start, STATS_PART)
+        m_part, d_part, total_part = row_stats_and_shifted_sum(row_ptr + start, count, BLOCK, WITH_SUM)
+        m, d, total = merge_row_stats(m, d, total, start, m_part, d_part, total_part, count, WITH_SUM)
+    return m, d, total
+
+
 @triton.jit
 def fold_masked_block(m, d, total, seen, block, in_row, WITH_SUM: tl.constexpr):
     """Fold an fp32 block whose lanes outside ``in_row`` hold ``-inf`` into the state ``(m, d, total)`` of
@@ -114,10 +152,7 @@ def row_stats_peeled(
     body_len = n_cols - head
     body_end = tl.multiple_of(body_len - body_len % ALIGN, ALIGN)
     body = x_ptr + tl.multiple_of(row_start + head, ALIGN)
-    m = float("-inf")
-    d = 0.0
-    total = 0.0
-    m, d, total = fold_row_blocks(body, body_end, m, d, total, 0, BLOCK, WITH_SUM)
+    m, d, total = row_stats_in_parts(body, body_end, BLOCK, WITH_SUM)
     lane = tl.arange(0, 2 * ALIGN)
     ragged = tl.where(lane < ALIGN, lane, head + body_end + lane - ALIGN)
     ragged_ok = tl.where(lane < ALIGN, lane < head, ragged < n_cols)
