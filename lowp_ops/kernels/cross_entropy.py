@@ -91,6 +91,7 @@ def cross_entropy_fwd_kernel(
     HAS_Z_LOSS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     ALIGN: tl.constexpr,
+    ALIGNED_ROWS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
@@ -100,7 +101,9 @@ def cross_entropy_fwd_kernel(
         )
     elif ALIGN > 0:
         row_start = row * stride_row
-        m, d, shifted_sum = row_stats_peeled(logits_ptr, row_start, n_cols, BLOCK, HAS_SMOOTHING, ALIGN)
+        m, d, shifted_sum = row_stats_peeled(
+            logits_ptr, row_start, n_cols, BLOCK, HAS_SMOOTHING, ALIGN, ALIGNED_ROWS
+        )
     else:
         m, d, shifted_sum = row_stats_in_parts(row_ptr, n_cols, BLOCK, HAS_SMOOTHING)
     shift = masked_safe_shift(m)
@@ -365,6 +368,7 @@ def launch_cross_entropy_fwd(
     block, num_warps = block or default_block, num_warps or default_warps
     eps = round_to_fp32(label_smoothing / n_cols)
     class_weights, smooth_total = class_weight_args(weight, eps, loss)
+    align = peel_align(logits)
     cross_entropy_fwd_kernel[(rows,)](
         logits,
         logits.stride(0),
@@ -383,7 +387,9 @@ def launch_cross_entropy_fwd(
         BLOCK=block,
         HAS_SMOOTHING=label_smoothing > 0,
         HAS_WEIGHT=weight is not None,
-        ALIGN=peel_align(logits),
+        ALIGN=align,
+        # rows on 16-byte boundaries fold in the one pass's parts (``softmax.row_stats_in_parts``)
+        ALIGNED_ROWS=align > 0 and logits.stride(0) % align == 0,
         num_warps=num_warps,
     )
     return loss, stats

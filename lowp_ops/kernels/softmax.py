@@ -118,11 +118,19 @@ def row_stats_in_parts(row_ptr, n_cols, BLOCK: tl.constexpr, WITH_SUM: tl.conste
     each on its own, the parts merged in order (:func:`merge_row_stats`): a kernel that holds one part
     per program (``cross_entropy_wide_pass``) repeats these bits. Rows of at most ``STATS_PART``: the
     bits of :func:`row_stats_and_shifted_sum`."""
-    m, d, total = row_stats_and_shifted_sum(row_ptr, tl.minimum(n_cols, STATS_PART), BLOCK, WITH_SUM)
-    for start in range(STATS_PART, n_cols, STATS_PART):
-        count = tl.minimum(n_cols - start, STATS_PART)
-        m_part, d_part, total_part = row_stats_and_shifted_sum(row_ptr + start, count, BLOCK, WITH_SUM)
-        m, d, total = merge_row_stats(m, d, total, start, m_part, d_part, total_part, count, WITH_SUM)
+    if n_cols <= STATS_PART:
+        m, d, total = row_stats_and_shifted_sum(row_ptr, n_cols, BLOCK, WITH_SUM)
+    else:
+        # Whole parts fold a constant count; the last part's, n_cols less a multiple of STATS_PART, keeps
+        # what the compiler knows of n_cols' divisibility (vector-wide masked loads of its tail).
+        m, d, total = row_stats_and_shifted_sum(row_ptr, STATS_PART, BLOCK, WITH_SUM)
+        last = (n_cols - 1) // STATS_PART * STATS_PART
+        for start in range(STATS_PART, last, STATS_PART):
+            m_p, d_p, total_p = row_stats_and_shifted_sum(row_ptr + start, STATS_PART, BLOCK, WITH_SUM)
+            m, d, total = merge_row_stats(m, d, total, start, m_p, d_p, total_p, STATS_PART, WITH_SUM)
+        count = n_cols - last
+        m_p, d_p, total_p = row_stats_and_shifted_sum(row_ptr + last, count, BLOCK, WITH_SUM)
+        m, d, total = merge_row_stats(m, d, total, last, m_p, d_p, total_p, count, WITH_SUM)
     return m, d, total
 
 
@@ -141,18 +149,27 @@ def fold_masked_block(m, d, total, seen, block, in_row, WITH_SUM: tl.constexpr):
 
 @triton.jit
 def row_stats_peeled(
-    x_ptr, row_start, n_cols, BLOCK: tl.constexpr, WITH_SUM: tl.constexpr, ALIGN: tl.constexpr
-):
+    x_ptr, row_start, n_cols, BLOCK: tl.constexpr, WITH_SUM: tl.constexpr, ALIGN: tl.constexpr,
+    IN_PARTS: tl.constexpr = False,
+):  # fmt: skip
     """:func:`row_stats_and_shifted_sum` of the row at element ``row_start`` of ``x_ptr`` (16-byte
     aligned), ``ALIGN`` elements per 16 bytes: first the row's body, from its first 16-byte boundary to
     its last whole ``ALIGN``-element vector, in vector-wide loads; then the up to ``2 (ALIGN - 1)``
     elements at its two ends in one masked block. For rows whose stride Triton cannot prove a multiple
-    of 16 bytes (H200, 8192 x 50257 bf16: 76% of copy unpeeled)."""
+    of 16 bytes (H200, 8192 x 50257 bf16: 76% of copy unpeeled). ``IN_PARTS``: the body in
+    :func:`row_stats_in_parts`' parts, for rows that start on 16-byte boundaries (``n_cols`` a multiple
+    of ``ALIGN``, not of 16 elements), which the one pass in parts also serves."""
     head = tl.minimum((ALIGN - row_start % ALIGN) % ALIGN, n_cols).to(tl.int32)
     body_len = n_cols - head
     body_end = tl.multiple_of(body_len - body_len % ALIGN, ALIGN)
     body = x_ptr + tl.multiple_of(row_start + head, ALIGN)
-    m, d, total = row_stats_in_parts(body, body_end, BLOCK, WITH_SUM)
+    if IN_PARTS:
+        m, d, total = row_stats_in_parts(body, body_end, BLOCK, WITH_SUM)
+    else:
+        m = float("-inf")
+        d = 0.0
+        total = 0.0
+        m, d, total = fold_row_blocks(body, body_end, m, d, total, 0, BLOCK, WITH_SUM)
     lane = tl.arange(0, 2 * ALIGN)
     ragged = tl.where(lane < ALIGN, lane, head + body_end + lane - ALIGN)
     ragged_ok = tl.where(lane < ALIGN, lane < head, ragged < n_cols)
