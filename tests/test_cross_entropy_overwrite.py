@@ -350,12 +350,15 @@ def test_gpu_single_pass_equals_the_two_passes_at_large_magnitudes():
     _check_single_pass("cuda", 256, 8000, {"reduction": "mean", "label_smoothing": 0.1}, scale=3e4)
 
 
-# Rows of 2 blocks (the last holding 8 classes), 3, and 4 (the widest; at 16 mod 8 and 0 mod 16).
+# One program a row: rows of 2 blocks (the last holding 8 classes), 3, and 4 (the widest; at 16 mod 8
+# and 0 mod 16). One program a 32768-class part: 2 parts (the last of 8 classes), 4 (the last of 30976:
+# 129280 classes), 3 (the last a whole block and 8 classes) and 8 parts.
 WIDE_SHAPES = [(33, 8200), (40, 24584), (96, 32768), (70, 32000)]
+PARTS_SHAPES = [(33, 32776), (17, 129280), (40, 65544 + 8192), (9, 262144)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", WIDE_SHAPES)
+@pytest.mark.parametrize("shape", WIDE_SHAPES + PARTS_SHAPES)
 @pytest.mark.parametrize("options", SINGLE_PASS_OPTIONS)
 def test_gpu_wide_single_pass_equals_the_two_passes(shape, options):
     _check_single_pass("cuda", *shape, options)
@@ -363,34 +366,10 @@ def test_gpu_wide_single_pass_equals_the_two_passes(shape, options):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_wide_single_pass_equals_the_two_passes_at_large_magnitudes(dtype):
-    _check_single_pass(
-        "cuda",
-        48,
-        32768,
-        {"reduction": "mean", "label_smoothing": 0.1},
-        3e4 if dtype == torch.bfloat16 else 5e3,
-        dtype,
-    )
-
-
-# Rows of several 32768-class parts, one program per part: 2 parts (the last of 8 classes), 4 (the
-# last of 30976: 129280 classes), 3 parts whose last is one masked block, and 8 parts.
-PARTS_SHAPES = [(33, 32776), (17, 129280), (40, 65544 + 8192), (9, 262144)]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", PARTS_SHAPES)
-@pytest.mark.parametrize("options", SINGLE_PASS_OPTIONS)
-def test_gpu_single_pass_in_parts_equals_the_two_passes(shape, options):
-    _check_single_pass("cuda", *shape, options)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_single_pass_in_parts_equals_the_two_passes_at_large_magnitudes(dtype):
+@pytest.mark.parametrize("cols", [32768, 98312])  # one program a row; three parts
+def test_gpu_wide_single_pass_equals_the_two_passes_at_large_magnitudes(dtype, cols):
     scale = 3e4 if dtype == torch.bfloat16 else 5e3
-    _check_single_pass("cuda", 24, 98312, {"reduction": "mean", "label_smoothing": 0.1}, scale, dtype)
+    _check_single_pass("cuda", 48, cols, {"reduction": "mean", "label_smoothing": 0.1}, scale, dtype)
 
 
 @pytest.mark.gpu
