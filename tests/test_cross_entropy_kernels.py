@@ -235,6 +235,21 @@ def test_interp_cross_entropy_kernels_match_reference_at_block_edges(n_rows, n_c
 
 
 @pytest.mark.interp
+@pytest.mark.parametrize("n_cols", [32768 + 4096, 2 * 32768 + 4104])  # the main and the peeled forward
+def test_interp_forward_in_parts_matches_the_reference(n_cols):
+    """Rows past 32768 classes fold in 32768-class parts merged in order (``softmax.merge_row_stats``):
+    loss and statistics against the reference, with label smoothing (the merged shifted sums) on rows
+    with no -inf, a row whose first part is all -inf and one whose maximum lies in its last part."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, n_cols, generator=gen) * 4
+    logits[1, :32768] = NEG_INF
+    logits[2, -5] = 40.0
+    target = torch.randint(0, n_cols, (4,), generator=gen)
+    for label_smoothing in (0.0, 0.1):
+        check_ce_forward(logits.to(torch.bfloat16), target, label_smoothing)
+
+
+@pytest.mark.interp
 def test_interp_cross_entropy_forward_reads_strided_rows():
     logits, target = ce_inputs(40, 300, torch.float32, "cpu")
     padded = torch.zeros(40, 310)
