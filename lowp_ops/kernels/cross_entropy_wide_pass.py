@@ -56,6 +56,73 @@ three programs per SM on the H200."""
 
 if gluon is not None:
 
+    @gluon.jit
+    def _copy_span(held, span_ptr, length, BLOCKS: gl.constexpr):
+        """Issue the asynchronous 16-byte copies (``cp.async``) of the ``length`` elements at ``span_ptr``
+        into ``held``: ``BLOCKS`` blocks of 8192, one commit group each (lanes past ``length`` copy
+        nothing), all issued before the first is used."""
+        layout: gl.constexpr = gl.BlockedLayout([8], [32], [gl.num_warps()], [0])
+        in_block = gl.arange(0, 8192, layout=layout)
+        for b in gl.static_range(BLOCKS):
+            cols = b * 8192 + in_block
+            async_copy.async_copy_global_to_shared(held.index(b), span_ptr + cols, mask=cols < length)
+            async_copy.commit_group()
+
+    @gluon.jit
+    def _fold_span(held, length, n_blocks, BLOCKS: gl.constexpr, WITH_SUM: gl.constexpr):
+        """``(m, d, total)`` of the span :func:`_copy_span` copies, its ``n_blocks`` blocks folded as their
+        copies land, in the forward's order and layout (``softmax.fold_masked_block``)."""
+        layout: gl.constexpr = gl.BlockedLayout([8], [32], [gl.num_warps()], [0])
+        in_block = gl.arange(0, 8192, layout=layout)
+        m = float("-inf")  # assigned, not passed as literals: literal arguments would be constexprs
+        d = 0.0
+        total = 0.0
+        for b in range(n_blocks):
+            # One empty group a step: all but the newest BLOCKS groups done is block b done.
+            async_copy.commit_group()
+            async_copy.wait_group(BLOCKS)
+            cols = b * 8192 + in_block
+            in_span = cols < length
+            x = gl.where(in_span, held.index(b).load(layout).to(gl.float32), float("-inf"))
+            m, d, total = fold_masked_block(m, d, total, b * 8192, x, in_span, WITH_SUM)
+        return m, d, total
+
+    @gluon.jit
+    def _finish_span(
+        held, span_ptr, start, length, row, target, target_logit, m, d, total, target_ptr, loss_ptr,
+        shift_ptr, log_sum_ptr, grad_ptr, grad_stride, n_cols, ignore_index, label_smoothing,
+        smoothing_eps, target_weight, weight_ptr, smooth_total_ptr, z_loss, z_loss2,
+        HAS_GRAD_ROWS: gl.constexpr, HAS_SMOOTHING: gl.constexpr, HAS_WEIGHT: gl.constexpr,
+        HAS_Z_LOSS: gl.constexpr,
+    ):  # fmt: skip
+        """Store row ``row``'s loss and statistics from its folded ``(m, d, total)``, then write the
+        gradient of the span ``held`` holds (columns ``start`` to ``start + length`` of the row, at
+        ``span_ptr``) over it, from the Triton one-pass kernel's helpers."""
+        layout: gl.constexpr = gl.BlockedLayout([8], [32], [gl.num_warps()], [0])
+        in_block = gl.arange(0, 8192, layout=layout)
+        shift = masked_safe_shift(m)
+        log_sum = finish_log_sum(d)
+        store_row_loss(
+            row, target, target_logit, shift, log_sum, total, loss_ptr, shift_ptr, log_sum_ptr, weight_ptr,
+            smooth_total_ptr, n_cols, ignore_index, label_smoothing, smoothing_eps, z_loss, HAS_SMOOTHING,
+            HAS_WEIGHT, HAS_Z_LOSS,
+        )  # fmt: skip
+        target_col, row_scale, ignored, class_weight, alpha, factor = one_row_grad_terms(
+            row, target, shift, log_sum, target_ptr, grad_ptr, grad_stride, weight_ptr, smooth_total_ptr,
+            n_cols, ignore_index, target_weight, z_loss2, HAS_GRAD_ROWS, HAS_WEIGHT, HAS_Z_LOSS,
+        )  # fmt: skip
+        log2_sum = log_sum * 1.4426950408889634
+        # A trip count known only at run time: unrolled, the loop took 240 registers where it takes 87.
+        for b in range(gl.cdiv(length, 8192)):
+            cols = b * 8192 + in_block
+            x = held.index(b).load(layout).to(gl.float32)
+            grad = grad_of_logits(
+                x, start + cols, shift, log2_sum, target_col, row_scale, ignored, True, class_weight, alpha,
+                0.0, factor, smoothing_eps, target_weight, 0.0, 0.0, HAS_SMOOTHING, HAS_WEIGHT, HAS_Z_LOSS,
+                False,
+            )  # fmt: skip
+            gl.store(span_ptr + cols, to_dtype_rne(grad, span_ptr.dtype.element_ty), mask=cols < length)
+
     @cached_launch
     @gluon.jit
     def cross_entropy_fwd_bwd_wide_kernel(
@@ -84,56 +151,24 @@ if gluon is not None:
         """Row ``program_id`` of contiguous ``(N, n_cols)`` logits, ``n_cols = 8 n_vecs`` (so that every
         16-byte copy is whole) in ``N_BLOCKS`` blocks of 8192: loss, (shift, log_sum) and the gradient for
         the row factor ``grad_ptr[row * grad_stride]`` (1 without ``HAS_GRAD_ROWS``), written over the row."""
-        layout: gl.constexpr = gl.BlockedLayout([8], [32], [gl.num_warps()], [0])
-        block: gl.constexpr = 8192
-        dtype: gl.constexpr = logits_ptr.dtype.element_ty
         n_cols = n_vecs * 8
         row = gl.program_id(0).to(gl.int64)
         row_ptr = logits_ptr + row * n_cols
-        in_block = gl.arange(0, block, layout=layout)
-        held = gl.allocate_shared_memory(dtype, [N_BLOCKS, block], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        for b in gl.static_range(N_BLOCKS):
-            cols = b * block + in_block
-            async_copy.async_copy_global_to_shared(held.index(b), row_ptr + cols, mask=cols < n_cols)
-            async_copy.commit_group()
-
+        held = gl.allocate_shared_memory(
+            logits_ptr.dtype.element_ty, [N_BLOCKS, 8192], gl.SwizzledSharedLayout(1, 1, 1, [0])
+        )
+        _copy_span(held, row_ptr, n_cols, N_BLOCKS)
         target = gl.load(target_ptr + row).to(gl.int64)
         is_valid = target != ignore_index
         in_range = (target >= 0) & (target < n_cols)
         target_logit = gl.load(row_ptr + target, mask=is_valid & in_range, other=0.0).to(gl.float32)
-        m = float("-inf")  # assigned, not passed as literals: literal arguments would be constexprs
-        d = 0.0
-        total = 0.0
-        for b in range(N_BLOCKS):
-            # One empty group a step: all but the newest N_BLOCKS groups done is block b done.
-            async_copy.commit_group()
-            async_copy.wait_group(N_BLOCKS)
-            cols = b * block + in_block
-            in_row = cols < n_cols
-            x = gl.where(in_row, held.index(b).load(layout).to(gl.float32), float("-inf"))
-            m, d, total = fold_masked_block(m, d, total, b * block, x, in_row, HAS_SMOOTHING)
-        shift = masked_safe_shift(m)
-        log_sum = finish_log_sum(d)
-        store_row_loss(
-            row, target, target_logit, shift, log_sum, total, loss_ptr, shift_ptr, log_sum_ptr, weight_ptr,
-            smooth_total_ptr, n_cols, ignore_index, label_smoothing, smoothing_eps, z_loss, HAS_SMOOTHING,
+        m, d, total = _fold_span(held, n_cols, N_BLOCKS, N_BLOCKS, HAS_SMOOTHING)
+        _finish_span(
+            held, row_ptr, 0, n_cols, row, target, target_logit, m, d, total, target_ptr, loss_ptr, shift_ptr,
+            log_sum_ptr, grad_ptr, grad_stride, n_cols, ignore_index, label_smoothing, smoothing_eps,
+            target_weight, weight_ptr, smooth_total_ptr, z_loss, z_loss2, HAS_GRAD_ROWS, HAS_SMOOTHING,
             HAS_WEIGHT, HAS_Z_LOSS,
         )  # fmt: skip
-
-        target_col, row_scale, ignored, class_weight, alpha, factor = one_row_grad_terms(
-            row, target, shift, log_sum, target_ptr, grad_ptr, grad_stride, weight_ptr, smooth_total_ptr,
-            n_cols, ignore_index, target_weight, z_loss2, HAS_GRAD_ROWS, HAS_WEIGHT, HAS_Z_LOSS,
-        )  # fmt: skip
-        log2_sum = log_sum * 1.4426950408889634
-        # A trip count known only at run time: unrolled, the loop took 240 registers where it takes 87.
-        for b in range(gl.cdiv(n_cols, block)):
-            cols = b * block + in_block
-            x = held.index(b).load(layout).to(gl.float32)
-            grad = grad_of_logits(
-                x, cols, shift, log2_sum, target_col, row_scale, ignored, True, class_weight, alpha, 0.0,
-                factor, smoothing_eps, target_weight, 0.0, 0.0, HAS_SMOOTHING, HAS_WEIGHT, HAS_Z_LOSS, False,
-            )  # fmt: skip
-            gl.store(row_ptr + cols, to_dtype_rne(grad, dtype), mask=cols < n_cols)
 
     @cached_launch
     @gluon.jit
@@ -173,10 +208,7 @@ if gluon is not None:
         that the next programs to start take: no deadlock whatever order the hardware starts programs
         in. ``published_ptr``: fp32 ``(rows, 3 N_PARTS + 1)``, each part's ``(m, d, total)`` and the
         target logit (written by the program whose part holds it, before any program of the row writes)."""
-        layout: gl.constexpr = gl.BlockedLayout([8], [32], [gl.num_warps()], [0])
-        block: gl.constexpr = 8192
-        part_blocks: gl.constexpr = STATS_PART // block
-        dtype: gl.constexpr = logits_ptr.dtype.element_ty
+        part_blocks: gl.constexpr = STATS_PART // 8192
         n_cols = n_vecs * 8
         ticket = gl.atomic_add(sync_ptr, 1)
         row = (ticket // N_PARTS).to(gl.int64)
@@ -184,27 +216,14 @@ if gluon is not None:
         part_start = part * STATS_PART
         part_ptr = logits_ptr + row * n_cols + part_start
         part_len = gl.minimum(n_cols - part_start, STATS_PART)
-        in_block = gl.arange(0, block, layout=layout)
-        held = gl.allocate_shared_memory(dtype, [part_blocks, block], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        for b in gl.static_range(part_blocks):
-            cols = b * block + in_block
-            async_copy.async_copy_global_to_shared(held.index(b), part_ptr + cols, mask=cols < part_len)
-            async_copy.commit_group()
-
+        held = gl.allocate_shared_memory(
+            logits_ptr.dtype.element_ty, [part_blocks, 8192], gl.SwizzledSharedLayout(1, 1, 1, [0])
+        )
+        _copy_span(held, part_ptr, part_len, part_blocks)
         target = gl.load(target_ptr + row).to(gl.int64)
         holds_target = (target != ignore_index) & (target >= part_start) & (target < part_start + part_len)
         target_logit = gl.load(part_ptr + (target - part_start), mask=holds_target, other=0.0).to(gl.float32)
-        m = float("-inf")
-        d = 0.0
-        total = 0.0
-        n_blocks = gl.cdiv(part_len, block)
-        for b in range(n_blocks):
-            async_copy.commit_group()
-            async_copy.wait_group(part_blocks)
-            cols = b * block + in_block
-            in_part = cols < part_len
-            x = gl.where(in_part, held.index(b).load(layout).to(gl.float32), float("-inf"))
-            m, d, total = fold_masked_block(m, d, total, b * block, x, in_part, HAS_SMOOTHING)
+        m, d, total = _fold_span(held, part_len, gl.cdiv(part_len, 8192), part_blocks, HAS_SMOOTHING)
 
         # Plain stores, then one release: the barrier before the counter's atomic orders every thread's.
         row_published = published_ptr + row * (3 * N_PARTS + 1)
@@ -229,31 +248,15 @@ if gluon is not None:
             count = gl.minimum(n_cols - p * STATS_PART, STATS_PART)
             seen = p * STATS_PART
             m, d, total = merge_row_stats(m, d, total, seen, m_part, d_part, total_part, count, HAS_SMOOTHING)
-        shift = masked_safe_shift(m)
-        log_sum = finish_log_sum(d)
         valid = (target != ignore_index) & (target >= 0) & (target < n_cols)
         target_logit = gl.where(valid, gl.load(row_published + 3 * N_PARTS, cache_modifier=".cg"), 0.0)
         # Every part's program stores the row's same loss and statistics.
-        store_row_loss(
-            row, target, target_logit, shift, log_sum, total, loss_ptr, shift_ptr, log_sum_ptr, weight_ptr,
-            smooth_total_ptr, n_cols, ignore_index, label_smoothing, smoothing_eps, z_loss, HAS_SMOOTHING,
-            HAS_WEIGHT, HAS_Z_LOSS,
+        _finish_span(
+            held, part_ptr, part_start, part_len, row, target, target_logit, m, d, total, target_ptr,
+            loss_ptr, shift_ptr, log_sum_ptr, grad_ptr, grad_stride, n_cols, ignore_index, label_smoothing,
+            smoothing_eps, target_weight, weight_ptr, smooth_total_ptr, z_loss, z_loss2, HAS_GRAD_ROWS,
+            HAS_SMOOTHING, HAS_WEIGHT, HAS_Z_LOSS,
         )  # fmt: skip
-
-        target_col, row_scale, ignored, class_weight, alpha, factor = one_row_grad_terms(
-            row, target, shift, log_sum, target_ptr, grad_ptr, grad_stride, weight_ptr, smooth_total_ptr,
-            n_cols, ignore_index, target_weight, z_loss2, HAS_GRAD_ROWS, HAS_WEIGHT, HAS_Z_LOSS,
-        )  # fmt: skip
-        log2_sum = log_sum * 1.4426950408889634
-        for b in range(n_blocks):
-            cols = b * block + in_block
-            x = held.index(b).load(layout).to(gl.float32)
-            grad = grad_of_logits(
-                x, part_start + cols, shift, log2_sum, target_col, row_scale, ignored, True, class_weight,
-                alpha, 0.0, factor, smoothing_eps, target_weight, 0.0, 0.0, HAS_SMOOTHING, HAS_WEIGHT,
-                HAS_Z_LOSS, False,
-            )  # fmt: skip
-            gl.store(part_ptr + cols, to_dtype_rne(grad, dtype), mask=cols < part_len)
 
 else:
     cross_entropy_fwd_bwd_wide_kernel = cross_entropy_fwd_bwd_parts_kernel = None
