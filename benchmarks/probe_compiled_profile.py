@@ -1,6 +1,6 @@
 """Where a compiled cross entropy's host time goes: ``torch.compile`` of ``lowp_ops.cross_entropy`` and
 of ``F.cross_entropy`` (512 x 32000 bf16, fwd+bwd as ``bench_host_overhead.py`` times it), host us per
-call (three loops of 200), the forward alone, and ``torch.profiler``'s CPU table of 50 calls of each,
+call (median of 5 loops of 200, ``bench_host_overhead.host_and_wall_us``), the forward alone, and ``torch.profiler``'s CPU table of 50 calls of each,
 sorted by self time, with the backward on the calling thread (the profiler then sees all of it).
 
     python benchmarks/probe_compiled_profile.py
@@ -8,27 +8,12 @@ sorted by self time, with the backward on the calling thread (the profiler then 
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
-from bench_host_overhead import fwd_bwd
+from bench_host_overhead import fwd_bwd, host_and_wall_us
 from torch.profiler import ProfilerActivity, profile
 
 import lowp_ops
-
-
-def host_us(fn, calls: int = 200) -> float:
-    """Host microseconds per call of ``fn`` before the final synchronization."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = (time.perf_counter() - start) / calls * 1e6
-    torch.cuda.synchronize()
-    return elapsed
 
 
 def main() -> None:
@@ -43,9 +28,10 @@ def main() -> None:
         "eager lowp": fwd_bwd(lambda: lowp_ops.cross_entropy(logits, target), logits),
     }
     for name, step in cases.items():
-        print(f"{name:26s} fwd+bwd host us per call: {[round(host_us(step), 1) for _ in range(3)]}")
+        print(f"{name:26s} fwd+bwd host us per call: {host_and_wall_us(step, 200, 5)[0]:.1f}")
     for name, f in (("compiled lowp", ours), ("compiled F.cross_entropy", theirs)):
-        print(f"{name:26s} forward host us per call: {host_us(lambda f=f: f(logits, target)):.1f}")
+        forward_us = host_and_wall_us(lambda f=f: f(logits, target), 200, 5)[0]
+        print(f"{name:26s} forward host us per call: {forward_us:.1f}")
     with torch.autograd.set_multithreading_enabled(False):
         for name in ("compiled lowp", "compiled F.cross_entropy"):
             step = cases[name]
