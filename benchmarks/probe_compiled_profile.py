@@ -1,7 +1,8 @@
 """Where a compiled cross entropy's host time goes: ``torch.compile`` of ``lowp_ops.cross_entropy`` and
 of ``F.cross_entropy`` (512 x 32000 bf16, fwd+bwd as ``bench_host_overhead.py`` times it): host us per
 call (median of 5 loops of 200, ``bench_host_overhead.host_and_wall_us``), the forward alone, and
-``torch.profiler``'s CPU table of 50 calls of each, sorted by self time, with the backward on the calling thread (the profiler then sees all of it).
+``torch.profiler``'s CPU table of 50 calls of each, sorted by self time, with the backward on the
+calling thread (the profiler then sees all of it).
 
     python benchmarks/probe_compiled_profile.py
 """
