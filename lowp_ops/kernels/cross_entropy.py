@@ -846,14 +846,16 @@ SCALE_BLOCK = 4096
 
 @cached_launch
 @triton.jit
-def cross_entropy_scale_grad_kernel(dlogits_ptr, grad_ptr, grad_stride, n_cols, BLOCK: tl.constexpr):
+def cross_entropy_scale_grad_kernel(
+    dlogits_ptr, row_stride, grad_ptr, grad_stride, n_cols, BLOCK: tl.constexpr
+):
     """Multiply one row of the gradient in place by its row's fp32 ``grad_rows`` and round to the
     gradient's dtype (RNE); a row whose factor is 1 returns at once (the product equals the input), so
     the usual call (an upstream gradient of 1) costs one program per row and one load each."""
     row = tl.program_id(0).to(tl.int64)
     factor = tl.load(grad_ptr + row * grad_stride)
     if factor != 1.0:
-        row_ptr = dlogits_ptr + row * n_cols
+        row_ptr = dlogits_ptr + row * row_stride
         for start in range(0, n_cols, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             in_row = cols < n_cols
@@ -868,6 +870,11 @@ def launch_cross_entropy_scale_grad_(dlogits: torch.Tensor, grad_rows: torch.Ten
     rows, n_cols = dlogits.shape
     if rows == 0 or n_cols == 0:
         return
+    if dlogits.stride(1) != 1:  # rows of unit stride only: scale a contiguous copy, write it back
+        work = dlogits.contiguous()
+        launch_cross_entropy_scale_grad_(work, grad_rows)
+        dlogits.copy_(work)
+        return
     cross_entropy_scale_grad_kernel[(rows,)](
-        dlogits, grad_rows, grad_rows.stride(0), n_cols, BLOCK=SCALE_BLOCK, num_warps=4
+        dlogits, dlogits.stride(0), grad_rows, grad_rows.stride(0), n_cols, BLOCK=SCALE_BLOCK, num_warps=4
     )

@@ -146,6 +146,15 @@ def launch_cross_entropy_fwd_bwd_(
     loss, stats = cross_entropy_fwd_bwd_outputs(
         logits, target, label_smoothing, ignore_index, reduction, weight, z_loss, softcap
     )
+    if not logits.is_contiguous():
+        # A compiled graph may hand over a strided view (Inductor pads a matmul's rows): the gradient is
+        # formed in a contiguous copy and written back; the bytes are the same, the memory saving lost.
+        work = logits.contiguous()
+        result = launch_cross_entropy_fwd_bwd_(
+            work, target, label_smoothing, ignore_index, reduction, weight, z_loss, softcap
+        )
+        logits.copy_(work)
+        return result
     rows = logits.shape[0]
     mean = reduction == "mean"
     target = target.contiguous()

@@ -184,13 +184,13 @@ def cross_entropy_fwd_bwd_outputs(
     softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``lowp::cross_entropy_fwd_bwd_``: ``(loss, row_stats (2, N) fp32)``, the loss 0-d fp32 (``mean``,
-    ``sum``) or ``(N,)`` (``none``); :func:`cross_entropy_fwd_outputs`' checks, and contiguous logits,
-    which receive the gradient."""
+    ``sum``) or ``(N,)`` (``none``); :func:`cross_entropy_fwd_outputs`' checks. The logits receive the
+    gradient in their own layout (any strides: a compiled graph may hand the op a padded matmul's
+    strided view)."""
     loss_rows, stats = cross_entropy_fwd_outputs(
         logits, target, label_smoothing, ignore_index, weight, z_loss, softcap
     )
     check_reduction(reduction)
-    require(logits.is_contiguous(), lambda: "logits must be contiguous to receive the gradient in place")
     return (loss_rows if reduction == "none" else loss_rows.new_empty(())), stats
 
 
@@ -338,12 +338,9 @@ def _check_grad_rows(grad_rows: torch.Tensor, rows: int) -> None:
 
 
 def cross_entropy_scale_grad_output(dlogits: torch.Tensor, grad_rows: torch.Tensor) -> None:
-    """Checks of ``lowp::cross_entropy_scale_grad_`` (in place, no output): ``dlogits`` (N, V)
-    contiguous, ``grad_rows`` (N,) float32 on its device (any stride)."""
-    require(
-        dlogits.dim() == 2 and dlogits.is_contiguous(),
-        lambda: f"dlogits must be a contiguous (N, V) tensor, got {tuple(dlogits.shape)}",
-    )
+    """Checks of ``lowp::cross_entropy_scale_grad_`` (in place, no output): ``dlogits`` (N, V), any
+    strides, ``grad_rows`` (N,) float32 on its device (any stride)."""
+    require(dlogits.dim() == 2, lambda: f"dlogits must be an (N, V) tensor, got {tuple(dlogits.shape)}")
     _check_grad_rows(grad_rows, dlogits.shape[0])
     require(
         grad_rows.device == dlogits.device,
