@@ -2,6 +2,7 @@
 under TRITON_INTERPRET=1 (its own pytest run, see README); ``gpu`` / ``cudagraph`` = need CUDA."""
 
 import os
+import sys
 
 import pytest
 import torch
@@ -39,6 +40,15 @@ def _reset_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_launch_plans():
+    """The launchers' plans start empty: one built by an earlier test would keep the configuration or
+    kernel that a test patches (only where a test imported the kernels: the CPU suite never does)."""
+    launch = sys.modules.get("lowp_ops.kernels.launch")
+    if launch is not None:
+        launch.clear_plans()
 
 
 @pytest.fixture

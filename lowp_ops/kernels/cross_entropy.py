@@ -16,7 +16,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import FP8_DTYPES, FP8_MAX, FP8_MAX_RCP, ceil_div, next_power_of_2, round_to_fp32
+from ..formats import (
+    FP8_DTYPES,
+    FP8_MAX,
+    FP8_MAX_RCP,
+    MXFP8_BLOCK_SIZE,
+    ceil_div,
+    next_power_of_2,
+    round_to_fp32,
+)
 from ..meta.checks import require
 from ..meta.cross_entropy import (
     LOG_SUM,
@@ -26,8 +34,9 @@ from ..meta.cross_entropy import (
     cross_entropy_fwd_outputs,
     cross_entropy_reduce_outputs,
     cross_entropy_scale_grad_output,
+    row_loss_and_stats_outputs,
 )
-from ..meta.mxfp8 import mxfp8_data_pitch, zero_scale_padding
+from ..meta.mxfp8 import allocate_uint8, mxfp8_data_pitch, quantize_output_layout
 from ..reference.cross_entropy import cross_entropy_reduce, smoothing_weight_total
 from . import cross_entropy_gluon
 from .bf16_pairs import to_dtype_rne
@@ -40,7 +49,7 @@ from .cross_entropy_math import (
     softcap_logits,
     store_row_loss,
 )
-from .launch import cached_launch, rows_with_unit_stride
+from .launch import PlanCache, cached_launch
 from .mxfp8 import (
     TRITON_FP8,
     quantize_tile,
@@ -356,56 +365,90 @@ def launch_cross_entropy_fwd(
     block: int | None = None,
     num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``lowp::cross_entropy_fwd``; ``block`` / ``num_warps`` override the launch configuration."""
-    loss, stats = cross_entropy_fwd_outputs(
-        logits, target, label_smoothing, ignore_index, weight, z_loss, softcap
-    )
+    """``lowp::cross_entropy_fwd``; ``block`` / ``num_warps`` override the launch configuration. From a
+    plan per specialization (:data:`_FWD_PLANS`)."""
+    key = (
+        logits.shape, logits.stride(), logits.dtype, logits.device, target.shape, target.stride(),
+        target.dtype, target.device, label_smoothing, ignore_index, tensor_key(weight), z_loss, softcap,
+        block, num_warps,
+    )  # fmt: skip
+    args = (logits, target, label_smoothing, ignore_index, weight, z_loss, softcap, block, num_warps)
+    return _FWD_PLANS.get(key, _fwd_plan, *args)(logits, target, weight)
+
+
+def tensor_key(t: torch.Tensor | None) -> tuple | None:
+    """What a plan depends on of an optional tensor argument: its shape, strides, dtype and device."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+# The launchers' plans (kernels.launch.PlanCache), one per specialization of their arguments: checks,
+# configuration, grid and constexprs are made once; a call allocates and launches.
+_FWD_PLANS = PlanCache()
+_REDUCE_PLANS = PlanCache()
+_BWD_PLANS = PlanCache()
+_BWD_MXFP8_PLANS = PlanCache()
+
+
+def _fwd_plan(logits, target, label_smoothing, ignore_index, weight, z_loss, softcap, block, num_warps):
+    """:func:`launch_cross_entropy_fwd` for arguments of these layouts and values: a function of
+    ``(logits, target, weight)``."""
+    cross_entropy_fwd_outputs(logits, target, label_smoothing, ignore_index, weight, z_loss, softcap)
     rows, n_cols = logits.shape
     if rows == 0:
-        return loss, stats
-    logits = rows_with_unit_stride(logits)
+        return lambda logits, target, weight: row_loss_and_stats_outputs(logits, rows)
+    copy = logits.stride(1) != 1  # rows_with_unit_stride
+    row_stride = n_cols if copy else logits.stride(0)
     default_block, default_warps = fwd_config(n_cols)
     block, num_warps = block or default_block, num_warps or default_warps
     eps = round_to_fp32(label_smoothing / n_cols)
-    class_weights, smooth_total = class_weight_args(weight, eps, loss)
-    align = peel_align(logits)
-    cross_entropy_fwd_kernel[(rows,)](
-        logits,
-        logits.stride(0),
-        target.contiguous(),
-        loss,
-        stats[SHIFT],
-        stats[LOG_SUM],
-        n_cols,
-        ignore_index,
-        label_smoothing,
-        class_weights,
-        smooth_total,
-        eps,
-        z_loss,
-        **_fwd_feature_args(z_loss, softcap),
+    align = _peel_align(row_stride, n_cols, logits.element_size())
+    features = feature_args(z_loss, softcap)
+    launch = cross_entropy_fwd_kernel.bind(
+        (rows,),
         BLOCK=block,
         HAS_SMOOTHING=label_smoothing > 0,
         HAS_WEIGHT=weight is not None,
+        HAS_Z_LOSS=features["HAS_Z_LOSS"],
+        HAS_SOFTCAP=features["HAS_SOFTCAP"],
         ALIGN=align,
         # rows on 16-byte boundaries fold in the one pass's parts (``softmax.row_stats_in_parts``)
-        ALIGNED_ROWS=align > 0 and logits.stride(0) % align == 0,
+        ALIGNED_ROWS=align > 0 and row_stride % align == 0,
         num_warps=num_warps,
     )
-    return loss, stats
+    scalars = (label_smoothing,)
+    tail = (eps, z_loss, features["softcap"], features["softcap_rcp"])
+    copy_target = not target.is_contiguous()
+
+    def call(logits, target, weight):
+        loss, stats = row_loss_and_stats_outputs(logits, rows)
+        class_weights, smooth_total = class_weight_args(weight, eps, loss)
+        launch(
+            logits.contiguous() if copy else logits,
+            row_stride,
+            target.contiguous() if copy_target else target,
+            loss,
+            stats[SHIFT],
+            stats[LOG_SUM],
+            n_cols,
+            ignore_index,
+            *scalars,
+            class_weights,
+            smooth_total,
+            *tail,
+        )
+        return loss, stats
+
+    return call
 
 
 def peel_align(logits: torch.Tensor) -> int:
     """Elements per 16 bytes where the forward peels each row's unaligned head (the row stride is not a
     multiple of 16 elements, which is all Triton's specialization proves), else 0."""
-    return 16 // logits.element_size() if logits.stride(0) % 16 != 0 and logits.shape[1] > 1 else 0
+    return _peel_align(logits.stride(0), logits.shape[1], logits.element_size())
 
 
-def _fwd_feature_args(z_loss: float, softcap: float) -> dict:
-    """:func:`feature_args` without ``z_loss2``: the forward takes ``z`` itself."""
-    args = feature_args(z_loss, softcap)
-    del args["z_loss2"]
-    return args
+def _peel_align(row_stride: int, n_cols: int, element_size: int) -> int:
+    return 16 // element_size if row_stride % 16 != 0 and n_cols > 1 else 0
 
 
 def _bwd_grid(rows: int, n_cols: int, block_cols: int) -> tuple[int]:
@@ -510,8 +553,11 @@ def aligned_row_programs(logits: torch.Tensor) -> bool:
     (``cross_entropy_bwd_rows_kernel``): contiguous logits whose row length is not a multiple of 16
     elements (all that Triton's specialization proves) and at least ``ROWS_BLOCK`` long. H200, 8192 x
     50257 bf16: the tile kernel ran at 33% of copy there (scalar loads and stores), this one at 86%."""
-    n_cols = logits.shape[1]
-    return n_cols % 16 != 0 and n_cols >= ROWS_BLOCK and logits.is_contiguous()
+    return _row_segments(logits.shape[1], logits.is_contiguous())
+
+
+def _row_segments(n_cols: int, contiguous: bool) -> bool:
+    return n_cols % 16 != 0 and n_cols >= ROWS_BLOCK and contiguous
 
 
 def launch_cross_entropy_bwd(
@@ -533,44 +579,95 @@ def launch_cross_entropy_bwd(
     """``lowp::cross_entropy_bwd``. ``out``: where to write dlogits; may be ``logits`` itself when it is
     contiguous (each program reads its block before writing it), which the LM-head loss uses. ``by_row``:
     force (True, contiguous logits only) or forbid the row-segment kernel; None:
-    :func:`aligned_row_programs` decides."""
-    dlogits = cross_entropy_bwd_output(
+    :func:`aligned_row_programs` decides. From a plan per specialization (:data:`_BWD_PLANS`)."""
+    out_key = None if out is None else (out is logits, out.shape, out.stride(), out.dtype, out.device)
+    key = (
+        logits.shape, logits.stride(), logits.dtype, logits.device, target.shape, target.stride(),
+        target.dtype, stats.shape, stats.stride(), stats.dtype, grad_rows.shape, grad_rows.stride(),
+        grad_rows.dtype, label_smoothing, ignore_index, vocab_start, vocab_total, tensor_key(weight), z_loss,
+        softcap, out_key, by_row,
+    )  # fmt: skip
+    args = (logits, target, stats, grad_rows, label_smoothing, ignore_index, vocab_start, vocab_total, weight)
+    plan = _BWD_PLANS.get(key, _bwd_plan, *args, z_loss, softcap, out, by_row)
+    return plan(logits, target, stats, grad_rows, weight, out)
+
+
+def _bwd_plan(
+    logits, target, stats, grad_rows, label_smoothing, ignore_index, vocab_start, vocab_total, weight, z_loss,
+    softcap, out, by_row,
+):  # fmt: skip
+    """:func:`launch_cross_entropy_bwd` for arguments of these layouts and values: a function of
+    ``(logits, target, stats, grad_rows, weight, out)``."""
+    cross_entropy_bwd_output(
         logits, target, stats, grad_rows, label_smoothing, ignore_index, vocab_start, vocab_total, weight,
         z_loss, softcap, out,
     )  # fmt: skip
+    aliased = out is not None and out is not logits
+
+    def output(logits, out):
+        if aliased:  # a tensor other than logits itself: the aliasing rule checked per call
+            return cross_entropy_bwd_output(
+                logits, target, stats, grad_rows, label_smoothing, ignore_index, vocab_start, vocab_total,
+                weight, z_loss, softcap, out,
+            )  # fmt: skip
+        return logits.new_empty(logits.shape) if out is None else out
+
     rows, n_cols = logits.shape
     if rows == 0 or n_cols == 0:
-        return dlogits
-    logits = rows_with_unit_stride(logits)
+        return lambda logits, target, stats, grad_rows, weight, out: output(logits, out)
+    copy = logits.stride(1) != 1  # rows_with_unit_stride
+    contiguous = logits.is_contiguous() or copy
     vocab_total = vocab_total or n_cols
     eps, target_weight = _bwd_scalars(label_smoothing, vocab_total)
-    class_weights, smooth_total = class_weight_args(weight, eps, grad_rows)
-    # The arguments after the logits (and their row stride), and the constexprs both kernels take.
-    row_args = (
-        target.contiguous(), *stats_rows(stats), grad_rows, grad_rows.stride(0), dlogits, rows, n_cols,
-        ignore_index, vocab_start, vocab_total, eps, target_weight, class_weights, smooth_total,
-    )  # fmt: skip
-    features = {
-        **feature_args(z_loss, softcap),
+    features = feature_args(z_loss, softcap)
+    constexprs = {
         "HAS_SMOOTHING": label_smoothing > 0,
         "HAS_WEIGHT": weight is not None,
+        "HAS_Z_LOSS": features["HAS_Z_LOSS"],
+        "HAS_SOFTCAP": features["HAS_SOFTCAP"],
         "num_warps": 4,
     }
-    if by_row if by_row is not None else aligned_row_programs(logits):
-        require(logits.is_contiguous(), lambda: "the row-segment kernel reads contiguous logits only")
-        cross_entropy_bwd_rows_kernel[(rows, ceil_div(n_cols, ROWS_BLOCK))](
-            logits, *row_args, BLOCK=ROWS_BLOCK, ALIGN=16 // logits.element_size(), **features
+    if by_row if by_row is not None else _row_segments(n_cols, contiguous):
+        require(contiguous, lambda: "the row-segment kernel reads contiguous logits only")
+        launch = cross_entropy_bwd_rows_kernel.bind(
+            (rows, ceil_div(n_cols, ROWS_BLOCK)), BLOCK=ROWS_BLOCK, ALIGN=16 // logits.element_size(),
+            **constexprs,
+        )  # fmt: skip
+        head = ()
+    else:
+        launch = cross_entropy_bwd_kernel.bind(
+            _bwd_grid(rows, n_cols, BWD_BLOCK_COLS),
+            BLOCK_COLS=BWD_BLOCK_COLS,
+            EVEN=rows % TILE_ROWS == 0 and n_cols % BWD_BLOCK_COLS == 0,
+            **constexprs,
+        )
+        head = (n_cols if copy else logits.stride(0),)
+    copy_target = not target.is_contiguous()
+    grad_stride = grad_rows.stride(0)
+    shard = (ignore_index, vocab_start, vocab_total, eps, target_weight)
+    tail = (features["z_loss2"], features["softcap"], features["softcap_rcp"])
+
+    def call(logits, target, stats, grad_rows, weight, out):
+        dlogits = output(logits, out)
+        class_weights, smooth_total = class_weight_args(weight, eps, grad_rows)
+        launch(
+            logits.contiguous() if copy else logits,
+            *head,
+            target.contiguous() if copy_target else target,
+            *stats_rows(stats),
+            grad_rows,
+            grad_stride,
+            dlogits,
+            rows,
+            n_cols,
+            *shard,
+            class_weights,
+            smooth_total,
+            *tail,
         )
         return dlogits
-    cross_entropy_bwd_kernel[_bwd_grid(rows, n_cols, BWD_BLOCK_COLS)](
-        logits,
-        logits.stride(0),
-        *row_args,
-        BLOCK_COLS=BWD_BLOCK_COLS,
-        EVEN=rows % TILE_ROWS == 0 and n_cols % BWD_BLOCK_COLS == 0,
-        **features,
-    )
-    return dlogits
+
+    return call
 
 
 def launch_cross_entropy_bwd_mxfp8(
@@ -601,35 +698,42 @@ def launch_cross_entropy_bwd_mxfp8(
     With ``z_loss`` or ``softcap`` the Triton kernel always runs: the Gluon kernel has no loss features
     (it cannot be run without a GPU here, and the Triton kernel gives the same bytes a few points of
     bandwidth slower)."""
-    outputs = cross_entropy_bwd_mxfp8_outputs(
-        logits,
-        target,
-        stats,
-        grad_rows,
-        label_smoothing,
-        ignore_index,
-        fp8_dtype,
-        rowwise,
-        columnwise,
-        scale_layout,
-        vocab_start,
-        vocab_total,
-        weight,
-        z_loss,
-        softcap,
-        zero_padding=False,  # the Triton kernel writes every scale code; for the Gluon one, see below
-    )
-    row_data, row_scale, col_data, col_scale = outputs
+    key = (
+        logits.shape, logits.stride(), logits.dtype, logits.device, logits.data_ptr() % 16 == 0,
+        target.shape, target.stride(), target.dtype, stats.shape, stats.stride(), stats.dtype,
+        grad_rows.shape, grad_rows.stride(), grad_rows.dtype, label_smoothing, ignore_index, fp8_dtype,
+        rowwise, columnwise, scale_layout, vocab_start, vocab_total, tensor_key(weight), z_loss, softcap,
+        gluon, block_cols, num_warps,
+    )  # fmt: skip
+    args = (
+        logits, target, stats, grad_rows, label_smoothing, ignore_index, fp8_dtype, rowwise, columnwise,
+        scale_layout, vocab_start, vocab_total, weight, z_loss, softcap, gluon, block_cols, num_warps,
+    )  # fmt: skip
+    return _BWD_MXFP8_PLANS.get(key, _bwd_mxfp8_plan, *args)(logits, target, stats, grad_rows, weight)
+
+
+def _bwd_mxfp8_plan(
+    logits, target, stats, grad_rows, label_smoothing, ignore_index, fp8_dtype, rowwise, columnwise,
+    scale_layout, vocab_start, vocab_total, weight, z_loss, softcap, gluon, block_cols, num_warps,
+):  # fmt: skip
+    """:func:`launch_cross_entropy_bwd_mxfp8` for arguments of these layouts and values (and the logits'
+    16-byte alignment): a function of ``(logits, target, stats, grad_rows, weight)``."""
+    cross_entropy_bwd_mxfp8_outputs(
+        logits, target, stats, grad_rows, label_smoothing, ignore_index, fp8_dtype, rowwise, columnwise,
+        scale_layout, vocab_start, vocab_total, weight, z_loss, softcap, zero_padding=False,
+    )  # fmt: skip
+    # The Triton kernel writes every scale code; for the Gluon one, see below.
+    layout = quantize_output_layout(logits.shape, rowwise, columnwise)
     rows, n_cols = logits.shape
     if rows == 0 or n_cols == 0:
-        return outputs
-    logits = rows_with_unit_stride(logits)
+        return lambda logits, target, stats, grad_rows, weight: allocate_uint8(logits, layout)
+    copy = logits.stride(1) != 1  # rows_with_unit_stride
+    row_stride = n_cols if copy else logits.stride(0)
     vocab_total = vocab_total or n_cols
     eps, target_weight = _bwd_scalars(label_smoothing, vocab_total)
-    class_weights, smooth_total = class_weight_args(weight, eps, grad_rows)
     data_dtype = FP8_DTYPES[fp8_dtype]
-    aligned_rows = n_cols % 16 == 0 and logits.stride(0) % 16 == 0
-    data_stride = mxfp8_data_pitch(n_cols)  # the FP8 rows' stride, as the outputs were allocated
+    aligned_rows = n_cols % 16 == 0 and row_stride % 16 == 0
+    data_stride = mxfp8_data_pitch(n_cols)  # the FP8 rows' stride, as the outputs are allocated
     if gluon is None:
         # Swizzled scales of aligned rows: the Triton kernel (80.3% of copy against the Gluon one's 79.0%
         # on the H200); of other rows the Gluon one (65% against 9% at 8192 x 50257).
@@ -638,64 +742,52 @@ def launch_cross_entropy_bwd_mxfp8(
             and cross_entropy_gluon.gluon is not None
             and (scale_layout == "compact" or not aligned_rows)
             and n_cols >= cross_entropy_gluon.BLOCK_COLS
-            and 32 * max(data_stride, logits.stride(0)) < 2**31  # its in-tile offsets are int32
+            and 32 * max(data_stride, row_stride) < 2**31  # its in-tile offsets are int32
             and z_loss == 0
             and softcap == 0
         )
-    if gluon and not aligned_rows and logits.data_ptr() % 16 != 0:
+    if gluon and not aligned_rows and not copy and logits.data_ptr() % 16 != 0:
         gluon = False  # rows that are not 16-byte aligned are realigned from a 16-byte aligned base
+    row_scale_shape, col_scale_shape = layout[1][0], layout[3][0]
+    pad_row_scales = pad_col_scales = False
+    contiguous_grad_rows = False
     if gluon:
         require(z_loss == 0 and softcap == 0, lambda: "the Gluon kernel has no z_loss / softcap: gluon=False")
         kernel = cross_entropy_gluon.cross_entropy_bwd_mxfp8_gluon_kernel
         block_cols, num_warps = cross_entropy_gluon.BLOCK_COLS, cross_entropy_gluon.NUM_WARPS
         per_16_bytes = 16 // logits.element_size()
-        tile_config = {"LOAD_MOD": -1 if aligned_rows else logits.stride(0) % per_16_bytes}
-        if not aligned_rows and grad_rows.stride(0) == 0:
-            # One dloss broadcast to every row (stride 0) cost the realigned kernel 7% at 8192 x 50257
-            # (0.581 against 0.543 ms, H200); a 32 KB copy costs ~2 us.
-            grad_rows = grad_rows.contiguous()
-        # It writes the scales of the data's blocks; the padding is zero-filled here. Forms that wrote
-        # the padding too ran slower on the H200 (a branch around the tile: 18% at 4096 x 129280; the
-        # last row block writing it: 11%) than the fills cost (2 x 4.9 us at 8192 x 50257).
-        zero_scale_padding(row_scale, col_scale, rows, n_cols)
+        tile_config = {"LOAD_MOD": -1 if aligned_rows else row_stride % per_16_bytes}
+        # One dloss broadcast to every row (stride 0) cost the realigned kernel 7% at 8192 x 50257
+        # (0.581 against 0.543 ms, H200); a 32 KB copy costs ~2 us.
+        contiguous_grad_rows = not aligned_rows and grad_rows.stride(0) == 0
+        # It writes the scales of the data's blocks; the padding is zero-filled per call
+        # (meta.mxfp8.zero_scale_padding). Forms that wrote the padding too ran slower on the H200 (a
+        # branch around the tile: 18% at 4096 x 129280; the last row block writing it: 11%) than the
+        # fills cost (2 x 4.9 us at 8192 x 50257).
+        pad_row_scales = rowwise and tuple(row_scale_shape) != (rows, ceil_div(n_cols, MXFP8_BLOCK_SIZE))
+        pad_col_scales = columnwise and tuple(col_scale_shape) != (ceil_div(rows, MXFP8_BLOCK_SIZE), n_cols)
         grid = _bwd_grid(rows, n_cols, block_cols)
+        # The row-wise scales' cols alone (a (0, 0) tensor when not asked for).
+        scale_bounds = ((row_scale_shape[1],), tuple(col_scale_shape))
     else:
         # H200, 4096 x 129280, grid along rows: 128 columns on 2 warps 83-84% of copy; 64 on 1 or 2
         # warps 70-82%, 256 on 2-4 warps 62-67%, 128 on 4 warps 61%.
         kernel = cross_entropy_bwd_mxfp8_kernel
         block_cols = block_cols or tile_cols(n_cols, widest=128)
         num_warps = num_warps or (2 if block_cols == 128 else 1)
-        tile_config = {"BLOCK_COLS": block_cols, **feature_args(z_loss, softcap)}
+        features = feature_args(z_loss, softcap)
+        tile_config = {
+            "BLOCK_COLS": block_cols,
+            "HAS_Z_LOSS": features["HAS_Z_LOSS"],
+            "HAS_SOFTCAP": features["HAS_SOFTCAP"],
+        }
         grid = scale_padded_grid(rows, n_cols, block_cols)  # the kernel writes every scale code
-    tile_config["EVEN"] = rows % TILE_ROWS == 0 and n_cols % block_cols == 0
-    # The row-wise scales' (rows, cols) for the Triton kernel, which writes their padding rows; cols alone
-    # for the Gluon one (a (0, 0) tensor when not asked for)
-    row_scale_bounds = (row_scale.shape[1],) if gluon else tuple(row_scale.shape)
-    kernel[grid](
-        logits,
-        logits.stride(0),
-        target.contiguous(),
-        *stats_rows(stats),
-        grad_rows,
-        grad_rows.stride(0),
-        rows,
-        n_cols,
-        ignore_index,
-        vocab_start,
-        vocab_total,
-        eps,
-        target_weight,
-        class_weights,
-        smooth_total,
-        data_stride,
-        row_data.view(data_dtype),
-        row_scale,
-        *row_scale_bounds,
-        col_data.view(data_dtype),
-        col_scale,
-        col_scale.shape[0] if columnwise else 0,
-        col_scale.shape[1] if columnwise else 0,
+        # The row-wise scales' (rows, cols): the Triton kernel writes their padding rows.
+        scale_bounds = (tuple(row_scale_shape), tuple(col_scale_shape))
+    launch = kernel.bind(
+        grid,
         **tile_config,
+        EVEN=rows % TILE_ROWS == 0 and n_cols % block_cols == 0,
         HAS_SMOOTHING=label_smoothing > 0,
         HAS_WEIGHT=weight is not None,
         FP8_MAX=FP8_MAX[fp8_dtype],
@@ -706,7 +798,42 @@ def launch_cross_entropy_bwd_mxfp8(
         SWIZZLED=scale_layout == "swizzled",
         num_warps=num_warps,
     )
-    return outputs
+    tail = () if gluon else (features["z_loss2"], features["softcap"], features["softcap_rcp"])
+    copy_target = not target.is_contiguous()
+    shard = (rows, n_cols, ignore_index, vocab_start, vocab_total, eps, target_weight)
+    row_bounds, col_bounds = scale_bounds
+
+    def call(logits, target, stats, grad_rows, weight):
+        row_data, row_scale, col_data, col_scale = outputs = allocate_uint8(logits, layout)
+        if pad_row_scales:
+            row_scale.zero_()
+        if pad_col_scales:
+            col_scale.zero_()
+        class_weights, smooth_total = class_weight_args(weight, eps, grad_rows)
+        if contiguous_grad_rows:
+            grad_rows = grad_rows.contiguous()
+        launch(
+            logits.contiguous() if copy else logits,
+            row_stride,
+            target.contiguous() if copy_target else target,
+            *stats_rows(stats),
+            grad_rows,
+            grad_rows.stride(0),
+            *shard,
+            class_weights,
+            smooth_total,
+            data_stride,
+            row_data.view(data_dtype),
+            row_scale,
+            *row_bounds,
+            col_data.view(data_dtype),
+            col_scale,
+            *col_bounds,
+            *tail,
+        )
+        return outputs
+
+    return call
 
 
 # H200, 8192 rows, graph GPU time: 4096 per iteration 4.72 us, 8192 2.68 us (8 or 16 warps), 2048 6.25 us.
@@ -768,26 +895,45 @@ def launch_cross_entropy_reduce(
     mean: bool,
     weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``lowp::cross_entropy_reduce``: one launch for what took five to eight small PyTorch kernels."""
+    """``lowp::cross_entropy_reduce``: one launch for what took five to eight small PyTorch kernels. From a
+    plan per specialization (:data:`_REDUCE_PLANS`)."""
+    key = (
+        loss_rows.shape, loss_rows.stride(), loss_rows.dtype, loss_rows.device, target.shape, target.stride(),
+        target.dtype, ignore_index, mean, tensor_key(weight),
+    )  # fmt: skip
+    plan = _REDUCE_PLANS.get(key, _reduce_plan, loss_rows, target, ignore_index, mean, weight)
+    return plan(loss_rows, target, weight)
+
+
+def _reduce_plan(loss_rows, target, ignore_index, mean, weight):
+    """:func:`launch_cross_entropy_reduce` for arguments of these layouts and values: a function of
+    ``(loss_rows, target, weight)``."""
     if loss_rows.shape[0] > REDUCE_MAX_ROWS:
-        return cross_entropy_reduce(loss_rows, target, ignore_index, mean, weight)
-    loss, grad_scale = cross_entropy_reduce_outputs(loss_rows, target, ignore_index, mean, weight)
-    class_weights = loss_rows if weight is None else weight.float().contiguous()
-    cross_entropy_reduce_kernel[(1,)](
-        loss_rows.contiguous(),
-        target.contiguous(),
-        loss_rows.shape[0],
-        ignore_index,
-        loss,
-        grad_scale,
-        class_weights,
-        0 if weight is None else weight.shape[0],
-        MEAN=mean,
-        BLOCK=REDUCE_BLOCK,
-        HAS_WEIGHT=weight is not None,
-        num_warps=8,
+        # Longer inputs: the multi-block PyTorch reduction of the reference.
+        return lambda rows, target, weight: cross_entropy_reduce(rows, target, ignore_index, mean, weight)
+    cross_entropy_reduce_outputs(loss_rows, target, ignore_index, mean, weight)
+    launch = cross_entropy_reduce_kernel.bind(
+        (1,), MEAN=mean, BLOCK=REDUCE_BLOCK, HAS_WEIGHT=weight is not None, num_warps=8
     )
-    return loss, grad_scale
+    copy_rows, copy_target = not loss_rows.is_contiguous(), not target.is_contiguous()
+    n_rows, n_classes = loss_rows.shape[0], 0 if weight is None else weight.shape[0]
+
+    def call(loss_rows, target, weight):
+        loss, grad_scale = loss_rows.new_empty(()), loss_rows.new_empty(())
+        class_weights = loss_rows if weight is None else weight.float().contiguous()
+        launch(
+            loss_rows.contiguous() if copy_rows else loss_rows,
+            target.contiguous() if copy_target else target,
+            n_rows,
+            ignore_index,
+            loss,
+            grad_scale,
+            class_weights,
+            n_classes,
+        )
+        return loss, grad_scale
+
+    return call
 
 
 def launch_cross_entropy_reduced(

@@ -24,6 +24,7 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 import triton.language as tl
@@ -214,9 +215,12 @@ class PlanCache:
     per-call work (checks, output layouts, grids, bound launches) in its plans, so that a call only
     allocates and launches. Cleared when ``limit`` plans are stored (shapes that vary from step to step)."""
 
+    instances: ClassVar[list[PlanCache]] = []  # every cache, for clear_plans
+
     def __init__(self, limit: int = 1024) -> None:
         self.plans: dict = {}
         self.limit = limit
+        PlanCache.instances.append(self)
 
     def get(self, key: tuple, build: Callable, *args):
         plan = self.plans.get(key)
@@ -226,6 +230,13 @@ class PlanCache:
                 self.plans.clear()
             self.plans[key] = plan
         return plan
+
+
+def clear_plans() -> None:
+    """Drop every launcher's plans (for tests that patch a module's configuration or kernels: a plan built
+    before would keep the old ones)."""
+    for cache in PlanCache.instances:
+        cache.plans.clear()
 
 
 def _traced(args: tuple) -> bool:
@@ -262,5 +273,6 @@ __all__ = [
     "CachedLaunch",
     "PlanCache",
     "cached_launch",
+    "clear_plans",
     "rows_with_unit_stride",
 ]
