@@ -214,10 +214,11 @@ def cross_entropy(
     ``overwrite_logits=True`` saves the ``N x V`` gradient buffer (as TE's and Liger's losses do): when a
     gradient is needed, the forward writes the logits' gradient for ``grad_loss = 1`` over the logits
     (contiguous, 2-D or ``classes_last``, the output of an op such as the LM head's matmul, not a leaf
-    that requires grad) right after computing the loss, and the backward
-    returns that buffer, multiplied in place by ``grad_loss`` only in rows where it is not 1 (decided on
-    the device: no host sync, CUDA-graph safe). The logits hold the gradient afterwards: their version
-    counter moves, so autograd refuses a backward through any op that saved them. Its bytes equal the
+    that requires grad) right after computing the loss, and the backward returns that buffer, multiplied
+    in place by ``grad_loss`` only in rows where it is not 1 (decided on the device: no host sync,
+    CUDA-graph safe; a compiled backward multiplies out of place, docs/cross_entropy.md). The logits hold
+    the gradient afterwards: their version counter moves, so autograd refuses a backward through any op
+    that saved them. Its bytes equal the
     default path's gradient when ``grad_loss`` is 1 (and when it is a power of two, barring overflow and
     subnormals; otherwise the product is rounded once more). Not with ``process_group``. Without a
     gradient to compute the logits stay untouched.

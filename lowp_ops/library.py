@@ -947,7 +947,13 @@ class _CrossEntropyOverwrite(torch.autograd.Function):
         (dlogits,) = ctx.saved_tensors
         if grad_loss is None:
             return (None,) * 8
-        cross_entropy_scale_grad_(dlogits, grad_loss.float().expand(dlogits.shape[0]))
+        grad_rows = grad_loss.float().expand(dlogits.shape[0])
+        if tracing():
+            # Out of place, with the kernel's bytes (one fp32 product, rounded once): a compiled graph may
+            # change the saved buffer's layout after tracing (Inductor's pad_mm pads the matmul that made
+            # it), and an in-place op on it would be replayed through the traced, stale strides.
+            return (dlogits.float() * grad_rows[:, None]).to(dlogits.dtype), *(None,) * 7
+        cross_entropy_scale_grad_(dlogits, grad_rows)
         return dlogits, *(None,) * 7
 
 
