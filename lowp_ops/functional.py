@@ -15,6 +15,7 @@ from .meta.cross_entropy import (
     LOG_SUM,
     SHIFT,
     check_class_weight,
+    check_grad_loss,
     check_label_smoothing,
     check_logits_target,
     check_reduction,
@@ -292,19 +293,7 @@ def _loss_and_grad_rows(
     """The reduced loss and dloss per row (N,) fp32 for the gradient ``grad_loss`` of that loss (ones
     when None): one reduction kernel, plus one multiply when ``grad_loss`` is given."""
     loss, grad_scale = _reduce(loss_rows, target, reduction, ignore_index, weight)
-    if grad_loss is not None:
-        require(
-            isinstance(grad_loss, torch.Tensor),
-            lambda: f"grad_loss must be a Tensor or None, got {type(grad_loss).__name__}",
-        )
-        require(
-            grad_loss.shape == loss.shape,
-            lambda: f"grad_loss must have the loss's shape {tuple(loss.shape)}, got {tuple(grad_loss.shape)}",
-        )
-        require(
-            grad_loss.device == loss.device,
-            lambda: f"grad_loss must be on the logits' device {loss.device}, got {grad_loss.device}",
-        )
+    check_grad_loss(grad_loss, loss.shape, loss.device)
     if grad_scale is None:
         return loss, (torch.ones_like(loss) if grad_loss is None else grad_loss.float()).reshape(-1)
     scale = grad_scale if grad_loss is None else grad_loss.float() * grad_scale
@@ -356,13 +345,19 @@ def cross_entropy_with_mxfp8_grad(
     fp8_dtype = normalize_fp8_dtype(fp8_dtype)
     check_scale_layout(scale_layout)
     require(rowwise or columnwise, lambda: "at least one of rowwise and columnwise must be True")
-    shard = (0, 0)
+    smoothing = float(label_smoothing)
     with torch.no_grad():
         if process_group is None:
             check_class_weight(weight, logits_rows.shape[1], logits_rows)
-            loss_rows, lse = library.cross_entropy_fwd(
-                logits_rows, target_rows, float(label_smoothing), ignore_index, weight, z_loss, softcap
-            )
+            check_grad_loss(grad_loss, target.shape if reduction == "none" else (), logits.device)
+            if grad_loss is not None and reduction == "none":
+                grad_loss = grad_loss.reshape(-1)
+            loss, lse, row_data, row_scale, col_data, col_scale = library.cross_entropy_mxfp8_grad(
+                logits_rows, target_rows, grad_loss, smoothing, ignore_index, reduction, fp8_dtype, rowwise,
+                columnwise, scale_layout, weight, z_loss, softcap,
+            )  # fmt: skip
+            if reduction == "none" and target.dim() != 1:
+                loss = loss.view(target.shape)
         else:
             from .distributed import check_process_group, vocab_parallel_cross_entropy_stats, vocab_shard
 
@@ -370,31 +365,21 @@ def cross_entropy_with_mxfp8_grad(
             shard = vocab_shard(logits_rows.shape[1], process_group)
             check_class_weight(weight, shard[1], logits_rows)
             loss_rows, lse = vocab_parallel_cross_entropy_stats(
-                logits_rows, target_rows, float(label_smoothing), ignore_index, process_group, weight,
-                z_loss, softcap,
+                logits_rows, target_rows, smoothing, ignore_index, process_group, weight, z_loss, softcap
+            )
+            loss, grad_rows = _loss_and_grad_rows(
+                loss_rows, target, grad_loss, reduction, ignore_index, weight
+            )
+            row_data, row_scale, col_data, col_scale = library.cross_entropy_bwd_mxfp8(
+                logits_rows, target_rows, lse, grad_rows, smoothing, ignore_index, fp8_dtype, rowwise,
+                columnwise, scale_layout, *shard, weight, z_loss, softcap,
             )  # fmt: skip
-        loss, grad_rows = _loss_and_grad_rows(loss_rows, target, grad_loss, reduction, ignore_index, weight)
-        row_data, row_scale, col_data, col_scale = library.cross_entropy_bwd_mxfp8(
-            logits_rows,
-            target_rows,
-            lse,
-            grad_rows,
-            float(label_smoothing),
-            ignore_index,
-            fp8_dtype,
-            rowwise,
-            columnwise,
-            scale_layout,
-            *shard,
-            weight,
-            z_loss,
-            softcap,
-        )
     data_dtype = FP8_DTYPES[fp8_dtype]
+    as_logits = logits.dim() != 2  # the op's payload is (N, V)
     grad = MXFP8Tensor(
-        row_data=row_data.view(data_dtype).view(logits.shape) if rowwise else None,
+        row_data=_fp8_view(row_data, data_dtype, logits.shape, as_logits) if rowwise else None,
         row_scale=row_scale if rowwise else None,
-        col_data=col_data.view(data_dtype).view(logits.shape) if columnwise else None,
+        col_data=_fp8_view(col_data, data_dtype, logits.shape, as_logits) if columnwise else None,
         col_scale=col_scale if columnwise else None,
         fp8_dtype=fp8_dtype,
         scale_layout=scale_layout,
@@ -404,6 +389,11 @@ def cross_entropy_with_mxfp8_grad(
         return loss, grad
     extras = loss_extras(lse, target, reduction, ignore_index, weight, z_loss, return_z_loss, return_lse)
     return (loss, grad, *extras)
+
+
+def _fp8_view(data: torch.Tensor, dtype: torch.dtype, shape: torch.Size, reshape: bool) -> torch.Tensor:
+    """uint8 MXFP8 data as ``dtype``, in ``shape`` when ``reshape`` (one view fewer for 2-D logits)."""
+    return data.view(dtype).view(shape) if reshape else data.view(dtype)
 
 
 def _check_softmax_input(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

@@ -478,6 +478,17 @@ cross_entropy_bwd_mxfp8 = _define(
     ce_meta.cross_entropy_bwd_mxfp8_outputs,
 )
 
+# cross_entropy_with_mxfp8_grad as one op: forward, reduction and MXFP8 backward (not differentiable).
+cross_entropy_mxfp8_grad = _define(
+    "cross_entropy_mxfp8_grad",
+    "(Tensor logits, Tensor target, Tensor? grad_loss, float label_smoothing, SymInt ignore_index,"
+    " str reduction, str fp8_dtype, bool rowwise, bool columnwise, str scale_layout, Tensor? weight=None,"
+    " float z_loss=0.0, float softcap=0.0) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    ce_ref.cross_entropy_mxfp8_grad,
+    "cross_entropy.launch_cross_entropy_mxfp8_grad",
+    ce_meta.cross_entropy_mxfp8_grad_outputs,
+)
+
 
 def refuse_weight_grad(weight: torch.Tensor | None) -> None:
     """Class weights get no gradient: one that requires it raises."""

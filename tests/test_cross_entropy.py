@@ -742,6 +742,70 @@ def test_opcheck_cross_entropy_bwd_mxfp8(
     )
 
 
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("with_grad_loss", [False, True])
+@pytest.mark.parametrize("layout", ["contiguous", "permuted"])
+def test_opcheck_cross_entropy_mxfp8_grad(reduction, with_grad_loss, layout):
+    logits, target = opcheck_inputs(torch.bfloat16, layout)
+    grad_loss = None
+    if with_grad_loss:
+        grad_loss = torch.full((logits.shape[0],) if reduction == "none" else (), 0.75)
+    torch.library.opcheck(
+        torch.ops.lowp.cross_entropy_mxfp8_grad.default,
+        (logits, target, grad_loss, 0.1, -100, reduction, "e4m3", True, True, "swizzled"),
+    )
+
+
+def mxfp8_grad_op_equals_its_three_ops(device: str) -> None:
+    """``lowp::cross_entropy_mxfp8_grad`` gives the bytes of ``cross_entropy_fwd``, ``cross_entropy_reduce``
+    and ``cross_entropy_bwd_mxfp8`` called in turn (the public function's path before it was one op),
+    for each reduction, with and without ``grad_loss``, class weights, E5M2, one copy."""
+    from lowp_ops import library
+
+    logits, target = (t.to(device) for t in opcheck_inputs(torch.bfloat16, "contiguous"))
+    rows, cols = logits.shape
+    weight = torch.rand(cols, generator=torch.Generator().manual_seed(5)).to(device) + 0.5
+    for reduction, grad_loss, fp8, copies, class_weight in (
+        ("mean", None, "e4m3", (True, True), None),
+        ("sum", torch.tensor(0.3), "e5m2", (True, False), None),
+        ("none", torch.linspace(-1, 2, rows), "e4m3", (False, True), None),
+        ("mean", torch.tensor(2.5), "e4m3", (True, True), weight),
+    ):
+        grad_loss = None if grad_loss is None else grad_loss.to(device)
+        options = (0.1, -100)
+        loss_rows, stats = library.cross_entropy_fwd(logits, target, *options, class_weight)
+        if reduction == "none":
+            loss, grad_rows = loss_rows, grad_loss.float()
+        else:
+            loss, scale = library.cross_entropy_reduce(
+                loss_rows, target, -100, reduction == "mean", class_weight
+            )
+            grad_rows = (scale if grad_loss is None else grad_loss.float() * scale).expand(rows)
+        want = (loss, stats, *library.cross_entropy_bwd_mxfp8(
+            logits, target, stats, grad_rows, *options, fp8, *copies, "compact", 0, 0, class_weight
+        ))  # fmt: skip
+        got = library.cross_entropy_mxfp8_grad(
+            logits, target, grad_loss, *options, reduction, fp8, *copies, "compact", class_weight
+        )
+        names = ("loss", "stats", "row_data", "row_scale", "col_data", "col_scale")
+        for name, a, b in zip(names, got, want, strict=True):
+            assert a.shape == b.shape and torch.equal(a, b), (reduction, name)
+
+
+def test_mxfp8_grad_op_equals_its_three_ops():
+    mxfp8_grad_op_equals_its_three_ops("cpu")
+
+
+@pytest.mark.interp
+def test_interp_mxfp8_grad_op_equals_its_three_ops():
+    mxfp8_grad_op_equals_its_three_ops("cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_mxfp8_grad_op_equals_its_three_ops():
+    mxfp8_grad_op_equals_its_three_ops("cuda")
+
+
 # ----------------------------------------------------------------------------------- torch.compile
 
 COMPILE_SHAPES = {"2d": [(8, 50), (13, 77), (32, 129)], "3d": [(2, 4, 50), (3, 5, 77), (4, 8, 129)]}

@@ -29,6 +29,8 @@ from ..meta.checks import require
 from ..meta.cross_entropy import (
     LOG_SUM,
     SHIFT,
+    check_grad_loss,
+    check_reduction,
     cross_entropy_bwd_mxfp8_outputs,
     cross_entropy_bwd_output,
     cross_entropy_fwd_outputs,
@@ -37,7 +39,7 @@ from ..meta.cross_entropy import (
     row_loss_and_stats_outputs,
 )
 from ..meta.mxfp8 import allocate_uint8, mxfp8_data_pitch, quantize_output_layout
-from ..reference.cross_entropy import cross_entropy_reduce, smoothing_weight_total
+from ..reference.cross_entropy import cross_entropy_reduce, mxfp8_grad_rows, smoothing_weight_total
 from . import cross_entropy_gluon
 from .bf16_pairs import to_dtype_rne
 from .cross_entropy_math import (
@@ -834,6 +836,43 @@ def _bwd_mxfp8_plan(
         return outputs
 
     return call
+
+
+def launch_cross_entropy_mxfp8_grad(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    grad_loss: torch.Tensor | None,
+    label_smoothing: float,
+    ignore_index: int,
+    reduction: str,
+    fp8_dtype: str,
+    rowwise: bool,
+    columnwise: bool,
+    scale_layout: str,
+    weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, ...]:
+    """``lowp::cross_entropy_mxfp8_grad``: :func:`launch_cross_entropy_fwd`, for ``mean`` / ``sum``
+    :func:`launch_cross_entropy_reduce`, then :func:`launch_cross_entropy_bwd_mxfp8` (three launches, one
+    op: the reference's steps, each launcher's bytes)."""
+    check_reduction(reduction)
+    rows = logits.shape[0]
+    check_grad_loss(grad_loss, (rows,) if reduction == "none" else (), logits.device)
+    loss, stats = launch_cross_entropy_fwd(
+        logits, target, label_smoothing, ignore_index, weight, z_loss, softcap
+    )
+    grad_scale = None
+    if reduction != "none":
+        loss, grad_scale = launch_cross_entropy_reduce(
+            loss, target, ignore_index, reduction == "mean", weight
+        )
+    grad_rows = mxfp8_grad_rows(grad_loss, grad_scale, rows, loss)
+    payload = launch_cross_entropy_bwd_mxfp8(
+        logits, target, stats, grad_rows, label_smoothing, ignore_index, fp8_dtype, rowwise, columnwise,
+        scale_layout, 0, 0, weight, z_loss, softcap,
+    )  # fmt: skip
+    return loss, stats, *payload
 
 
 # H200, 8192 rows, graph GPU time: 4096 per iteration 4.72 us, 8192 2.68 us (8 or 16 warps), 2048 6.25 us.

@@ -194,6 +194,52 @@ def cross_entropy_fwd_bwd_outputs(
     return (loss_rows if reduction == "none" else loss_rows.new_empty(())), stats
 
 
+def cross_entropy_mxfp8_grad_outputs(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    grad_loss: torch.Tensor | None,
+    label_smoothing: float,
+    ignore_index: int,
+    reduction: str,
+    fp8_dtype: str,
+    rowwise: bool,
+    columnwise: bool,
+    scale_layout: str,
+    weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, ...]:
+    """``lowp::cross_entropy_mxfp8_grad``: ``(loss, row_stats, row_data, row_scale, col_data, col_scale)``,
+    the loss 0-d fp32 (``mean``, ``sum``) or ``(N,)`` (``none``), the row statistics as
+    :func:`cross_entropy_fwd_outputs`', the MXFP8 payload of dlogits as ``mxfp8_quantize_outputs`` of the
+    logits. ``grad_loss``: None (ones) or fp32-castable of the loss's shape, on the logits' device."""
+    loss_rows, stats = cross_entropy_fwd_outputs(
+        logits, target, label_smoothing, ignore_index, weight, z_loss, softcap
+    )
+    check_reduction(reduction)
+    check_grad_loss(grad_loss, (loss_rows.shape[0],) if reduction == "none" else (), logits.device)
+    payload = mxfp8_quantize_outputs(logits, fp8_dtype, rowwise, columnwise, scale_layout)
+    return (loss_rows if reduction == "none" else loss_rows.new_empty(())), stats, *payload
+
+
+def check_grad_loss(grad_loss: torch.Tensor | None, shape: tuple, device: torch.device) -> None:
+    """``grad_loss``: None, or a tensor of the loss's ``shape`` on ``device``."""
+    if grad_loss is None:
+        return
+    require(
+        isinstance(grad_loss, torch.Tensor),
+        lambda: f"grad_loss must be a Tensor or None, got {type(grad_loss).__name__}",
+    )
+    require(
+        grad_loss.shape == shape,
+        lambda: f"grad_loss must have the loss's shape {tuple(shape)}, got {tuple(grad_loss.shape)}",
+    )
+    require(
+        grad_loss.device == device,
+        lambda: f"grad_loss must be on the logits' device {device}, got {grad_loss.device}",
+    )
+
+
 def row_loss_and_stats_outputs(like: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss (rows,) fp32, row_stats (2, rows) fp32)`` on ``like``'s device."""
     return like.new_empty((rows,), dtype=torch.float32), like.new_empty(

@@ -52,6 +52,7 @@ from ..meta.cross_entropy import (
     cross_entropy_bwd_output,
     cross_entropy_fwd_bwd_outputs,
     cross_entropy_fwd_outputs,
+    cross_entropy_mxfp8_grad_outputs,
     cross_entropy_reduce_outputs,
     cross_entropy_scale_grad_output,
 )
@@ -279,6 +280,55 @@ def cross_entropy_bwd_mxfp8(
         z_loss, softcap,
     )  # fmt: skip
     return mxfp8_quantize(dlogits, fp8_dtype, rowwise, columnwise, scale_layout)
+
+
+def cross_entropy_mxfp8_grad(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    grad_loss: torch.Tensor | None,
+    label_smoothing: float,
+    ignore_index: int,
+    reduction: str,
+    fp8_dtype: str,
+    rowwise: bool,
+    columnwise: bool,
+    scale_layout: str,
+    weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, ...]:
+    """Reference of ``lowp::cross_entropy_mxfp8_grad``: :func:`cross_entropy_fwd`, for ``mean`` / ``sum``
+    :func:`cross_entropy_reduce`, then :func:`cross_entropy_bwd_mxfp8` for the rows' upstream gradient
+    (:func:`mxfp8_grad_rows`). Returns ``(loss, row_stats, row_data, row_scale, col_data, col_scale)``."""
+    cross_entropy_mxfp8_grad_outputs(
+        logits, target, grad_loss, label_smoothing, ignore_index, reduction, fp8_dtype, rowwise, columnwise,
+        scale_layout, weight, z_loss, softcap,
+    )  # fmt: skip
+    loss, stats = cross_entropy_fwd(logits, target, label_smoothing, ignore_index, weight, z_loss, softcap)
+    grad_scale = None
+    if reduction != "none":
+        loss, grad_scale = cross_entropy_reduce(loss, target, ignore_index, reduction == "mean", weight)
+    grad_rows = mxfp8_grad_rows(grad_loss, grad_scale, logits.shape[0], loss)
+    payload = cross_entropy_bwd_mxfp8(
+        logits, target, stats, grad_rows, label_smoothing, ignore_index, fp8_dtype, rowwise, columnwise,
+        scale_layout, 0, 0, weight, z_loss, softcap,
+    )  # fmt: skip
+    return loss, stats, *payload
+
+
+def mxfp8_grad_rows(
+    grad_loss: torch.Tensor | None, grad_scale: torch.Tensor | None, rows: int, like: torch.Tensor
+) -> torch.Tensor:
+    """Each row's fp32 upstream gradient (N,) of ``grad_loss · loss``: ``grad_loss * grad_scale`` (the
+    reduction's, 0-d) broadcast to the rows (stride 0), or without a reduction ``grad_loss`` (N,) itself;
+    ones on ``like``'s device where ``grad_loss`` is None."""
+    if grad_scale is None:
+        return (
+            torch.ones((rows,), dtype=torch.float32, device=like.device)
+            if grad_loss is None
+            else grad_loss.float()
+        )
+    return (grad_scale if grad_loss is None else grad_loss.float() * grad_scale).expand(rows)
 
 
 def reduce_denominator(target: torch.Tensor, ignore_index: int, weight: torch.Tensor | None) -> torch.Tensor:
