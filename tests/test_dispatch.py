@@ -658,6 +658,12 @@ def test_a_bound_launch_runs_the_binary_with_the_arguments_of_the_unbound_launch
     bound(x[1:], 8, 0.5)  # unaligned: another specialization
     bound(x, 9, 0.5)  # another int value: another key
     assert len(compiled) == 4 and len(runs) == 2
+    # Keyed as Triton keys ints, another value of the same specialization runs the stored binary; one
+    # divisible by 16 is another specialization.
+    coarse = cached.bind((4,), exact_ints=False, BLOCK=32, num_warps=2)
+    for n in (8, 9, 10, 16):
+        coarse(x, n, 0.5)
+    assert len(compiled) == 5 and [run[-4] for run in runs[2:]] == [8, 9, 10]
 
 
 # ------------------------------------------------------------------------------------------ plan caches

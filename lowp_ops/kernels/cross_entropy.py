@@ -407,6 +407,7 @@ def _fwd_plan(logits, target, label_smoothing, ignore_index, weight, z_loss, sof
     features = feature_args(z_loss, softcap)
     launch = cross_entropy_fwd_kernel.bind(
         (rows,),
+        exact_ints=False,
         BLOCK=block,
         HAS_SMOOTHING=label_smoothing > 0,
         HAS_WEIGHT=weight is not None,
@@ -632,13 +633,17 @@ def _bwd_plan(
     if by_row if by_row is not None else _row_segments(n_cols, contiguous):
         require(contiguous, lambda: "the row-segment kernel reads contiguous logits only")
         launch = cross_entropy_bwd_rows_kernel.bind(
-            (rows, ceil_div(n_cols, ROWS_BLOCK)), BLOCK=ROWS_BLOCK, ALIGN=16 // logits.element_size(),
+            (rows, ceil_div(n_cols, ROWS_BLOCK)),
+            exact_ints=False,
+            BLOCK=ROWS_BLOCK,
+            ALIGN=16 // logits.element_size(),
             **constexprs,
-        )  # fmt: skip
+        )
         head = ()
     else:
         launch = cross_entropy_bwd_kernel.bind(
             _bwd_grid(rows, n_cols, BWD_BLOCK_COLS),
+            exact_ints=False,
             BLOCK_COLS=BWD_BLOCK_COLS,
             EVEN=rows % TILE_ROWS == 0 and n_cols % BWD_BLOCK_COLS == 0,
             **constexprs,
@@ -788,6 +793,7 @@ def _bwd_mxfp8_plan(
         scale_bounds = (tuple(row_scale_shape), tuple(col_scale_shape))
     launch = kernel.bind(
         grid,
+        exact_ints=False,
         **tile_config,
         EVEN=rows % TILE_ROWS == 0 and n_cols % block_cols == 0,
         HAS_SMOOTHING=label_smoothing > 0,
@@ -952,7 +958,7 @@ def _reduce_plan(loss_rows, target, ignore_index, mean, weight):
         return lambda rows, target, weight: cross_entropy_reduce(rows, target, ignore_index, mean, weight)
     cross_entropy_reduce_outputs(loss_rows, target, ignore_index, mean, weight)
     launch = cross_entropy_reduce_kernel.bind(
-        (1,), MEAN=mean, BLOCK=REDUCE_BLOCK, HAS_WEIGHT=weight is not None, num_warps=8
+        (1,), exact_ints=False, MEAN=mean, BLOCK=REDUCE_BLOCK, HAS_WEIGHT=weight is not None, num_warps=8
     )
     copy_rows, copy_target = not loss_rows.is_contiguous(), not target.is_contiguous()
     n_rows, n_classes = loss_rows.shape[0], 0 if weight is None else weight.shape[0]

@@ -112,12 +112,14 @@ class CachedLaunch:
     def __getitem__(self, grid):
         return lambda *args, **meta: self.launch(grid, args, meta)
 
-    def bind(self, grid, **meta) -> BoundLaunch:
+    def bind(self, grid, *, exact_ints: bool = True, **meta) -> BoundLaunch:
         """This kernel with ``grid`` and ``meta`` (constexprs and launch options only) fixed: calling the
         result with the run-time arguments launches as ``self[grid](*args, **meta)`` would, without
         building the keywords' part of the key on every call (for launchers that keep one per input
-        specialization)."""
-        return BoundLaunch(self, grid, meta)
+        specialization). ``exact_ints``: key ints by value (faster; a binary entry per value), else as
+        Triton does (for ints that vary between calls, such as a row count: no new entry, and no trip
+        through Triton's launch path, per value)."""
+        return BoundLaunch(self, grid, meta, exact_ints)
 
     def _meta_key(self, meta: dict) -> tuple:
         run_time = self._meta_run_time
@@ -142,7 +144,7 @@ class CachedLaunch:
             return
         device = torch._C._cuda_getDevice()  # CUDA is initialized: the arguments are CUDA tensors
         if bound is not None:
-            args_key = _exact_ints_args_key(args)
+            args_key = _exact_ints_args_key(args) if bound.exact_ints else _run_time_args_key(args)
         elif len(args) <= self._run_time_prefix:
             args_key = _run_time_args_key(args)
         else:
@@ -190,10 +192,10 @@ class BoundLaunch:
     """A :class:`CachedLaunch` with its grid and keywords fixed (:meth:`CachedLaunch.bind`); called with
     the run-time arguments, positionally."""
 
-    __slots__ = ("arg_count", "grid", "kernel", "meta", "meta_key", "trailing")
+    __slots__ = ("arg_count", "exact_ints", "grid", "kernel", "meta", "meta_key", "trailing")
 
-    def __init__(self, kernel: CachedLaunch, grid, meta: dict) -> None:
-        self.kernel, self.grid, self.meta = kernel, grid, meta
+    def __init__(self, kernel: CachedLaunch, grid, meta: dict, exact_ints: bool = True) -> None:
+        self.kernel, self.grid, self.meta, self.exact_ints = kernel, grid, meta, exact_ints
         self.meta_key = None if INTERPRETING else kernel._meta_key(meta)
         # The parameters after the run-time ones, in order (the keywords and the defaults), filled in
         # at the first call, which fixes how many run-time arguments a call passes.
