@@ -574,6 +574,75 @@ def test_gpu_mxfp8_grad_kernel_contract_one_copy_other_dtypes(rowwise, columnwis
     )
 
 
+# ------------------------------------------------------------------------------ the launchers' plans
+
+PLAN_VARIANTS = [
+    {},
+    {"layout": "permuted"},
+    {"layout": "row-strided"},
+    {"smoothing": 0.1},
+    {"weight": True},
+    {"target": torch.int32},
+    {"grad_rows": "expanded"},
+    {"z_loss": 1e-3, "softcap": 5.0},
+    {"dtype": torch.float32},
+    {"ignore_index": 3},
+    {"mean": False, "fp8": ("e5m2", True, False, "swizzled")},
+    {},
+]
+
+
+def launcher_outputs(variant: dict, device: str) -> list[torch.Tensor]:
+    """Every output of the four cross-entropy launchers for one shape (40 x 96) and ``variant``'s layout
+    and options, as bit patterns."""
+    logits, target = ce_inputs(40, 96, variant.get("dtype", torch.bfloat16), device)
+    if variant.get("layout") == "permuted":
+        logits = logits.t().contiguous().t()
+    elif variant.get("layout") == "row-strided":
+        logits = torch.cat([logits, logits[:, :8]], 1)[:, :96]
+    target = target.to(variant.get("target", torch.int64))
+    gen = torch.Generator().manual_seed(4)
+    weight = (torch.rand(96, generator=gen) + 0.5).to(device) if variant.get("weight") else None
+    grad_rows = grad_rows_for(40, device, variant.get("grad_rows", "dense"))
+    options = (variant.get("smoothing", 0.0), variant.get("ignore_index", IGNORE))
+    features = (weight, variant.get("z_loss", 0.0), variant.get("softcap", 0.0))
+    fp8, rowwise, columnwise, scale_layout = variant.get("fp8", ("e4m3", True, True, "compact"))
+    loss_rows, stats = ce_kernels.launch_cross_entropy_fwd(logits, target, *options, *features)
+    reduced = ce_kernels.launch_cross_entropy_reduce(
+        loss_rows, target, options[1], variant.get("mean", True), weight
+    )
+    grad = ce_kernels.launch_cross_entropy_bwd(logits, target, stats, grad_rows, *options, 0, 0, *features)
+    payload = ce_kernels.launch_cross_entropy_bwd_mxfp8(
+        logits, target, stats, grad_rows, *options, fp8, rowwise, columnwise, scale_layout, 0, 0, *features
+    )
+    outputs = [loss_rows, stats, *reduced, grad, *payload]
+    return [t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]) for t in outputs]
+
+
+def plans_follow_layouts_and_options(device: str) -> None:
+    """The launchers keep one plan per specialization: calls of one shape with other strides, dtypes and
+    options, one after another (each finding the earlier calls' plans), give the bytes of the same
+    call made with no plan stored."""
+    from lowp_ops.kernels.launch import clear_plans
+
+    for variant in PLAN_VARIANTS:
+        in_sequence = launcher_outputs(variant, device)
+        clear_plans()
+        fresh = launcher_outputs(variant, device)
+        for index, (got, want) in enumerate(zip(in_sequence, fresh, strict=True)):
+            assert got.shape == want.shape and torch.equal(got, want), (variant, index)
+
+
+@pytest.mark.interp
+def test_interp_launcher_plans_follow_layouts_and_options():
+    plans_follow_layouts_and_options("cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_launcher_plans_follow_layouts_and_options():
+    plans_follow_layouts_and_options("cuda")
+
+
 # ------------------------------------------------------------------- public API through the kernels
 # (spy_launchers: tests/conftest.py)
 
