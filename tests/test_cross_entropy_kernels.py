@@ -418,7 +418,7 @@ def spy_gluon_kernels(monkeypatch) -> list[tuple[int, tuple]]:
 
             return launch
 
-        def bind(self, grid, **meta):  # the launchers' plans bind the kernel once
+        def bind(self, grid, *, exact_ints=True, **meta):  # the launchers' plans bind the kernel once
             return lambda *args: self[grid](*args, **meta)
 
     monkeypatch.setattr(cross_entropy_gluon, "cross_entropy_bwd_mxfp8_gluon_kernel", Spy())
@@ -783,7 +783,7 @@ def test_mxfp8_launcher_arguments_bind_to_the_kernel_parameters(gluon, n_cols, s
 
             return launch
 
-        def bind(self, grid, **meta):  # the launchers' plans bind the kernel once
+        def bind(self, grid, *, exact_ints=True, **meta):  # the launchers' plans bind the kernel once
             return lambda *args: self[grid](*args, **meta)
 
     monkeypatch.setattr(module, name, Spy())
