@@ -25,6 +25,7 @@ from .meta.cross_entropy import (
 from .meta.mxfp8 import check_scale_layout, normalize_fp8_dtype
 from .meta.softmax import check_masked_rows
 from .meta.split_sizes import check_split_sizes
+from .reference.cross_entropy import loss_grad_rows
 
 __all__ = [
     "cross_entropy",
@@ -294,10 +295,9 @@ def _loss_and_grad_rows(
     when None): one reduction kernel, plus one multiply when ``grad_loss`` is given."""
     loss, grad_scale = _reduce(loss_rows, target, reduction, ignore_index, weight)
     check_grad_loss(grad_loss, loss.shape, loss.device)
-    if grad_scale is None:
-        return loss, (torch.ones_like(loss) if grad_loss is None else grad_loss.float()).reshape(-1)
-    scale = grad_scale if grad_loss is None else grad_loss.float() * grad_scale
-    return loss, scale.expand(loss_rows.shape)
+    if grad_loss is not None and grad_scale is None:
+        grad_loss = grad_loss.reshape(-1)  # the target's shape
+    return loss, loss_grad_rows(grad_loss, grad_scale, loss_rows.shape[0], loss_rows)
 
 
 def cross_entropy_with_mxfp8_grad(

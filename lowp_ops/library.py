@@ -547,7 +547,7 @@ def _cross_entropy_reduce_setup(ctx, inputs, output):
 
 def _reduced_grad_rows(grad_loss: torch.Tensor, grad_scale: torch.Tensor, rows: int) -> torch.Tensor:
     """The reduction's chain rule: each row's upstream gradient ``grad_loss * dloss / dloss_row``."""
-    return (grad_loss.float() * grad_scale).expand(rows)
+    return ce_ref.loss_grad_rows(grad_loss, grad_scale, rows, grad_scale)
 
 
 def _cross_entropy_reduce_backward(ctx, grad_loss, _grad_scale):
@@ -963,7 +963,7 @@ class _CrossEntropyOverwrite(torch.autograd.Function):
             # Out of place, with the kernel's bytes (one fp32 product, rounded once): a compiled graph may
             # change the saved buffer's layout after tracing (Inductor's pad_mm pads the matmul that made
             # it), and an in-place op on it would be replayed through the traced, stale strides.
-            return (dlogits.float() * grad_rows[:, None]).to(dlogits.dtype), *(None,) * 7
+            return ce_ref.scaled_grad(dlogits, grad_rows), *(None,) * 7
         cross_entropy_scale_grad_(dlogits, grad_rows)
         return dlogits, *(None,) * 7
 

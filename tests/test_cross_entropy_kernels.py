@@ -193,7 +193,7 @@ def check_row_segments_equal_tiles(n_rows: int, n_cols: int, dtype: torch.dtype,
         what = f"rows != tiles: {label_smoothing=} {z_loss=} {softcap=}"
         assert torch.equal(bits(by_row), bits(tile)), what
     chosen = n_cols % 16 != 0 and n_cols >= ce_kernels.ROWS_BLOCK
-    assert ce_kernels.aligned_row_programs(logits) == chosen
+    assert ce_kernels.aligned_row_programs(n_cols, logits.is_contiguous()) == chosen
 
 
 # interp ----------------------------------------------------------------------------------------------

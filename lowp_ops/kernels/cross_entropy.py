@@ -39,7 +39,7 @@ from ..meta.cross_entropy import (
     row_loss_and_stats_outputs,
 )
 from ..meta.mxfp8 import allocate_uint8, mxfp8_data_pitch, quantize_output_layout
-from ..reference.cross_entropy import cross_entropy_reduce, mxfp8_grad_rows, smoothing_weight_total
+from ..reference.cross_entropy import cross_entropy_reduce, loss_grad_rows, smoothing_weight_total
 from . import cross_entropy_gluon
 from .bf16_pairs import to_dtype_rne
 from .cross_entropy_math import (
@@ -551,15 +551,11 @@ def cross_entropy_bwd_rows_kernel(
         )  # fmt: skip
 
 
-def aligned_row_programs(logits: torch.Tensor) -> bool:
+def aligned_row_programs(n_cols: int, contiguous: bool) -> bool:
     """Whether the backward to the logits' dtype runs one program per row segment
     (``cross_entropy_bwd_rows_kernel``): contiguous logits whose row length is not a multiple of 16
     elements (all that Triton's specialization proves) and at least ``ROWS_BLOCK`` long. H200, 8192 x
     50257 bf16: the tile kernel ran at 33% of copy there (scalar loads and stores), this one at 86%."""
-    return _row_segments(logits.shape[1], logits.is_contiguous())
-
-
-def _row_segments(n_cols: int, contiguous: bool) -> bool:
     return n_cols % 16 != 0 and n_cols >= ROWS_BLOCK and contiguous
 
 
@@ -630,7 +626,7 @@ def _bwd_plan(
         "HAS_SOFTCAP": features["HAS_SOFTCAP"],
         "num_warps": 4,
     }
-    if by_row if by_row is not None else _row_segments(n_cols, contiguous):
+    if by_row if by_row is not None else aligned_row_programs(n_cols, contiguous):
         require(contiguous, lambda: "the row-segment kernel reads contiguous logits only")
         launch = cross_entropy_bwd_rows_kernel.bind(
             (rows, ceil_div(n_cols, ROWS_BLOCK)),
@@ -873,7 +869,7 @@ def launch_cross_entropy_mxfp8_grad(
         loss, grad_scale = launch_cross_entropy_reduce(
             loss, target, ignore_index, reduction == "mean", weight
         )
-    grad_rows = mxfp8_grad_rows(grad_loss, grad_scale, rows, loss)
+    grad_rows = loss_grad_rows(grad_loss, grad_scale, rows, loss)
     payload = launch_cross_entropy_bwd_mxfp8(
         logits, target, stats, grad_rows, label_smoothing, ignore_index, fp8_dtype, rowwise, columnwise,
         scale_layout, 0, 0, weight, z_loss, softcap,

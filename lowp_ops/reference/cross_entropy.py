@@ -299,7 +299,7 @@ def cross_entropy_mxfp8_grad(
 ) -> tuple[torch.Tensor, ...]:
     """Reference of ``lowp::cross_entropy_mxfp8_grad``: :func:`cross_entropy_fwd`, for ``mean`` / ``sum``
     :func:`cross_entropy_reduce`, then :func:`cross_entropy_bwd_mxfp8` for the rows' upstream gradient
-    (:func:`mxfp8_grad_rows`). Returns ``(loss, row_stats, row_data, row_scale, col_data, col_scale)``."""
+    (:func:`loss_grad_rows`). Returns ``(loss, row_stats, row_data, row_scale, col_data, col_scale)``."""
     cross_entropy_mxfp8_grad_outputs(
         logits, target, grad_loss, label_smoothing, ignore_index, reduction, fp8_dtype, rowwise, columnwise,
         scale_layout, weight, z_loss, softcap,
@@ -308,7 +308,7 @@ def cross_entropy_mxfp8_grad(
     grad_scale = None
     if reduction != "none":
         loss, grad_scale = cross_entropy_reduce(loss, target, ignore_index, reduction == "mean", weight)
-    grad_rows = mxfp8_grad_rows(grad_loss, grad_scale, logits.shape[0], loss)
+    grad_rows = loss_grad_rows(grad_loss, grad_scale, logits.shape[0], loss)
     payload = cross_entropy_bwd_mxfp8(
         logits, target, stats, grad_rows, label_smoothing, ignore_index, fp8_dtype, rowwise, columnwise,
         scale_layout, 0, 0, weight, z_loss, softcap,
@@ -316,19 +316,25 @@ def cross_entropy_mxfp8_grad(
     return loss, stats, *payload
 
 
-def mxfp8_grad_rows(
+def loss_grad_rows(
     grad_loss: torch.Tensor | None, grad_scale: torch.Tensor | None, rows: int, like: torch.Tensor
 ) -> torch.Tensor:
     """Each row's fp32 upstream gradient (N,) of ``grad_loss · loss``: ``grad_loss * grad_scale`` (the
     reduction's, 0-d) broadcast to the rows (stride 0), or without a reduction ``grad_loss`` (N,) itself;
-    ones on ``like``'s device where ``grad_loss`` is None."""
+    ones on ``like``'s device where ``grad_loss`` is None. The one formula of every path that turns a
+    loss's gradient into row factors (the MXFP8 loss, the autograd backward, the vocabulary-parallel
+    call)."""
+    if grad_scale is None and grad_loss is None:
+        return torch.ones((rows,), dtype=torch.float32, device=like.device)
     if grad_scale is None:
-        return (
-            torch.ones((rows,), dtype=torch.float32, device=like.device)
-            if grad_loss is None
-            else grad_loss.float()
-        )
+        return grad_loss.float()
     return (grad_scale if grad_loss is None else grad_loss.float() * grad_scale).expand(rows)
+
+
+def scaled_grad(dlogits: torch.Tensor, grad_rows: torch.Tensor) -> torch.Tensor:
+    """``round(fp32(dlogits[i]) * grad_rows[i])`` in dlogits' dtype, a new tensor: the bytes of
+    ``lowp::cross_entropy_scale_grad_`` (a factor of 1 leaves a row's bytes as they are)."""
+    return (dlogits.float() * grad_rows[:, None]).to(dlogits.dtype)
 
 
 def reduce_denominator(target: torch.Tensor, ignore_index: int, weight: torch.Tensor | None) -> torch.Tensor:
@@ -417,4 +423,4 @@ def cross_entropy_scale_grad_(dlogits: torch.Tensor, grad_rows: torch.Tensor) ->
     """Reference of ``lowp::cross_entropy_scale_grad_``: ``dlogits[i] = round(fp32(dlogits[i]) *
     grad_rows[i])`` in place (a factor of 1 leaves a row's bytes as they are)."""
     cross_entropy_scale_grad_output(dlogits, grad_rows)
-    dlogits.copy_(dlogits.float() * grad_rows[:, None])
+    dlogits.copy_(scaled_grad(dlogits, grad_rows))
