@@ -345,50 +345,71 @@ def cross_entropy_with_mxfp8_grad(
     fp8_dtype = normalize_fp8_dtype(fp8_dtype)
     check_scale_layout(scale_layout)
     require(rowwise or columnwise, lambda: "at least one of rowwise and columnwise must be True")
-    smoothing = float(label_smoothing)
-    with torch.no_grad():
-        if process_group is None:
-            check_class_weight(weight, logits_rows.shape[1], logits_rows)
-            check_grad_loss(grad_loss, target.shape if reduction == "none" else (), logits.device)
-            if grad_loss is not None and reduction == "none":
-                grad_loss = grad_loss.reshape(-1)
-            loss, lse, row_data, row_scale, col_data, col_scale = library.cross_entropy_mxfp8_grad(
-                logits_rows, target_rows, grad_loss, smoothing, ignore_index, reduction, fp8_dtype, rowwise,
-                columnwise, scale_layout, weight, z_loss, softcap,
-            )  # fmt: skip
-            if reduction == "none" and target.dim() != 1:
-                loss = loss.view(target.shape)
-        else:
-            from .distributed import check_process_group, vocab_parallel_cross_entropy_stats, vocab_shard
-
-            check_process_group(process_group)
-            shard = vocab_shard(logits_rows.shape[1], process_group)
-            check_class_weight(weight, shard[1], logits_rows)
-            loss_rows, lse = vocab_parallel_cross_entropy_stats(
-                logits_rows, target_rows, smoothing, ignore_index, process_group, weight, z_loss, softcap
-            )
-            loss, grad_rows = _loss_and_grad_rows(
-                loss_rows, target, grad_loss, reduction, ignore_index, weight
-            )
-            row_data, row_scale, col_data, col_scale = library.cross_entropy_bwd_mxfp8(
-                logits_rows, target_rows, lse, grad_rows, smoothing, ignore_index, fp8_dtype, rowwise,
-                columnwise, scale_layout, *shard, weight, z_loss, softcap,
-            )  # fmt: skip
+    args = (
+        logits_rows, target_rows, target, grad_loss, float(label_smoothing), ignore_index, reduction,
+        fp8_dtype, rowwise, columnwise, scale_layout, weight, process_group, z_loss, softcap,
+    )  # fmt: skip
+    # The loss is returned detached: no graph is recorded (grad mode is only switched where one could be).
+    if torch.is_grad_enabled() and _any_requires_grad(logits, grad_loss, weight):
+        with torch.no_grad():
+            loss, lse, row_data, row_scale, col_data, col_scale = _mxfp8_loss_outputs(*args)
+    else:
+        loss, lse, row_data, row_scale, col_data, col_scale = _mxfp8_loss_outputs(*args)
     data_dtype = FP8_DTYPES[fp8_dtype]
     as_logits = logits.dim() != 2  # the op's payload is (N, V)
-    grad = MXFP8Tensor(
-        row_data=_fp8_view(row_data, data_dtype, logits.shape, as_logits) if rowwise else None,
-        row_scale=row_scale if rowwise else None,
-        col_data=_fp8_view(col_data, data_dtype, logits.shape, as_logits) if columnwise else None,
-        col_scale=col_scale if columnwise else None,
-        fp8_dtype=fp8_dtype,
-        scale_layout=scale_layout,
-        shape=logits.shape,
+    grad = MXFP8Tensor.of_op_outputs(
+        _fp8_view(row_data, data_dtype, logits.shape, as_logits) if rowwise else None,
+        row_scale if rowwise else None,
+        _fp8_view(col_data, data_dtype, logits.shape, as_logits) if columnwise else None,
+        col_scale if columnwise else None,
+        fp8_dtype,
+        scale_layout,
+        logits.shape,
     )
     if not (return_z_loss or return_lse):
         return loss, grad
     extras = loss_extras(lse, target, reduction, ignore_index, weight, z_loss, return_z_loss, return_lse)
     return (loss, grad, *extras)
+
+
+def _any_requires_grad(*values) -> bool:
+    """Whether one of ``values`` is a tensor that requires grad (other values: checked later)."""
+    return any(isinstance(v, torch.Tensor) and v.requires_grad for v in values)
+
+
+def _mxfp8_loss_outputs(
+    logits_rows, target_rows, target, grad_loss, smoothing, ignore_index, reduction, fp8_dtype, rowwise,
+    columnwise, scale_layout, weight, process_group, z_loss, softcap,
+):  # fmt: skip
+    """:func:`cross_entropy_with_mxfp8_grad`'s ops on ``(N, V)`` logits and ``(N,)`` targets (of the
+    caller's ``target``): ``(loss, lse, row_data, row_scale, col_data, col_scale)``, the loss in
+    ``target``'s shape for ``none``, the data uint8."""
+    if process_group is None:
+        check_class_weight(weight, logits_rows.shape[1], logits_rows)
+        check_grad_loss(grad_loss, target.shape if reduction == "none" else (), logits_rows.device)
+        if grad_loss is not None and reduction == "none":
+            grad_loss = grad_loss.reshape(-1)
+        loss, lse, *payload = library.cross_entropy_mxfp8_grad(
+            logits_rows, target_rows, grad_loss, smoothing, ignore_index, reduction, fp8_dtype, rowwise,
+            columnwise, scale_layout, weight, z_loss, softcap,
+        )  # fmt: skip
+        if reduction == "none" and target.dim() != 1:
+            loss = loss.view(target.shape)
+        return loss, lse, *payload
+    from .distributed import check_process_group, vocab_parallel_cross_entropy_stats, vocab_shard
+
+    check_process_group(process_group)
+    shard = vocab_shard(logits_rows.shape[1], process_group)
+    check_class_weight(weight, shard[1], logits_rows)
+    loss_rows, lse = vocab_parallel_cross_entropy_stats(
+        logits_rows, target_rows, smoothing, ignore_index, process_group, weight, z_loss, softcap
+    )
+    loss, grad_rows = _loss_and_grad_rows(loss_rows, target, grad_loss, reduction, ignore_index, weight)
+    payload = library.cross_entropy_bwd_mxfp8(
+        logits_rows, target_rows, lse, grad_rows, smoothing, ignore_index, fp8_dtype, rowwise, columnwise,
+        scale_layout, *shard, weight, z_loss, softcap,
+    )  # fmt: skip
+    return loss, lse, *payload
 
 
 def _fp8_view(data: torch.Tensor, dtype: torch.dtype, shape: torch.Size, reshape: bool) -> torch.Tensor:

@@ -546,6 +546,23 @@ def test_mxfp8_grad_default_grad_loss_is_ones(reduction):
     assert_fused_equals_quantized_grad(case, "e4m3", True, True, "compact", pass_grad_loss=False)
 
 
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_mxfp8_grad_returns_a_detached_loss_of_the_same_bytes(reduction):
+    """Logits and ``grad_loss`` that require grad record no graph (the loss has no ``grad_fn``) and give
+    the bytes of the same call on detached inputs."""
+    case = fixed_mxfp8_case(reduction=reduction)
+    logits, grad_loss = case.logits.clone().requires_grad_(), case.grad_loss.clone().requires_grad_()
+    loss, payload = lowp_ops.cross_entropy_with_mxfp8_grad(logits, case.target, grad_loss, **case.kwargs())
+    want_loss, want = lowp_ops.cross_entropy_with_mxfp8_grad(
+        case.logits, case.target, case.grad_loss, **case.kwargs()
+    )
+    assert loss.grad_fn is None and not loss.requires_grad
+    assert torch.equal(loss.view(torch.int32), want_loss.view(torch.int32))
+    for field in ("row_data", "row_scale", "col_data", "col_scale"):
+        got, expected = getattr(payload, field), getattr(want, field)
+        assert not got.requires_grad and torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+
+
 @pytest.mark.parametrize("fp8_dtype", ["e4m3", "e5m2"])
 def test_mxfp8_grad_dequantizes_close_to_the_oracle_gradient(fp8_dtype):
     """Independent of the byte contract: the row-wise copy is the oracle gradient within FP8 precision."""

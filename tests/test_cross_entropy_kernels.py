@@ -588,13 +588,15 @@ PLAN_VARIANTS = [
     {"dtype": torch.float32},
     {"ignore_index": 3},
     {"mean": False, "fp8": ("e5m2", True, False, "swizzled")},
+    {"grad_loss": "scalar"},
+    {"grad_loss": "rows", "layout": "row-strided"},
     {},
 ]
 
 
 def launcher_outputs(variant: dict, device: str) -> list[torch.Tensor]:
-    """Every output of the four cross-entropy launchers for one shape (40 x 96) and ``variant``'s layout
-    and options, as bit patterns."""
+    """Every output of the six cross-entropy launchers (the MXFP8 loss's and the reduced loss's too) for
+    one shape (40 x 96) and ``variant``'s layout and options, as bit patterns."""
     logits, target = ce_inputs(40, 96, variant.get("dtype", torch.bfloat16), device)
     if variant.get("layout") == "permuted":
         logits = logits.t().contiguous().t()
@@ -615,7 +617,19 @@ def launcher_outputs(variant: dict, device: str) -> list[torch.Tensor]:
     payload = ce_kernels.launch_cross_entropy_bwd_mxfp8(
         logits, target, stats, grad_rows, *options, fp8, rowwise, columnwise, scale_layout, 0, 0, *features
     )
-    outputs = [loss_rows, stats, *reduced, grad, *payload]
+    reduction = "mean" if variant.get("mean", True) else "sum"
+    grad_loss = None
+    if variant.get("grad_loss") == "scalar":
+        grad_loss = (torch.rand((), generator=gen) + 0.5).to(device)
+    elif variant.get("grad_loss") == "rows":  # every other element: a stride the plan must key on
+        reduction, grad_loss = "none", (torch.rand(80, generator=gen) + 0.5).to(device)[::2]
+    fused = ce_kernels.launch_cross_entropy_mxfp8_grad(
+        logits, target, grad_loss, *options, reduction, fp8, rowwise, columnwise, scale_layout, *features
+    )
+    reduced_loss = ce_kernels.launch_cross_entropy_reduced(
+        logits, target, *options, variant.get("mean", True), *features
+    )
+    outputs = [loss_rows, stats, *reduced, grad, *payload, *fused, *reduced_loss]
     return [t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]) for t in outputs]
 
 
@@ -625,11 +639,11 @@ def plans_follow_layouts_and_options(device: str) -> None:
     call made with no plan stored."""
     from lowp_ops.kernels.launch import clear_plans
 
-    for variant in PLAN_VARIANTS:
-        in_sequence = launcher_outputs(variant, device)
+    in_sequence = [launcher_outputs(variant, device) for variant in PLAN_VARIANTS]
+    for variant, got_outputs in zip(PLAN_VARIANTS, in_sequence, strict=True):
         clear_plans()
         fresh = launcher_outputs(variant, device)
-        for index, (got, want) in enumerate(zip(in_sequence, fresh, strict=True)):
+        for index, (got, want) in enumerate(zip(got_outputs, fresh, strict=True)):
             assert got.shape == want.shape and torch.equal(got, want), (variant, index)
 
 
@@ -663,7 +677,8 @@ def test_interp_public_cross_entropy_runs_the_kernels_end_to_end(reduction, spy_
     leaf = logits.clone().requires_grad_()
     loss = lowp_ops.cross_entropy(leaf, target, label_smoothing=0.1, reduction=reduction, classes_last=True)
     (grad,) = torch.autograd.grad(loss, leaf, grad_outputs=grad_loss)
-    assert {"launch_cross_entropy_fwd", "launch_cross_entropy_bwd"} <= set(spy_launchers)
+    forward = "launch_cross_entropy_fwd" if reduction == "none" else "launch_cross_entropy_reduced"
+    assert {forward, "launch_cross_entropy_bwd"} <= set(spy_launchers)
     assert torch.equal(leaf.detach(), logits)
 
     want_loss, want_grad, row_weight = cross_entropy_oracle(
@@ -675,7 +690,7 @@ def test_interp_public_cross_entropy_runs_the_kernels_end_to_end(reduction, spy_
     fused_loss, payload = lowp_ops.cross_entropy_with_mxfp8_grad(
         logits, target, grad_loss, label_smoothing=0.1, reduction=reduction, scale_layout="swizzled"
     )
-    assert "launch_cross_entropy_bwd_mxfp8" in spy_launchers
+    assert "launch_cross_entropy_mxfp8_grad" in spy_launchers
     assert torch.equal(bits(fused_loss), bits(loss.detach()))
     quantized = lowp_ops.mxfp8_quantize(grad, scale_layout="swizzled")
     for field in ("row_data", "row_scale", "col_data", "col_scale"):

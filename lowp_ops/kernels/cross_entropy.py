@@ -29,11 +29,10 @@ from ..meta.checks import require
 from ..meta.cross_entropy import (
     LOG_SUM,
     SHIFT,
-    check_grad_loss,
-    check_reduction,
     cross_entropy_bwd_mxfp8_outputs,
     cross_entropy_bwd_output,
     cross_entropy_fwd_outputs,
+    cross_entropy_mxfp8_grad_outputs,
     cross_entropy_reduce_outputs,
     cross_entropy_scale_grad_output,
     row_loss_and_stats_outputs,
@@ -389,6 +388,8 @@ _FWD_PLANS = PlanCache()
 _REDUCE_PLANS = PlanCache()
 _BWD_PLANS = PlanCache()
 _BWD_MXFP8_PLANS = PlanCache()
+_MXFP8_GRAD_PLANS = PlanCache()  # the three steps of the MXFP8 loss under one key
+_REDUCED_PLANS = PlanCache()  # the forward and the reduction under one key
 
 
 def _fwd_plan(logits, target, label_smoothing, ignore_index, weight, z_loss, softcap, block, num_warps):
@@ -855,26 +856,56 @@ def launch_cross_entropy_mxfp8_grad(
     z_loss: float = 0.0,
     softcap: float = 0.0,
 ) -> tuple[torch.Tensor, ...]:
-    """``lowp::cross_entropy_mxfp8_grad``: :func:`launch_cross_entropy_fwd`, for ``mean`` / ``sum``
-    :func:`launch_cross_entropy_reduce`, then :func:`launch_cross_entropy_bwd_mxfp8` (three launches, one
-    op: the reference's steps, each launcher's bytes)."""
-    check_reduction(reduction)
-    rows = logits.shape[0]
-    check_grad_loss(grad_loss, (rows,) if reduction == "none" else (), logits.device)
-    loss, stats = launch_cross_entropy_fwd(
-        logits, target, label_smoothing, ignore_index, weight, z_loss, softcap
-    )
-    grad_scale = None
-    if reduction != "none":
-        loss, grad_scale = launch_cross_entropy_reduce(
-            loss, target, ignore_index, reduction == "mean", weight
-        )
-    grad_rows = loss_grad_rows(grad_loss, grad_scale, rows, loss)
-    payload = launch_cross_entropy_bwd_mxfp8(
-        logits, target, stats, grad_rows, label_smoothing, ignore_index, fp8_dtype, rowwise, columnwise,
-        scale_layout, 0, 0, weight, z_loss, softcap,
+    """``lowp::cross_entropy_mxfp8_grad``: the plans of :func:`launch_cross_entropy_fwd`, for ``mean`` /
+    ``sum`` :func:`launch_cross_entropy_reduce`, then :func:`launch_cross_entropy_bwd_mxfp8` (three
+    launches, one op: the reference's steps, each launcher's bytes), from one plan per specialization
+    (:data:`_MXFP8_GRAD_PLANS`): one key a call where the three launchers would build three."""
+    key = (
+        logits.shape, logits.stride(), logits.dtype, logits.device, logits.data_ptr() % 16 == 0,
+        target.shape, target.stride(), target.dtype, target.device, tensor_key(grad_loss), label_smoothing,
+        ignore_index, reduction, fp8_dtype, rowwise, columnwise, scale_layout, tensor_key(weight), z_loss,
+        softcap,
     )  # fmt: skip
-    return loss, stats, *payload
+    args = (
+        logits, target, grad_loss, label_smoothing, ignore_index, reduction, fp8_dtype, rowwise, columnwise,
+        scale_layout, weight, z_loss, softcap,
+    )  # fmt: skip
+    return _MXFP8_GRAD_PLANS.get(key, _mxfp8_grad_plan, *args)(logits, target, grad_loss, weight)
+
+
+def _mxfp8_grad_plan(
+    logits, target, grad_loss, label_smoothing, ignore_index, reduction, fp8_dtype, rowwise, columnwise,
+    scale_layout, weight, z_loss, softcap,
+):  # fmt: skip
+    """:func:`launch_cross_entropy_mxfp8_grad` for arguments of these layouts and values (and the logits'
+    16-byte alignment): the three launchers' plans for the tensors the steps pass each other, built from
+    stand-ins of those tensors' layouts; a function of ``(logits, target, grad_loss, weight)``."""
+    cross_entropy_mxfp8_grad_outputs(
+        logits, target, grad_loss, label_smoothing, ignore_index, reduction, fp8_dtype, rowwise, columnwise,
+        scale_layout, weight, z_loss, softcap,
+    )  # fmt: skip
+    rows = logits.shape[0]
+    fwd = _fwd_plan(logits, target, label_smoothing, ignore_index, weight, z_loss, softcap, None, None)
+    loss_rows, stats = row_loss_and_stats_outputs(logits, rows)  # the forward's outputs' layouts
+    reduce = grad_scale = None
+    if reduction != "none":
+        reduce = _reduce_plan(loss_rows, target, ignore_index, reduction == "mean", weight)
+        grad_scale = loss_rows.new_empty(())
+    grad_rows = loss_grad_rows(grad_loss, grad_scale, rows, loss_rows)
+    bwd = _bwd_mxfp8_plan(
+        logits, target, stats, grad_rows, label_smoothing, ignore_index, fp8_dtype, rowwise, columnwise,
+        scale_layout, 0, 0, weight, z_loss, softcap, None, None, None,
+    )  # fmt: skip
+
+    def call(logits, target, grad_loss, weight):
+        loss, stats = fwd(logits, target, weight)
+        grad_scale = None
+        if reduce is not None:
+            loss, grad_scale = reduce(loss, target, weight)
+        grad_rows = loss_grad_rows(grad_loss, grad_scale, rows, loss)
+        return loss, stats, *bwd(logits, target, stats, grad_rows, weight)
+
+    return call
 
 
 # H200, 8192 rows, graph GPU time: 4096 per iteration 4.72 us, 8192 2.68 us (8 or 16 warps), 2048 6.25 us.
@@ -987,12 +1018,28 @@ def launch_cross_entropy_reduced(
     z_loss: float = 0.0,
     softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``lowp::cross_entropy_reduced``: :func:`launch_cross_entropy_fwd`, then
-    :func:`launch_cross_entropy_reduce`."""
-    loss_rows, stats = launch_cross_entropy_fwd(
-        logits, target, label_smoothing, ignore_index, weight, z_loss, softcap
-    )
-    return (*launch_cross_entropy_reduce(loss_rows, target, ignore_index, mean, weight), stats)
+    """``lowp::cross_entropy_reduced``: the plans of :func:`launch_cross_entropy_fwd`, then
+    :func:`launch_cross_entropy_reduce`, under one key (:data:`_REDUCED_PLANS`)."""
+    key = (
+        logits.shape, logits.stride(), logits.dtype, logits.device, target.shape, target.stride(),
+        target.dtype, target.device, label_smoothing, ignore_index, mean, tensor_key(weight), z_loss, softcap,
+    )  # fmt: skip
+    args = (logits, target, label_smoothing, ignore_index, mean, weight, z_loss, softcap)
+    return _REDUCED_PLANS.get(key, _reduced_plan, *args)(logits, target, weight)
+
+
+def _reduced_plan(logits, target, label_smoothing, ignore_index, mean, weight, z_loss, softcap):
+    """:func:`launch_cross_entropy_reduced` for arguments of these layouts and values: a function of
+    ``(logits, target, weight)``."""
+    fwd = _fwd_plan(logits, target, label_smoothing, ignore_index, weight, z_loss, softcap, None, None)
+    loss_rows = row_loss_and_stats_outputs(logits, logits.shape[0])[0]  # the forward's loss layout
+    reduce = _reduce_plan(loss_rows, target, ignore_index, mean, weight)
+
+    def call(logits, target, weight):
+        loss_rows, stats = fwd(logits, target, weight)
+        return (*reduce(loss_rows, target, weight), stats)
+
+    return call
 
 
 def launch_cross_entropy_grad_scale(
