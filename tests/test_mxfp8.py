@@ -845,6 +845,18 @@ def test_container_checks_its_other_fields():
             lowp_ops.MXFP8Tensor(**kwargs)
 
 
+def test_op_outputs_container_is_built_by_the_constructor_under_dynamo(monkeypatch):
+    """Eagerly the op's outputs skip the field checks; under Dynamo the dataclass constructor builds the
+    container (torch 2.11's Dynamo, the GPU image's, breaks the graph on the unchecked path's instance
+    dict update; torch 2.13's traces both, so the branch itself is what is tested here)."""
+    q = lowp_ops.mxfp8_quantize(torch.randn(40, 70), "e5m2")
+    fields = (q.row_data, q.row_scale, q.col_data, None, "e5m2", "compact", q.shape)  # col_scale missing
+    assert lowp_ops.MXFP8Tensor.of_op_outputs(*fields).col_scale is None  # eager: not checked
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with pytest.raises(ValueError, match="col_data and col_scale must both be given"):
+        lowp_ops.MXFP8Tensor.of_op_outputs(*fields)
+
+
 def test_compiled_function_returns_the_container_without_recompiles():
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(
