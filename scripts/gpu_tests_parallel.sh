@@ -1,66 +1,41 @@
 #!/usr/bin/env bash
-# The whole GPU suite in five concurrent pytest processes (compiles are CPU-bound; the tests are small
-# for an H200's memory), then every cudagraph test in its own process. $OUT (or a temporary directory)
-# gets at most four files, written as each stage ends, so a run cut short still leaves its results:
-# summary.log (each group's last line, then one PASS/SKIP/FAIL line per cudagraph test), gpu_failures.log
-# (the failing tests' assertion lines of every group), gpu_groups.log (the groups' whole output) and
-# cudagraph_output.log. Raw per-process logs stay in a temporary directory. Arguments "name=file,file"
-# replace the groups (and limit the cudagraph tests to those files). H200, 2026-12-01: 640 passed,
-# 20 skipped (two-GPU tests) in 5 min 12 s, then 18 of the 19 cudagraph tests in the next ~3 min (the
-# tiny-MoE one alone takes ~70 s). 2026-12-04 the groups outgrew one 600 s device call (lmhead 394 s,
-# nvfp4 378 s, moe 213 s; loss and rest past 420 s): give groups as arguments to split the suite in two.
+# The whole GPU suite: every `-m "gpu and not cudagraph"` test spread over GPU_WORKERS (default 12)
+# pytest-xdist workers, test by test (compiles are CPU-bound, the tests small for an H200's memory), then
+# every cudagraph test in its own process, CUDAGRAPH_JOBS (default 6) at a time. Arguments (test files,
+# or the older "name=file,file" groups) limit both stages to those files. $OUT (or a temporary
+# directory) gets, as each stage ends: summary.log (the suite's last line, then one PASS/SKIP/FAIL line
+# per cudagraph test), gpu_failures.log (failing tests and their assertion lines), gpu.log (the whole
+# output) and cudagraph_output.log. GPU_TEST_SECONDS (default 420) bounds the first stage. Until
+# 2026-12-04 the suite ran as five processes of whole files, which outgrew one 600 s device call.
 # Exits nonzero if any test failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$(mktemp -d)}"
 raw="$(mktemp -d)"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-limit="${GPU_TEST_SECONDS:-420}"
-declare -A groups=(
-    [loss]="tests/test_cross_entropy_kernels.py tests/test_softmax_kernels.py tests/test_vocab_parallel.py tests/test_linear_vocab_parallel.py"
-    [nvfp4]="tests/test_nvfp4_kernels.py tests/test_nvfp4_decode.py"
-    [moe]="tests/test_grouped_mlp.py tests/test_swiglu_kernels.py tests/test_train_tiny_moe.py tests/test_mxfp8_gemm.py"
-    [lmhead]="tests/test_linear_cross_entropy.py tests/test_linear_cross_entropy_kernels.py tests/test_mxfp8_kernels.py"
-)
-cudagraph_files=(tests)
-if [ $# -gt 0 ]; then
-    # Groups given as arguments, "name=file,file,...": only those files, their cudagraph tests included.
-    groups=()
-    cudagraph_files=()
-    for spec in "$@"; do
-        groups[${spec%%=*}]="${spec#*=}"
-        groups[${spec%%=*}]="${groups[${spec%%=*}]//,/ }"
-        IFS=, read -ra listed <<< "${spec#*=}"
-        cudagraph_files+=("${listed[@]}")
-    done
-else
-    # Any other test file (one added later) in a fifth process.
-    rest="tests"
-    for files in "${groups[@]}"; do
-        for file in $files; do rest+=" --ignore=$file"; done
-    done
-    groups[rest]="$rest"
-fi
-pids=()
-for name in "${!groups[@]}"; do
-    # shellcheck disable=SC2086 # the group is a list of files
-    TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" timeout "$limit" python3 -m pytest -q -m "gpu and not cudagraph" \
-        ${groups[$name]} > "$raw/gpu_$name.log" 2>&1 &
-    pids+=("$!:$name")
+files=()
+for spec in "$@"; do
+    IFS=, read -ra listed <<< "${spec#*=}"
+    files+=("${listed[@]}")
 done
+[ ${#files[@]} -eq 0 ] && files=(tests)
+# worksteal rebalances the long tests that land on one worker (pytest-xdist >= 3.2).
+dist=load
+python3 -c "import sys, xdist; sys.exit(tuple(map(int, xdist.__version__.split('.')[:2])) < (3, 2))" 2>/dev/null \
+    && dist=worksteal
+TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" timeout "${GPU_TEST_SECONDS:-420}" python3 -m pytest -q \
+    -m "gpu and not cudagraph" -n "${GPU_WORKERS:-12}" --dist "$dist" -p no:cacheprovider "${files[@]}" \
+    > "$OUT/gpu.log" 2>&1
+status=$?
+echo "gpu: exit $status, $(tail -n 1 "$OUT/gpu.log")" | tee -a "$OUT/summary.log"
 failed=0
-for entry in "${pids[@]}"; do
-    wait "${entry%%:*}"
-    status=$?
-    echo "gpu ${entry#*:}: exit $status, $(tail -n 1 "$raw/gpu_${entry#*:}.log")" | tee -a "$OUT/summary.log"
-    [ "$status" -ne 0 ] && [ "$status" -ne 5 ] && failed=1
-done
-cat "$raw"/gpu_*.log > "$OUT/gpu_groups.log"
-grep -h -E "^(FAILED|ERROR)|^E   " "$raw"/gpu_*.log > "$OUT/gpu_failures.log"
-# Each cudagraph test in its own process, CUDAGRAPH_JOBS (default four) at a time.
-mapfile -t ids < <(python3 -m pytest --collect-only -q -m cudagraph "${cudagraph_files[@]}" 2>/dev/null | grep "::")
-printf '%s\n' "${ids[@]}" | xargs -P "${CUDAGRAPH_JOBS:-4}" -I{} bash -c \
-    'out="$(timeout 300 python3 -m pytest -q "$1" 2>&1)"; s=$?; printf -- "---- %s\n%s\n" "$1" "$out" >> "$2/cudagraph_$BASHPID.log";
+[ "$status" -ne 0 ] && [ "$status" -ne 5 ] && failed=1
+grep -E "^(FAILED|ERROR)|^E   " "$OUT/gpu.log" > "$OUT/gpu_failures.log"
+# Each cudagraph test in its own process.
+mapfile -t ids < <(python3 -m pytest --collect-only -q -m cudagraph "${files[@]}" 2>/dev/null | grep "::")
+printf '%s\n' "${ids[@]}" | xargs -P "${CUDAGRAPH_JOBS:-6}" -I{} bash -c \
+    'out="$(timeout 300 python3 -m pytest -q -p no:cacheprovider "$1" 2>&1)"; s=$?
+     printf -- "---- %s\n%s\n" "$1" "$out" >> "$2/cudagraph_$BASHPID.log"
      last="$(tail -n 1 <<< "$out")"
      if [ $s -ne 0 ]; then echo "FAIL (exit $s) $1"; elif grep -q passed <<< "$last"; then echo "PASS $1"; else echo "SKIP $1 ($last)"; fi' \
     _ {} "$raw" \

@@ -331,8 +331,7 @@ def nvfp4_amax_kernel(
     cols,
     split_ptr,
     experts,
-    abs_amax_bits_ptr,
-    rht_amax_bits_ptr,
+    amax_bits_ptr,
     TILE_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     ABS_AMAX: tl.constexpr,
@@ -344,8 +343,9 @@ def nvfp4_amax_kernel(
     EVEN: tl.constexpr,
     SPLIT_MULTIPLE: tl.constexpr = 1,
 ):
-    """Per expert: max |x| and/or max |bf16(RHT16 along the rows of x)|, as an integer atomic max of
-    the fp32 bits (|v| >= 0 orders like its bits; a NaN sorts above Inf and wins)."""
+    """Per expert e: max |x| at ``amax_bits_ptr[e]`` and/or max |bf16(RHT16 along the rows of x)| at
+    ``amax_bits_ptr[experts + e]`` (zeroed beforehand), as an integer atomic max of the fp32 bits
+    (|v| >= 0 orders like its bits; a NaN sorts above Inf and wins)."""
     tile, col_tile = program_tile(cols, BLOCK_COLS, GRID_ALONG_ROWS)
     expert, n_rows, row0, local_row0, _ = tile_coordinates(
         split_ptr, experts, rows, tile, TILE_ROWS, EXPERTS_POW2, GROUPED, False, SPLIT_MULTIPLE
@@ -366,14 +366,17 @@ def nvfp4_amax_kernel(
     if ABS_AMAX:
         amax = tl.reduce(tl.reshape(tl.abs(x), [TILE_ROWS * BLOCK_COLS]), 0, _max_keep_nan)
         tl.atomic_max(
-            abs_amax_bits_ptr + expert, amax.to(tl.int32, bitcast=True), mask=expert < experts, sem="relaxed"
+            amax_bits_ptr + expert, amax.to(tl.int32, bitcast=True), mask=expert < experts, sem="relaxed"
         )
     if RHT_AMAX:
         y = tl.abs(hadamard16_rows(x, TILE_ROWS, BLOCK_COLS))
         # max |bf16(y)| == bf16(max |y|) (docs/nvfp4.md#amax-of-a-rounded-tensor): round the tile max only.
         amax = round_to_bf16(tl.reduce(tl.reshape(y, [TILE_ROWS * BLOCK_COLS]), 0, _max_keep_nan))
         tl.atomic_max(
-            rht_amax_bits_ptr + expert, amax.to(tl.int32, bitcast=True), mask=expert < experts, sem="relaxed"
+            amax_bits_ptr + experts + expert,
+            amax.to(tl.int32, bitcast=True),
+            mask=expert < experts,
+            sem="relaxed",
         )
 
 
@@ -515,8 +518,7 @@ def nvfp4_quantize_kernel(
     PARTIAL_TILES: tl.constexpr = True,
     TAIL_TILES: tl.constexpr = False,
     SPLIT_MULTIPLE: tl.constexpr = 1,
-    COPY_AMAX_ROW: tl.constexpr = False,
-    COPY_AMAX_COL: tl.constexpr = False,
+    COPY_AMAXES: tl.constexpr = False,
 ):
     """One program: a TILE_ROWS x BLOCK_COLS tile of one expert, read once; both copies from registers.
     Column-wise data of expert e is its own (cols, n_rows / 2) matrix starting at byte
@@ -526,15 +528,13 @@ def nvfp4_quantize_kernel(
     whether this launch quantizes such tiles / the others (a launch of one kind compiles one path);
     TAIL_TILES: the grid's rows are the experts, each program its expert's last, partial, tile (the
     only partial ones, so a launch for them needs E rows of programs, not the whole grid's).
-    COPY_AMAX_ROW / COPY_AMAX_COL: the first program also copies the (given) amaxes read at
-    ``amax_*_ptr`` to the op's amax outputs at ``amax_*_out_ptr`` (no copy launch of their own)."""
-    if COPY_AMAX_ROW or COPY_AMAX_COL:  # noqa: SIM102 (a compile-time switch, then a run-time test)
+    COPY_AMAXES: the first program also copies the amaxes read at ``amax_*_ptr`` (given, or the amax
+    kernel's) to the op's amax outputs at ``amax_*_out_ptr`` (no copy launch of their own)."""
+    if COPY_AMAXES:  # noqa: SIM102 (a compile-time switch, then a run-time test)
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             e = tl.arange(0, EXPERTS_POW2)
-            if COPY_AMAX_ROW:
-                tl.store(amax_row_out_ptr + e, tl.load(amax_row_ptr + e, mask=e < experts), mask=e < experts)
-            if COPY_AMAX_COL:
-                tl.store(amax_col_out_ptr + e, tl.load(amax_col_ptr + e, mask=e < experts), mask=e < experts)
+            tl.store(amax_row_out_ptr + e, tl.load(amax_row_ptr + e, mask=e < experts), mask=e < experts)
+            tl.store(amax_col_out_ptr + e, tl.load(amax_col_ptr + e, mask=e < experts), mask=e < experts)
     tile, col_tile = program_tile(cols, BLOCK_COLS, GRID_ALONG_ROWS)
     expert, n_rows, row0, local_row0, scale_col0 = tile_coordinates(
         split_ptr, experts, rows, tile, TILE_ROWS, EXPERTS_POW2, GROUPED, TAIL_TILES, SPLIT_MULTIPLE
@@ -611,15 +611,14 @@ def _launch_plan(
     split_full_tiles: bool = False,
 ):
     """The launches of one specialization, fixed once: a function ``run(x2d, split_sizes, outputs,
-    given_row, given_col, sr_seed)`` that fills the amaxes (given ones copied, missing ones by the amax
-    kernel), then quantizes (grouped with ``split_full_tiles``: the tiles wholly inside their expert in a
-    launch of their own). ``given_row`` / ``given_col``: whether the call passes those amaxes."""
+    given_row, given_col, sr_seed)`` that computes the amaxes not given (the amax kernel, into one zeroed
+    buffer), then quantizes (grouped with ``split_full_tiles``: the tiles wholly inside their expert in
+    a launch of their own), copying the amaxes it used to the op's outputs. ``given_row`` /
+    ``given_col``: whether the call passes those amaxes."""
     # (TILE_ROWS, BLOCK_COLS, num_warps[, grid along rows[, register cap]]); defaults: along rows, no cap.
     tile_rows, block_cols, num_warps, along_rows, maxnreg = (*config, *(True, None)[len(config) - 3 :])
     need_abs = not given_row or (columnwise and not rht and not given_col)
     need_rht = columnwise and rht and not given_col
-    # The abs amax goes to the row-wise output unless that is given (then a buffer of its own, if needed).
-    abs_apart = need_abs and given_row
     common = {
         "TILE_ROWS": tile_rows,
         "BLOCK_COLS": block_cols,
@@ -639,40 +638,36 @@ def _launch_plan(
     amax_launch = None
     if (need_abs or need_rht) and not empty:
         amax_launch = nvfp4_amax_kernel.bind(grid, ABS_AMAX=need_abs, RHT_AMAX=need_rht, **common)
-    # The quantize kernel copies into the op's amax outputs the amaxes it read where they differ.
-    copies = {"COPY_AMAX_ROW": given_row, "COPY_AMAX_COL": not (columnwise and rht and not given_col)}
     flags = {"ROWWISE": rowwise, "COLWISE": columnwise, "RHT": rht, "BLOCK_2D": block_2d}
     flags |= {"STOCHASTIC": stochastic, **common}
-    launches = [nvfp4_quantize_kernel.bind(grid, **flags, **copies)]
+    launches = [nvfp4_quantize_kernel.bind(grid, **flags, COPY_AMAXES=True)]
     if split_full_tiles and common["EVEN_COLS"]:  # otherwise no tile takes the maskless path
         tails = (experts * n_col_tiles,) if along_rows else (experts, n_col_tiles)
         launches = [
-            nvfp4_quantize_kernel.bind(grid, **flags, PARTIAL_TILES=False, **copies),
+            nvfp4_quantize_kernel.bind(grid, **flags, PARTIAL_TILES=False, COPY_AMAXES=True),
             nvfp4_quantize_kernel.bind(tails, **flags, FULL_TILES=False, TAIL_TILES=True),
         ]
 
     def run(x2d, split_sizes, outputs, given_row, given_col, sr_seed) -> None:
         row_data, row_scale, col_data, col_scale, amax_row, amax_col = outputs
         source = (x2d, row_stride, rows, cols, split_sizes, experts)  # both kernels' first arguments
-        abs_amax = torch.empty_like(amax_row) if abs_apart else amax_row
         if need_abs or need_rht:
-            abs_amax.view(torch.int32).zero_()
-            if need_rht:
-                amax_col.view(torch.int32).zero_()
+            # The amax kernel's accumulators, max |x| then max |RHT(x)| per expert: one fill for both.
+            found = torch.zeros(2 * experts, dtype=torch.float32, device=x2d.device)
             if amax_launch is not None:
-                amax_launch(*source, abs_amax.view(torch.int32), amax_col.view(torch.int32))
+                amax_launch(*source, found.view(torch.int32))
+            found_abs, found_rht = found[:experts], found[experts:]
         # Where the kernel reads each amax from: a given one, or the one the amax kernel computed.
-        source_row = amax_row if given_row is None else given_row.reshape(experts)
+        source_row = found_abs if given_row is None else given_row.reshape(experts)
         if not columnwise:
             source_col = source_row
         elif given_col is not None:
             source_col = given_col.reshape(experts)
         else:
-            source_col = amax_col if rht else abs_amax
+            source_col = found_rht if rht else found_abs
         if empty:  # no quantize launch to copy them
-            for out, amax in ((amax_row, source_row), (amax_col, source_col)):
-                if amax is not out:
-                    out.copy_(amax)
+            amax_row.copy_(source_row)
+            amax_col.copy_(source_col)
             return
         sr_state = amax_row if sr_seed is None else sr_seed.reshape(2).contiguous()  # unused without SR
         row_scale_cols, col_scale_cols = row_scale.shape[1], col_scale.shape[1]

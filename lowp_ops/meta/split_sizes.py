@@ -104,12 +104,11 @@ def check_split_sizes(
 
 def host_check_wanted(t: torch.Tensor) -> bool:
     """Whether the values of ``t`` are to be read and checked now (see the module docstring)."""
-    device = t.device.type
-    if _mode == "off" or (device != "cpu" and _mode != "all"):  # the common CUDA call returns here
+    if _mode == "off" or (not t.is_cpu and _mode != "all"):  # the common CUDA call returns here
         return False
-    if device == "meta" or torch.compiler.is_compiling() or is_fake(t):
+    if t.is_meta or torch.compiler.is_compiling() or is_fake(t):
         return False
-    return device == "cpu" or not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+    return t.is_cpu or not (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def check_split_size_values(
