@@ -94,9 +94,10 @@ def linear_cross_entropy(
             its logits chunk) or ``chunk·V·(b + 2.06)`` bytes (MXFP8; on sm90 plus ``2·chunk·V`` unless
             the inputs are bf16, whose dead logits chunk takes the dequantized copy), b the inputs'
             element size; see :mod:`lowp_ops.meta.linear_cross_entropy`. With None, a reduced
-            loss, a bf16 gradient that ``weight`` needs and at most H tokens, the logits are not chunked
-            at all: they live in ``weight``'s gradient until the wgrad GEMMs overwrite them, and the peak
-            is ``3072·N·b`` bytes beyond the gradients (on CUDA and under the Triton interpreter).
+            loss, a bf16 gradient that ``weight`` needs, at most H tokens and at least 2^25 logits, the
+            logits are not chunked at all: they live in ``weight``'s gradient until the wgrad GEMMs
+            overwrite them, and the peak is ``3072·N·b`` bytes beyond the gradients (on CUDA and under
+            the Triton interpreter); fewer logits take one chunk (at most 64 MiB of bf16).
         label_smoothing, ignore_index, reduction: as ``F.cross_entropy``.
         process_group: vocabulary-parallel LM head (:mod:`lowp_ops.distributed`). Each rank passes the
             same ``hidden`` and global ``target`` and the weight rows of its vocabulary shard: equal

@@ -191,8 +191,8 @@ def test_mxfp8_dlogits_are_bytes_of_weighted_cross_entropy_with_mxfp8_grad():
 
 def test_in_gradient_schedule_is_not_taken_with_class_weights():
     h = torch.empty(8, 16)
-    assert lce_kernels.in_gradient_buffer_applies(h, "none", 0, True, (0.0, 0.0, None))
-    assert not lce_kernels.in_gradient_buffer_applies(h, "none", 0, True, (0.0, 0.0, torch.ones(4)))
+    assert lce_kernels.in_gradient_buffer_applies(h, 4, "none", 0, True, (0.0, 0.0, None))
+    assert not lce_kernels.in_gradient_buffer_applies(h, 4, "none", 0, True, (0.0, 0.0, torch.ones(4)))
 
 
 def test_module_holds_ce_weight_as_a_buffer_and_passes_it():

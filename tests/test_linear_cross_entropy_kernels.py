@@ -17,6 +17,7 @@ import lowp_ops
 from lowp_ops.kernels import cross_entropy as ce_kernels
 from lowp_ops.kernels import cross_entropy_columns as columns
 from lowp_ops.kernels import linear_cross_entropy as lce_kernels
+from lowp_ops.meta import linear_cross_entropy as lce_meta
 
 IGNORE = -100
 BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
@@ -214,12 +215,51 @@ def test_weight_gradient_pieces_grow_when_tokens_are_fewer_than_hidden_interp(
 
 def test_schedule_applies_only_where_the_logits_fit():
     h, _, _ = make_inputs(64, 64, 300, torch.bfloat16, device="cpu")
-    assert lce_kernels.in_gradient_buffer_applies(h, "none", 0, True)
-    assert not lce_kernels.in_gradient_buffer_applies(h[:0], "none", 0, True)  # no tokens
-    assert not lce_kernels.in_gradient_buffer_applies(torch.cat([h, h[:1]]), "none", 0, True)  # N > H
-    assert not lce_kernels.in_gradient_buffer_applies(h, "mxfp8_e4m3", 0, True)
-    assert not lce_kernels.in_gradient_buffer_applies(h, "none", 64, True)  # an explicit chunk
-    assert not lce_kernels.in_gradient_buffer_applies(h, "none", 0, False)  # no dweight to host them
+    assert lce_kernels.in_gradient_buffer_applies(h, 300, "none", 0, True)
+    assert not lce_kernels.in_gradient_buffer_applies(h[:0], 300, "none", 0, True)  # no tokens
+    assert not lce_kernels.in_gradient_buffer_applies(torch.cat([h, h[:1]]), 300, "none", 0, True)  # N > H
+    assert not lce_kernels.in_gradient_buffer_applies(h, 300, "mxfp8_e4m3", 0, True)
+    assert not lce_kernels.in_gradient_buffer_applies(h, 300, "none", 64, True)  # an explicit chunk
+    assert not lce_kernels.in_gradient_buffer_applies(h, 300, "none", 0, False)  # no dweight to host them
+
+
+def test_schedule_serves_only_calls_of_many_logits(real_in_gradient_threshold):
+    """Outside this test the suite lowers the threshold to 0 (conftest), so that its small shapes run
+    the schedule; here the library's own: 2^25 logits."""
+    threshold = lce_meta.IN_GRADIENT_MIN_LOGITS
+    assert threshold == 2**25
+    for tokens, vocab in ((512, 32000), (1024, 32000), (128, 129280), (256, 129280)):
+        h = torch.empty(tokens, 4096, device="meta", dtype=torch.bfloat16)
+        assert lce_kernels.in_gradient_buffer_applies(h, vocab, "none", 0, True) == (
+            tokens * vocab >= threshold
+        )
+    h = torch.empty(4096, 4096, device="meta", dtype=torch.bfloat16)
+    assert lce_kernels.in_gradient_buffer_applies(h, 129280, "none", 0, True)  # 4096 x 129280 logits
+
+
+@pytest.mark.interp
+def test_small_call_takes_one_chunk_with_the_chunk_schedules_bytes_interp(
+    real_in_gradient_threshold, monkeypatch
+):
+    """Below the threshold an automatic-chunk call runs the chunk schedule in one chunk: the bytes of
+    ``chunk_size=N``, and the in-gradient schedule is not called."""
+    calls = []
+    original = lce_kernels.fwd_bwd_in_gradient_buffer
+    monkeypatch.setattr(lce_kernels, "fwd_bwd_in_gradient_buffer", lambda *a: calls.append(1) or original(*a))
+    h, w, target = make_inputs(64, 128, 1000, torch.bfloat16, device="cpu")
+
+    def grads(chunk_size):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = lowp_ops.linear_cross_entropy(hh, ww, target, chunk_size=chunk_size)
+        loss.backward()
+        return loss, hh.grad, ww.grad
+
+    for auto, one_chunk in zip(grads(None), grads(64), strict=True):
+        assert torch.equal(auto, one_chunk)
+    assert calls == []
+    monkeypatch.setattr(lce_meta, "IN_GRADIENT_MIN_LOGITS", 64 * 1000)  # now the call has enough logits
+    grads(None)
+    assert calls == [1]
 
 
 @pytest.mark.interp

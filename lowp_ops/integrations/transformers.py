@@ -366,9 +366,9 @@ def _causal_lm_loss(
 
 
 def loss_chunk_size(hidden: torch.Tensor, weight: torch.Tensor) -> int | None:
-    """Tokens per chunk of the loss: None (``linear_cross_entropy`` keeps the logits inside ``weight``'s
-    gradient, unchunked) for at most H tokens; else the largest multiple of 256 whose logits hold at most
-    ``LOSS_CHUNK_LOGITS`` elements (at least 256)."""
+    """Tokens per chunk of the loss: None (``linear_cross_entropy``'s automatic choice: the logits inside
+    ``weight``'s gradient, unchunked, or one chunk below 2^25 logits) for at most H tokens; else the
+    largest multiple of 256 whose logits hold at most ``LOSS_CHUNK_LOGITS`` elements (at least 256)."""
     vocab, width = weight.shape
     if hidden.numel() // width <= width:
         return None

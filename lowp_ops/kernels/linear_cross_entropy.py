@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ..formats import ceil_div
+from ..meta import linear_cross_entropy as lce_meta
 from ..meta.linear_cross_entropy import check_scale_by_args
 from ..reference.linear_cross_entropy import Steps, backward_chunks, forward_chunks, fwd_bwd_chunks, scale_by_
 from .bf16_pairs import to_dtype_rne
@@ -121,18 +122,21 @@ def _has_features(z_loss: float = 0.0, softcap: float = 0.0, ce_weight: torch.Te
     return z_loss != 0.0 or softcap != 0.0 or ce_weight is not None
 
 
-def in_gradient_buffer_applies(hidden, grad_format, chunk_size, compute_dweight, features=()) -> bool:
+def in_gradient_buffer_applies(hidden, vocab, grad_format, chunk_size, compute_dweight, features=()) -> bool:
     """Whether :func:`fwd_bwd_in_gradient_buffer` serves a ``linear_cross_entropy_fwd_bwd`` call: bf16
     (input-dtype) gradient, automatic chunk, ``dweight`` wanted, ``0 < N <= H`` so that the logits fit
-    in ``dweight``'s storage, and no loss feature and no class weights (``features``: ``z_loss, softcap,
+    in ``dweight``'s storage, at least ``IN_GRADIENT_MIN_LOGITS`` logits (``N · vocab``; fewer take one
+    chunk, faster), and no loss feature and no class weights (``features``: ``z_loss, softcap,
     ce_weight``; the column kernels, which read the logits along tokens, take none of them: the chunk
     schedule serves those calls with the row kernels, which do)."""
+    n_tokens = hidden.shape[0]
     return (
         not _has_features(*features)
         and grad_format == "none"
         and chunk_size == 0
         and compute_dweight
-        and 0 < hidden.shape[0] <= hidden.shape[1]
+        and 0 < n_tokens <= hidden.shape[1]
+        and n_tokens * vocab >= lce_meta.IN_GRADIENT_MIN_LOGITS
     )
 
 
@@ -186,7 +190,9 @@ def launch_linear_cross_entropy_fwd_bwd(*args):
     else the chunk schedule."""
     hidden, weight, target, row_weight, label_smoothing, ignore_index, grad_format, _, chunk_size = args[:9]
     compute_dhidden, compute_dweight = args[9:11]
-    if in_gradient_buffer_applies(hidden, grad_format, chunk_size, compute_dweight, args[11:]):
+    if in_gradient_buffer_applies(
+        hidden, weight.shape[0], grad_format, chunk_size, compute_dweight, args[11:]
+    ):
         return fwd_bwd_in_gradient_buffer(
             hidden, weight, target, row_weight, label_smoothing, ignore_index, compute_dhidden
         )

@@ -16,9 +16,11 @@ Peak extra memory (beyond inputs and the ``dhidden (N, H)`` / ``dweight (V, H)``
 
 The reduced losses (mean, sum) compute the gradients in the forward and scale them in place in the
 backward, so ``dhidden`` and ``dweight`` exist once. With the automatic chunk, a bf16 gradient that
-``weight`` needs and ``N <= H`` tokens, the CUDA (and interpreted) op keeps the whole ``V x N`` logits
-inside ``dweight``'s storage instead (``lowp_ops.kernels.linear_cross_entropy.fwd_bwd_in_gradient_buffer``):
-peak extra ``min(V, 3072)·N·b`` bytes plus at most 2 MiB of row statistics (3 MiB with label smoothing).
+``weight`` needs, ``N <= H`` tokens and at least ``IN_GRADIENT_MIN_LOGITS`` logits, the CUDA (and
+interpreted) op keeps the whole ``V x N`` logits inside ``dweight``'s storage instead
+(``lowp_ops.kernels.linear_cross_entropy.fwd_bwd_in_gradient_buffer``): peak extra ``min(V, 3072)·N·b``
+bytes plus at most 2 MiB of row statistics (3 MiB with label smoothing). Fewer logits take one chunk
+(peak extra ``N·V·b``, at most 64 MiB of bf16).
 
 The default chunk keeps a logits chunk near 512 MiB of bf16: at V = 129280 that is 2048 tokens, half
 the size of ``dweight`` at H = 4096.
@@ -46,6 +48,10 @@ GRAD_FORMATS = ("none", "mxfp8_e4m3", "mxfp8_e5m2")
 
 LOGITS_CHUNK_ELEMENTS = 2**28
 CHUNK_MULTIPLE = 256
+# Below this many logits (64 MiB of bf16) the in-gradient schedule's eight GEMMs and column kernels cost
+# more than one chunk, host and GPU alike (H200: 1250 / 298 us against 1050 / 226 us fwd+bwd at
+# N 512, H 1024, V 32000; benchmarks/RESULTS.md, "The LM head's schedule at small token counts").
+IN_GRADIENT_MIN_LOGITS = 2**25
 
 
 def default_chunk_size(vocab: int) -> int:
