@@ -1,11 +1,12 @@
 """Host and GPU time of the LM head's two bf16 schedules at small token counts.
 
-With ``chunk_size=None``, a reduced loss and at most H tokens, ``linear_cross_entropy`` keeps the logits
-in ``weight``'s gradient (the in-gradient schedule: eight cuBLAS calls at V 32000, three cross-entropy
-kernels); an explicit ``chunk_size`` takes the chunk schedule (three GEMMs per chunk and the one-pass
-loss and gradient). For each shape: host us per fwd+bwd (``--calls`` back to back, then one sync; median
-of ``--repeats`` alternating loops), GPU us per fwd+bwd (a CUDA graph of 10 calls, median replay), and the
-same for ``F.linear`` + ``F.cross_entropy(x.float())``.
+With ``chunk_size=None``, a reduced loss, at most H tokens and at least ``IN_GRADIENT_MIN_LOGITS``
+logits, ``linear_cross_entropy`` keeps the logits in ``weight``'s gradient (the in-gradient schedule:
+eight cuBLAS calls at V 32000, three cross-entropy kernels; forced here by lowering the threshold to 0);
+an explicit ``chunk_size`` takes the chunk schedule (three GEMMs per chunk and the one-pass loss and
+gradient). For each shape: host us per fwd+bwd (``--calls`` back to back, then one sync; median of
+``--repeats`` alternating loops), GPU us per fwd+bwd (a CUDA graph of 10 calls, median replay), for the
+automatic choice, each schedule, and ``F.linear`` + ``F.cross_entropy(x.float())``.
 
     python benchmarks/probe_lm_head_schedules.py --shapes 512x1024x32000,2048x4096x32000
 """
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import lowp_ops
+from lowp_ops.meta import linear_cross_entropy as lce_meta
 
 try:
     from _common import graph_ms
@@ -32,6 +34,19 @@ def fwd_bwd(loss_fn, hidden, weight):
 
     def call():
         return torch.autograd.grad(loss_fn(hidden, weight), (hidden, weight))
+
+    return call
+
+
+def with_in_gradient_forced(loss_fn):
+    """``loss_fn`` run with the in-gradient schedule's logits threshold at 0 (it serves any N <= H)."""
+
+    def call(*args):
+        threshold, lce_meta.IN_GRADIENT_MIN_LOGITS = lce_meta.IN_GRADIENT_MIN_LOGITS, 0
+        try:
+            return loss_fn(*args)
+        finally:
+            lce_meta.IN_GRADIENT_MIN_LOGITS = threshold
 
     return call
 
@@ -51,8 +66,13 @@ def main() -> None:
         weight.requires_grad_()
         target = torch.randint(0, v, (n,), device="cuda", generator=gen)
         calls = {
-            "lowp, in-gradient (chunk_size=None)": fwd_bwd(
+            "lowp, chunk_size=None (automatic)": fwd_bwd(
                 lambda a, b, t=target: lowp_ops.linear_cross_entropy(a, b, t), hidden, weight
+            ),
+            "lowp, in-gradient schedule": fwd_bwd(
+                with_in_gradient_forced(lambda a, b, t=target: lowp_ops.linear_cross_entropy(a, b, t)),
+                hidden,
+                weight,
             ),
             "lowp, one chunk (chunk_size=N)": fwd_bwd(
                 lambda a, b, t=target, c=n: lowp_ops.linear_cross_entropy(a, b, t, chunk_size=c),
