@@ -8,8 +8,9 @@ export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$(mktemp -d)}"
 status=0
 python -m pytest -q -m "not gpu and not cudagraph and not interp" "$@" || status=$?
 # The interpreter runs each kernel in one Python thread: one worker per core (1.8x on two cores, where
-# the CPU suite, whose compiles use every core already, gained 1.1x and runs as one process).
-TRITON_INTERPRET=1 LOWP_OPS_CPU_KERNELS=triton python -m pytest -q -m interp -n auto "$@"
+# the CPU suite, whose compiles use every core already, gained 1.1x and runs as one process). Worksteal:
+# a worker that runs out takes tests queued on the other (the suite's tests take 0.1-120 s each).
+TRITON_INTERPRET=1 LOWP_OPS_CPU_KERNELS=triton python -m pytest -q -m interp -n auto --dist worksteal "$@"
 interp_status=$?
 # Exit code 5 means "no tests collected": not a failure of this suite.
 [ "$interp_status" -eq 5 ] && interp_status=0
