@@ -50,7 +50,7 @@ from .cross_entropy_math import (
     softcap_logits,
     store_row_loss,
 )
-from .launch import PlanCache, cached_launch
+from .launch import PlanCache, cached_launch, tensor_key
 from .mxfp8 import (
     TRITON_FP8,
     quantize_tile,
@@ -375,11 +375,6 @@ def launch_cross_entropy_fwd(
     )  # fmt: skip
     args = (logits, target, label_smoothing, ignore_index, weight, z_loss, softcap, block, num_warps)
     return _FWD_PLANS.get(key, _fwd_plan, *args)(logits, target, weight)
-
-
-def tensor_key(t: torch.Tensor | None) -> tuple | None:
-    """What a plan depends on of an optional tensor argument: its shape, strides, dtype and device."""
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
 # The launchers' plans (kernels.launch.PlanCache), one per specialization of their arguments: checks,

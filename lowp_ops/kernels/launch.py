@@ -234,6 +234,11 @@ class PlanCache:
         return plan
 
 
+def tensor_key(t: torch.Tensor | None) -> tuple | None:
+    """What a plan depends on of an optional tensor argument: its shape, strides, dtype and device."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
 def clear_plans() -> None:
     """Drop every launcher's plans (for tests that patch a module's configuration or kernels: a plan built
     before would keep the old ones)."""
@@ -277,4 +282,5 @@ __all__ = [
     "cached_launch",
     "clear_plans",
     "rows_with_unit_stride",
+    "tensor_key",
 ]

@@ -43,7 +43,7 @@ from ..meta.nvfp4 import (
     quantize_output_layout,
 )
 from .launch import INTERPRETING_CONSTEXPR as INTERPRETING
-from .launch import PlanCache, cached_launch, rows_with_unit_stride
+from .launch import PlanCache, cached_launch, rows_with_unit_stride, tensor_key
 from .nvfp4_math import (
     SCALE_COLS_MULTIPLE,
     _max_keep_nan,
@@ -696,10 +696,6 @@ def _launch_plan(
 _PLANS = PlanCache()
 
 
-def _tensor_key(t: torch.Tensor | None):
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
-
-
 def launch_nvfp4_quantize(
     x: torch.Tensor,
     rowwise: bool,
@@ -715,7 +711,7 @@ def launch_nvfp4_quantize(
     ``meta.nvfp4.nvfp4_quantize_outputs``. ``config`` = (TILE_ROWS, BLOCK_COLS, num_warps[, grid
     along rows[, register cap]]) overrides the launch configuration (benchmarks, tests)."""
     key = ("quantize", x.shape, x.stride(), x.dtype, x.device, rowwise, columnwise, rht, block_2d, config)
-    key += (_tensor_key(amax_rowwise), _tensor_key(amax_columnwise), _tensor_key(sr_seed))
+    key += (tensor_key(amax_rowwise), tensor_key(amax_columnwise), tensor_key(sr_seed))
     args = (x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d, sr_seed, config)
     return _PLANS.get(key, _quantize_plan, *args)(x, amax_rowwise, amax_columnwise, sr_seed)
 
@@ -773,9 +769,9 @@ def launch_nvfp4_group_quantize(
     the most tiles any split can need, ``(T + E * (TILE_ROWS - 1)) // TILE_ROWS``. ``split_full_tiles``
     (None: where GROUPED_RHT_MAX_REGISTERS says) quantizes the tiles wholly inside their expert in a
     launch of their own."""
-    key = ("group", x.shape, x.stride(), x.dtype, x.device, _tensor_key(split_sizes), rowwise, columnwise)
+    key = ("group", x.shape, x.stride(), x.dtype, x.device, tensor_key(split_sizes), rowwise, columnwise)
     key += (rht, block_2d, config, split_full_tiles)
-    key += (_tensor_key(amax_rowwise), _tensor_key(amax_columnwise), _tensor_key(sr_seed))
+    key += (tensor_key(amax_rowwise), tensor_key(amax_columnwise), tensor_key(sr_seed))
     args = (x, split_sizes, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, sr_seed, block_2d)
     plan = _PLANS.get(key, _group_quantize_plan, *args, config, split_full_tiles)
     # The values of the split sizes, where they are checked on the host (meta.split_sizes): every call.
