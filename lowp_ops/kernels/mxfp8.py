@@ -37,6 +37,7 @@ from ..meta.mxfp8 import (
     quantize_output_layout,
 )
 from .bf16_pairs import to_dtype_rne
+from .launch import INTERPRETING_CONSTEXPR as INTERPRETING
 from .launch import PlanCache, cached_launch
 
 TILE_ROWS = MXFP8_BLOCK_SIZE
@@ -93,7 +94,13 @@ def block_amax(values, axis: tl.constexpr):
     A NaN then keeps its block's scale and encodes as 0x7F alone, as TE's ``fmaxf`` block reduction,
     which starts from 0: the final maxnum with 0 turns an all-NaN block's NaN into 0.
     """
-    return _max_drop_nan(tl.reduce(tl.abs(values), axis, _max_drop_nan), 0.0)
+    magnitude = tl.abs(values)
+    if INTERPRETING:
+        # The same value from numpy's nanmax: the interpreter runs a combine function element by element.
+        amax = tl.max(tl.where(magnitude != magnitude, 0.0, magnitude), axis)
+    else:
+        amax = _max_drop_nan(tl.reduce(magnitude, axis, _max_drop_nan), 0.0)
+    return amax
 
 
 @triton.jit

@@ -46,12 +46,12 @@ from .launch import INTERPRETING_CONSTEXPR as INTERPRETING
 from .launch import PlanCache, cached_launch, rows_with_unit_stride, tensor_key
 from .nvfp4_math import (
     SCALE_COLS_MULTIPLE,
-    _max_keep_nan,
     block_encode_factor,
     e2m1_bytes,
     e4m3_block_scale,
     global_encode_scale,
     hadamard16_rows,
+    max_keep_nan,
     not_nan_mask,
     round_to_bf16,
     round_to_bf16_packed,
@@ -364,14 +364,14 @@ def nvfp4_amax_kernel(
         EVEN,
     )
     if ABS_AMAX:
-        amax = tl.reduce(tl.reshape(tl.abs(x), [TILE_ROWS * BLOCK_COLS]), 0, _max_keep_nan)
+        amax = max_keep_nan(tl.reshape(tl.abs(x), [TILE_ROWS * BLOCK_COLS]), 0)
         tl.atomic_max(
             amax_bits_ptr + expert, amax.to(tl.int32, bitcast=True), mask=expert < experts, sem="relaxed"
         )
     if RHT_AMAX:
         y = tl.abs(hadamard16_rows(x, TILE_ROWS, BLOCK_COLS))
         # max |bf16(y)| == bf16(max |y|) (docs/nvfp4.md#amax-of-a-rounded-tensor): round the tile max only.
-        amax = round_to_bf16(tl.reduce(tl.reshape(y, [TILE_ROWS * BLOCK_COLS]), 0, _max_keep_nan))
+        amax = round_to_bf16(max_keep_nan(tl.reshape(y, [TILE_ROWS * BLOCK_COLS]), 0))
         tl.atomic_max(
             amax_bits_ptr + experts + expert,
             amax.to(tl.int32, bitcast=True),
@@ -425,13 +425,13 @@ def quantize_tile(
     x = load_tile(x_ptr, stride_row, grows, rows_ok, col0, cols, TILE_ROWS, BLOCK_COLS, split_blocks, EVEN)
     if BLOCK_2D:
         tiles = tl.abs(tl.reshape(x, [TILE_ROWS // 16, 16, BLOCK_COLS // 16, 16]))
-        tile_max = tl.reduce(tl.reduce(tiles, 3, _max_keep_nan), 1, _max_keep_nan)
+        tile_max = max_keep_nan(max_keep_nan(tiles, 3), 1)
     if ROWWISE:
         if BLOCK_2D:
             row_max = tl.broadcast_to(tile_max[:, None, :], [TILE_ROWS // 16, 16, BLOCK_COLS // 16])
             row_max = tl.reshape(row_max, [TILE_ROWS, BLOCK_COLS // 16])
         else:
-            row_max = tl.reduce(tl.abs(tl.reshape(x, [TILE_ROWS, BLOCK_COLS // 16, 16])), 2, _max_keep_nan)
+            row_max = max_keep_nan(tl.abs(tl.reshape(x, [TILE_ROWS, BLOCK_COLS // 16, 16])), 2)
         amax_row = tl.load(amax_row_ptr + expert, mask=expert < experts, other=0.0)
         quantize_rowwise_tile(
             x,
@@ -458,7 +458,7 @@ def quantize_tile(
             col_max = tl.broadcast_to(tile_max[:, :, None], [TILE_ROWS // 16, BLOCK_COLS // 16, 16])
             col_max = tl.reshape(col_max, [TILE_ROWS // 16, BLOCK_COLS])
         else:
-            col_max = tl.reduce(tl.abs(tl.reshape(y, [TILE_ROWS // 16, 16, BLOCK_COLS])), 1, _max_keep_nan)
+            col_max = max_keep_nan(tl.abs(tl.reshape(y, [TILE_ROWS // 16, 16, BLOCK_COLS])), 1)
         amax_col = tl.load(amax_col_ptr + expert, mask=expert < experts, other=0.0)
         quantize_columnwise_tile(
             y,

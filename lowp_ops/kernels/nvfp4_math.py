@@ -23,13 +23,27 @@ SHIFTER_FACTOR = tl.constexpr(4194305.0)
 
 
 @triton.jit
-def _max_keep_nan(a, b):
+def maximum_keep_nan(a, b):
+    """Elementwise max, NaN where either is NaN (``max.NaN``)."""
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
 def _min_keep_nan(a, b):
     return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def max_keep_nan(values, axis: tl.constexpr):
+    """Max of ``values`` along ``axis``, NaN where the reduced slice holds a NaN (PTX ``max.NaN``)."""
+    if INTERPRETING:
+        # numpy's nanmax with the NaN put back: the interpreter runs a combine function element by element.
+        is_nan = values != values
+        result = tl.max(tl.where(is_nan, float("-inf"), values), axis)
+        result = tl.where(tl.max(is_nan.to(tl.int32), axis) != 0, float("nan"), result).to(values.dtype)
+    else:
+        result = tl.reduce(values, axis, maximum_keep_nan)
+    return result
 
 
 @triton.jit

@@ -27,6 +27,7 @@ from ..meta.swiglu import dglu_outputs, swiglu_fwd_output
 from .bf16_pairs import to_dtype_rne
 from .launch import INTERPRETING_CONSTEXPR as INTERPRETING
 from .launch import cached_launch, rows_with_unit_stride
+from .nvfp4_math import max_keep_nan, maximum_keep_nan
 from .split_sizes import effective_bounds, expert_of_rows
 
 
@@ -57,11 +58,6 @@ def glu_columns(ffn_idx, ffn, INTERLEAVE: tl.constexpr):
         gate_col = (ffn_idx // INTERLEAVE) * (2 * INTERLEAVE) + ffn_idx % INTERLEAVE
         linear_col = gate_col + INTERLEAVE
     return gate_col, linear_col
-
-
-@triton.jit
-def _max_keep_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @cached_launch
@@ -172,8 +168,8 @@ def dglu_kernel(
         d_gate = scaled * linear * sig * (1.0 + gate * (1.0 - sig))
         d_linear = scaled * swish
         # Masked lanes hold zeros, so they never raise the amax.
-        tile_amax = tl.reduce(_max_keep_nan(tl.abs(d_gate), tl.abs(d_linear)), 1, _max_keep_nan)
-        row_amax = _max_keep_nan(row_amax, tile_amax)
+        tile_amax = max_keep_nan(maximum_keep_nan(tl.abs(d_gate), tl.abs(d_linear)), 1)
+        row_amax = maximum_keep_nan(row_amax, tile_amax)
         d_gate = to_dtype_rne(d_gate, dc_ptr.dtype.element_ty)
         d_linear = to_dtype_rne(d_linear, dc_ptr.dtype.element_ty)
         if EVEN:
