@@ -10,7 +10,7 @@ from torch.nn._reduction import legacy_get_string
 
 from . import library
 from .formats import FP8_DTYPES, MXFP8Tensor
-from .meta.checks import check_int, check_real, require, require_tensor
+from .meta.checks import check_bool, check_int, check_real, require, require_tensor
 from .meta.cross_entropy import (
     LOG_SUM,
     SHIFT,
@@ -126,9 +126,8 @@ def _reduce(
 
 def check_return_flags(return_z_loss, return_lse) -> None:
     """``return_z_loss`` and ``return_lse`` are bools (TypeError naming the argument otherwise)."""
-    for value, name in ((return_z_loss, "return_z_loss"), (return_lse, "return_lse")):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    check_bool(return_z_loss, "return_z_loss")
+    check_bool(return_lse, "return_lse")
 
 
 def loss_extras(
@@ -233,6 +232,7 @@ def cross_entropy(
     _check_loss_args(input, target, ignore_index, label_smoothing, reduction)
     z_loss, softcap = public_z_loss(z_loss), public_softcap(softcap)
     check_return_flags(return_z_loss, return_lse)
+    check_bool(classes_last, "classes_last")
     logits_rows, target_rows = _class_rows(input, target, classes_last)
     overwrite = overwrite_logits is not False and _overwrites(
         overwrite_logits, input, classes_last, process_group
@@ -266,8 +266,7 @@ def _overwrites(overwrite_logits, input: torch.Tensor, classes_last: bool, proce
     arguments checked, and a gradient is needed. The rows :func:`_class_rows` makes alias a contiguous
     input when its classes are last (or it has no dims past the classes); decided from the layout, not by
     comparing data pointers, which Dynamo cannot trace."""
-    if not isinstance(overwrite_logits, bool):
-        raise TypeError(f"overwrite_logits must be a bool, got {type(overwrite_logits).__name__}")
+    check_bool(overwrite_logits, "overwrite_logits")
     require(process_group is None, lambda: "overwrite_logits=True does not combine with process_group")
     require(
         input.is_contiguous() and (classes_last or input.dim() <= 2 or math.prod(input.shape[2:]) == 1),
@@ -344,6 +343,8 @@ def cross_entropy_with_mxfp8_grad(
     logits_rows, target_rows = _class_rows(logits, target, classes_last=True)
     fp8_dtype = normalize_fp8_dtype(fp8_dtype)
     check_scale_layout(scale_layout)
+    check_bool(rowwise, "rowwise")
+    check_bool(columnwise, "columnwise")
     require(rowwise or columnwise, lambda: "at least one of rowwise and columnwise must be True")
     args = (
         logits_rows, target_rows, target, grad_loss, float(label_smoothing), ignore_index, reduction,
@@ -426,9 +427,18 @@ def _check_softmax_input(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Te
     return x
 
 
+def _dim_index(dim, ndim: int) -> int:
+    """``dim`` (an int in ``[-ndim, ndim)``, as torch takes it) as an index in ``[0, ndim)``; IndexError
+    naming ``dim`` otherwise (a float or a bool is a TypeError)."""
+    check_int(dim, "dim")
+    if not -ndim <= dim < ndim:
+        raise IndexError(f"dim out of range (expected to be in [{-ndim}, {ndim - 1}], but got {dim})")
+    return dim % ndim
+
+
 def _as_rows(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, tuple[int, ...] | None]:
     """``x`` as (rows, x.shape[dim]) and, when ``dim`` is not last, the moved shape to undo it."""
-    if dim == -1 or dim == x.dim() - 1:
+    if dim == x.dim() - 1:
         return (x if x.dim() == 2 else x.reshape(-1, x.shape[-1])), None
     moved = x.movedim(dim, -1)
     return moved.reshape(-1, moved.shape[-1]), moved.shape
@@ -437,6 +447,7 @@ def _as_rows(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, tuple[int, ...] |
 def _softmax(x: torch.Tensor, dim: int, log: bool, masked_rows: str, dtype) -> torch.Tensor:
     check_masked_rows(masked_rows)
     x = _check_softmax_input(x, dtype)
+    dim = _dim_index(dim, x.dim())
     if x.numel() == 0:  # nothing to compute: torch's own empty result (and gradient)
         return torch.log_softmax(x, dim) if log else torch.softmax(x, dim)
     rows, moved_shape = _as_rows(x, dim)
@@ -475,7 +486,11 @@ def logsumexp(
     math, returned in x's dtype: ``-inf`` for an all ``-inf`` or empty slice, ``inf`` where the slice holds
     ``inf``; differentiable."""
     x = _check_softmax_input(input, None)
-    dims = sorted({d % x.dim() for d in dim}) if isinstance(dim, (tuple, list)) else [dim % x.dim()]
+    if isinstance(dim, (tuple, list)):
+        dims = sorted(_dim_index(d, x.dim()) for d in dim)
+        require(len(set(dims)) == len(dims), lambda: f"dim must not name a dimension twice, got {dim}")
+    else:
+        dims = [_dim_index(dim, x.dim())]
     require(len(dims) >= 1, lambda: "dim must name at least one dimension")
     if x.numel() == 0:
         return torch.logsumexp(x, dims, keepdim)
@@ -531,10 +546,7 @@ def rms_norm(
     require_tensor(weight, "weight")
     check_real(eps, "eps")
     require(eps >= 0, lambda: f"eps must be >= 0, got {eps}")
-    require(
-        isinstance(round_normalized, bool),
-        lambda: f"round_normalized must be a bool, got {round_normalized!r}",
-    )
+    check_bool(round_normalized, "round_normalized")
     require(input.dim() >= 1, lambda: "input must have at least one dimension, got a 0-d tensor")
     rows = input if input.dim() == 2 else input.reshape(-1, input.shape[-1])
     y, _ = library.rms_norm_fwd(rows, weight, float(eps), round_normalized)

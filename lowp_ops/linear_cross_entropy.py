@@ -8,7 +8,7 @@ import torch
 
 from . import library
 from .functional import check_return_flags, loss_extras, reduce_row_losses
-from .meta.checks import require
+from .meta.checks import check_bool, check_int, check_real, require
 from .meta.cross_entropy import check_label_smoothing, check_reduction, public_softcap, public_z_loss
 from .meta.linear_cross_entropy import check_ce_weight, check_chunk_size, check_hidden_weight_target
 from .meta.mxfp8_gemm import check_other_operand
@@ -20,10 +20,7 @@ PUBLIC_GRAD_FORMATS = (None, "mxfp8_e4m3", "mxfp8_e5m2")
 
 
 def _check_process_group(process_group, reduce_hidden_grad) -> None:
-    require(
-        isinstance(reduce_hidden_grad, bool),
-        lambda: f"reduce_hidden_grad must be a bool, got {type(reduce_hidden_grad).__name__}",
-    )
+    check_bool(reduce_hidden_grad, "reduce_hidden_grad")
     if process_group is not None:
         from .distributed import check_process_group
 
@@ -138,6 +135,8 @@ def linear_cross_entropy(
     """
     _check_process_group(process_group, reduce_hidden_grad)
     check_hidden_weight_target(hidden, weight, target)
+    check_int(ignore_index, "ignore_index")
+    check_real(label_smoothing, "label_smoothing")
     check_label_smoothing(label_smoothing)
     check_reduction(reduction)
     require(
@@ -145,6 +144,8 @@ def linear_cross_entropy(
         lambda: f"grad_format must be one of {list(PUBLIC_GRAD_FORMATS)}, got {grad_format!r}",
     )
     check_other_operand(other_operand)
+    if chunk_size is not None:
+        check_int(chunk_size, "chunk_size")
     chunk = 0 if chunk_size is None else chunk_size
     check_chunk_size(chunk)
     require(chunk_size is None or chunk_size > 0, lambda: f"chunk_size must be positive, got {chunk_size}")

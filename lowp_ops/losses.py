@@ -12,18 +12,16 @@ import torch
 
 from .functional import cross_entropy
 from .linear_cross_entropy import linear_cross_entropy
-from .meta.checks import require
+from .meta.checks import check_bool, check_int, check_real, require
 from .meta.cross_entropy import check_label_smoothing, check_reduction, public_softcap, public_z_loss
 
 __all__ = ["CrossEntropyLoss", "LinearCrossEntropyLoss"]
 
 
 def _check_options(ignore_index: int, reduction: str, label_smoothing: float) -> None:
-    require(
-        isinstance(ignore_index, int) and not isinstance(ignore_index, bool),
-        lambda: f"ignore_index must be an int, got {type(ignore_index).__name__}",
-    )
+    check_int(ignore_index, "ignore_index")
     check_reduction(reduction)
+    check_real(label_smoothing, "label_smoothing")
     check_label_smoothing(label_smoothing)
 
 
@@ -43,8 +41,7 @@ def _features(z_loss, lse_square_scale, softcap, return_z_loss) -> dict:
         require(z_loss == 0, lambda: "pass z_loss or lse_square_scale (Liger's name for it), not both")
         z_loss = lse_square_scale
     z_loss, cap = public_z_loss(z_loss), public_softcap(softcap)
-    if not isinstance(return_z_loss, bool):
-        raise TypeError(f"return_z_loss must be a bool, got {type(return_z_loss).__name__}")
+    check_bool(return_z_loss, "return_z_loss")
     features = {"z_loss": z_loss} if z_loss else {}
     features.update({"softcap": softcap} if cap else {})
     features.update({"return_z_loss": True} if return_z_loss else {})

@@ -5,11 +5,21 @@ from __future__ import annotations
 import torch
 
 from . import library
-from .meta.checks import require, require_tensor
+from .meta.checks import check_bool, require, require_tensor
 from .meta.grouped_mm import RECIPES
 from .meta.split_sizes import check_split_sizes
 
 __all__ = ["grouped_swiglu_mlp"]
+
+
+def check_mlp_options(recipe: str, fc1_dy_amax_from_dglu: bool, glu_interleave_size: int | None) -> None:
+    """The experts' options, named when wrong (also checked by ``nn.GroupedSwiGLUMLP`` when built)."""
+    require(recipe in RECIPES, lambda: f"recipe must be one of {RECIPES}, got {recipe!r}")
+    check_bool(fc1_dy_amax_from_dglu, "fc1_dy_amax_from_dglu")
+    require(
+        glu_interleave_size in (None, 32),
+        lambda: f"glu_interleave_size must be None or 32, got {glu_interleave_size!r}",
+    )
 
 
 def grouped_swiglu_mlp(
@@ -36,7 +46,8 @@ def grouped_swiglu_mlp(
         fc2_weight: (E, H, F) bf16, per expert ``nn.Linear(F, H)``.
         split_sizes: (E,) integer tensor on x's device; zeros (empty experts) allowed. Never read on the
             host: forward and backward run without a sync and inside CUDA graphs.
-        probs: (T,) fp32 or bf16 router probabilities, multiplied after the activation, before FC2.
+        probs: (T,) or (T, 1) fp32 or bf16 router probabilities, multiplied after the activation, before
+            FC2.
         recipe: ``"bf16"``, ``"mxfp8"`` or ``"nvfp4"`` (emulated with bf16 grouped GEMMs on Hopper; see
             :mod:`lowp_ops.composite.grouped_linear`). MXFP8 wants split sizes that are multiples of 32,
             NVFP4 of 16.
@@ -51,13 +62,14 @@ def grouped_swiglu_mlp(
     call (``retain_graph=True``) raises; under saved-tensor hooks (checkpointing, CPU offload) they are
     saved tensors as usual (docs/grouped_mlp.md#memory).
     """
-    require(recipe in RECIPES, lambda: f"recipe must be one of {RECIPES}, got {recipe!r}")
-    require_tensor(x, "x")
-    check_split_sizes(split_sizes, experts=fc1_weight.shape[0], device=x.device)
+    check_mlp_options(recipe, fc1_dy_amax_from_dglu, glu_interleave_size)
+    for value, name in ((x, "x"), (fc1_weight, "fc1_weight"), (fc2_weight, "fc2_weight"), (probs, "probs")):
+        require_tensor(value, name)
     require(
-        glu_interleave_size in (None, 32),
-        lambda: f"glu_interleave_size must be None or 32, got {glu_interleave_size!r}",
+        tuple(probs.shape) in ((x.shape[0],), (x.shape[0], 1)),
+        lambda: f"probs must have shape ({x.shape[0]},) or ({x.shape[0]}, 1), got {tuple(probs.shape)}",
     )
+    check_split_sizes(split_sizes, experts=fc1_weight.shape[0], device=x.device)
     y, _, _ = library.grouped_swiglu_mlp(
         x,
         fc1_weight,

@@ -8,9 +8,7 @@ import torch
 
 from .functional import rms_norm
 from .losses import CrossEntropyLoss, LinearCrossEntropyLoss
-from .meta.checks import require
-from .meta.grouped_mm import RECIPES
-from .moe import grouped_swiglu_mlp
+from .moe import check_mlp_options, grouped_swiglu_mlp
 
 __all__ = ["CrossEntropyLoss", "GroupedSwiGLUMLP", "LinearCrossEntropyLoss", "RMSNorm"]
 
@@ -37,7 +35,7 @@ class GroupedSwiGLUMLP(torch.nn.Module):
         dtype: torch.dtype = torch.bfloat16,
     ):
         super().__init__()
-        require(recipe in RECIPES, lambda: f"recipe must be one of {RECIPES}, got {recipe!r}")
+        check_mlp_options(recipe, fc1_dy_amax_from_dglu, glu_interleave_size)
         self.num_experts, self.hidden, self.ffn = num_experts, hidden, ffn
         self.recipe = recipe
         self.fc1_dy_amax_from_dglu = fc1_dy_amax_from_dglu

@@ -6,14 +6,23 @@ import torch
 
 from . import library
 from .formats import NVFP4GroupedTensor, NVFP4Tensor
-from .meta.checks import check_float_dtype, require
+from .meta.checks import check_bool, check_float_dtype, require, require_tensor
 
 __all__ = ["nvfp4_dequantize", "nvfp4_group_quantize", "nvfp4_quantize"]
+
+
+def _check_public_args(x, columnwise: bool, amax_columnwise, rowwise: bool, amax_rowwise) -> None:
+    """What only the public functions check: x is a tensor, and no amax is given for a copy not asked
+    for (it would be ignored)."""
+    require_tensor(x, "x")
+    require(amax_rowwise is None or rowwise, lambda: "amax_rowwise is given but rowwise=False")
+    require(amax_columnwise is None or columnwise, lambda: "amax_columnwise is given but columnwise=False")
 
 
 def _sr_seed(stochastic_rounding: bool, sr_seed: torch.Tensor | None, device) -> torch.Tensor | None:
     """The int64 [seed, offset] of stochastic rounding: the caller's, or drawn on the device from torch's
     generator (graph-safe: no host sync, captured like any random op)."""
+    check_bool(stochastic_rounding, "stochastic_rounding")
     if not stochastic_rounding:
         require(sr_seed is None, lambda: "sr_seed is only used with stochastic_rounding=True")
         return None
@@ -65,6 +74,7 @@ def nvfp4_quantize(
     data with ties to even; ``x_hat = e2m1(q) * fp32(s_b) * amax / 2688``. Triton kernels on CUDA (bit
     for bit the reference, stochastic rounding included), the pure-PyTorch reference on CPU; no host sync.
     """
+    _check_public_args(x, columnwise, amax_columnwise, rowwise, amax_rowwise)
     sr_seed = _sr_seed(stochastic_rounding, sr_seed, x.device)
     # The op checks its arguments before it allocates (meta.nvfp4.check_quantize_args).
     outputs = library.nvfp4_quantize(
@@ -100,6 +110,7 @@ def nvfp4_group_quantize(
     expert's weight rows stacked, as the grouped MLP's NVFP4 recipe quantizes its weights in one call),
     every m_e a multiple of 16, no RHT; otherwise 1x16 blocks.
     """
+    _check_public_args(x, columnwise, amax_columnwise, rowwise, amax_rowwise)
     sr_seed = _sr_seed(stochastic_rounding, sr_seed, x.device)
     # The op checks its arguments before it allocates (meta.nvfp4.check_group_quantize_args).
     outputs = library.nvfp4_group_quantize(

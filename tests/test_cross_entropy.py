@@ -653,6 +653,19 @@ BAD_CALLS = {
         lambda x, t: lowp_ops.cross_entropy_with_mxfp8_grad(x, t, rowwise=False, columnwise=False),
         "rowwise",
     ),
+    # A truthy non-bool would be taken as True (a string "False" included): refused instead.
+    "classes_last str": (
+        lambda x, t: lowp_ops.cross_entropy(x, t, classes_last="False"),
+        "classes_last must be a bool",
+    ),
+    "mxfp8 rowwise str": (
+        lambda x, t: lowp_ops.cross_entropy_with_mxfp8_grad(x, t, rowwise="no"),
+        "rowwise must be a bool",
+    ),
+    "mxfp8 columnwise int": (
+        lambda x, t: lowp_ops.cross_entropy_with_mxfp8_grad(x, t, columnwise=0),
+        "columnwise must be a bool",
+    ),
 }
 
 

@@ -493,6 +493,11 @@ def test_compiled_forward_backward_does_not_recompile_over_token_counts_and_spli
         ({"split_sizes": torch.tensor([4, 4, 4])}, "one entry per expert"),
         ({"split_sizes": torch.tensor([4.0, 4.0])}, "integer tensor"),
         ({"x": torch.zeros(8, 32)}, "x must be bfloat16"),
+        # Another device (meta stands in on a CPU-only machine): the reference would read unwritten memory.
+        ({"fc1_weight": torch.zeros(2, 32, 32, dtype=torch.bfloat16).to("meta")}, "fc1_weight must be on"),
+        ({"fc2_weight": torch.zeros(2, 32, 16, dtype=torch.bfloat16).to("meta")}, "fc2_weight must be on"),
+        ({"probs": torch.ones(8, device="meta")}, "probs must be on"),
+        ({"probs": torch.ones(2, 4)}, r"probs must have shape \(8,\) or \(8, 1\)"),
     ],
 )
 def test_bad_arguments_raise_naming_them(change, match):
@@ -509,6 +514,13 @@ def test_bad_arguments_raise_naming_them(change, match):
         (args if key in args else kwargs)[key] = value
     with pytest.raises(ValueError, match=match):
         lowp_ops.grouped_swiglu_mlp(*args.values(), **kwargs)
+
+
+def test_module_checks_its_options_when_built():
+    with pytest.raises(ValueError, match="glu_interleave_size must be None or 32"):
+        lowp_ops.nn.GroupedSwiGLUMLP(2, 32, 16, glu_interleave_size=16)
+    with pytest.raises(TypeError, match="fc1_dy_amax_from_dglu must be a bool"):
+        lowp_ops.nn.GroupedSwiGLUMLP(2, 32, 16, recipe="nvfp4", fc1_dy_amax_from_dglu="yes")
 
 
 _A, _B = torch.zeros(8, 16, dtype=torch.bfloat16), torch.zeros(2, 16, 4, dtype=torch.bfloat16)

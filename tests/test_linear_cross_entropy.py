@@ -347,6 +347,13 @@ BAD_CALLS = {
     "chunk_size": (dict(chunk_size=0), ValueError, "chunk_size must be positive"),
     "reduction": (dict(reduction="avg"), ValueError, "reduction must be one of"),
     "label_smoothing": (dict(label_smoothing=1.5), ValueError, "label_smoothing must be in"),
+    # int() would truncate these to another class index, or a bool to class 0 / 1: refused instead.
+    "float ignore_index": (dict(ignore_index=2.7), TypeError, "ignore_index must be an int"),
+    "bool ignore_index": (dict(ignore_index=True), TypeError, "ignore_index must be an int"),
+    "tensor label_smoothing": (dict(label_smoothing=torch.tensor(0.1)), TypeError, "label_smoothing must be"),
+    "bool chunk_size": (dict(chunk_size=True), TypeError, "chunk_size must be an int"),
+    "weight device": (dict(weight="meta"), ValueError, "weight must be on hidden's device"),
+    "target device": (dict(target="meta"), ValueError, "target must be on hidden's device"),
 }
 
 
@@ -354,6 +361,10 @@ BAD_CALLS = {
 def test_bad_arguments_raise_naming_the_argument(name):
     h, w, target = make_inputs(n_rows=8)
     kwargs, error, message = BAD_CALLS[name]
+    kwargs = dict(kwargs)
+    # A device mismatch: the meta device stands in for another device on a CPU-only machine.
+    w = w.to(kwargs.pop("weight")) if "weight" in kwargs else w
+    target = target.to(kwargs.pop("target")) if "target" in kwargs else target
     with pytest.raises(error, match=message):
         lowp_ops.linear_cross_entropy(h, w, target, **kwargs)
 

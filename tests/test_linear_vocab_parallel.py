@@ -217,7 +217,7 @@ def test_bad_shard_arguments_are_named(vocab_start, vocab_total, message):
     ("kwargs", "error", "message"),
     [
         (dict(process_group=object()), NotImplementedError, "process_group must be a torch.distributed"),
-        (dict(reduce_hidden_grad="yes"), ValueError, "reduce_hidden_grad must be a bool"),
+        (dict(reduce_hidden_grad="yes"), TypeError, "reduce_hidden_grad must be a bool"),
     ],
 )
 def test_bad_public_arguments_are_named(kwargs, error, message):

@@ -96,7 +96,8 @@ def test_unknown_option_is_rejected_by_the_function():
     [
         ({"reduction": "avg"}, ValueError, "reduction"),
         ({"label_smoothing": 1.5}, ValueError, "label_smoothing"),
-        ({"ignore_index": -100.0}, ValueError, "ignore_index"),
+        ({"ignore_index": -100.0}, TypeError, "ignore_index must be an int"),
+        ({"label_smoothing": torch.tensor(0.1)}, TypeError, "label_smoothing must be a float"),
     ],
 )
 @pytest.mark.parametrize("module", [lowp_ops.nn.CrossEntropyLoss, lowp_ops.nn.LinearCrossEntropyLoss])

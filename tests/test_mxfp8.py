@@ -585,6 +585,13 @@ def test_quantize_rejects_bad_arguments_naming_them(kwargs, match):
         lowp_ops.mxfp8_quantize(**args)
 
 
+@pytest.mark.parametrize(("name", "value"), [("rowwise", "no"), ("columnwise", 0)])
+def test_quantize_rejects_flags_that_are_not_bools(name, value):
+    """A truthy string would otherwise write the copy it seems to turn off."""
+    with pytest.raises(TypeError, match=f"{name} must be a bool"):
+        lowp_ops.mxfp8_quantize(torch.ones(4, 32), **{name: value})
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

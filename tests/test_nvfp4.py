@@ -278,6 +278,10 @@ def test_scale_buffers_are_padded_to_128x4_tiles_with_zeros():
     assert not q.col_scale[50:].any() and not q.col_scale[:, 2:].any()
 
 
+# Another device: meta stands in on a CPU-only machine.
+_ON_META = (torch.ones(1, device="meta"), torch.ones(2, dtype=torch.int64, device="meta"))
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -289,12 +293,38 @@ def test_scale_buffers_are_padded_to_128x4_tiles_with_zeros():
         ({"x": torch.ones(16, 16), "rht": True, "block_2d": True}, "cannot be combined"),
         ({"x": torch.ones(16, 16), "amax_rowwise": torch.ones(2)}, "amax_rowwise must be"),
         ({"x": torch.ones(16, 16), "rowwise": False}, "at least one of rowwise and columnwise"),
+        # A negative amax flips the scales' signs; checked where it is readable without a sync (CPU).
+        ({"x": torch.ones(16, 16), "amax_rowwise": -torch.ones(1)}, "amax_rowwise must be >= 0"),
+        ({"x": torch.ones(16, 16), "amax_columnwise": torch.ones(1)}, "amax_columnwise is given but"),
+        ({"x": torch.ones(16, 16), "amax_rowwise": _ON_META[0]}, "amax_rowwise must be on the"),
+        (
+            {"x": torch.ones(16, 16), "stochastic_rounding": True, "sr_seed": _ON_META[1]},
+            "sr_seed must be on the data's device",
+        ),
     ],
 )
 def test_bad_arguments_raise_naming_them(kwargs, match):
+    kwargs = dict(kwargs)
     x = kwargs.pop("x")
     with pytest.raises(ValueError, match=match):
         lowp_ops.nvfp4_quantize(x, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"x": [[1.0, 2.0]]}, "x must be a Tensor"),
+        ({"amax_rowwise": 1.0}, "amax_rowwise must be a Tensor"),
+        ({"rowwise": "no"}, "rowwise must be a bool"),
+        ({"columnwise": 1}, "columnwise must be a bool"),
+        ({"rht": "yes", "columnwise": True}, "rht must be a bool"),
+        ({"stochastic_rounding": 1}, "stochastic_rounding must be a bool"),
+    ],
+)
+def test_arguments_of_the_wrong_type_raise_naming_them(kwargs, match):
+    args = {"x": torch.ones(16, 16, dtype=torch.bfloat16)} | kwargs
+    with pytest.raises(TypeError, match=match):
+        lowp_ops.nvfp4_quantize(args.pop("x"), **args)
 
 
 @pytest.mark.parametrize("permuted", [False, True])

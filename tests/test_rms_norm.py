@@ -143,7 +143,7 @@ def test_only_x_weight_and_rstd_are_saved():
         ({"weight": torch.ones(8, dtype=torch.bfloat16)}, ValueError, "weight must have x's dtype"),
         ({"eps": "small"}, TypeError, "eps must be a float"),
         ({"eps": -1.0}, ValueError, "eps must be >= 0"),
-        ({"round_normalized": 1}, ValueError, "round_normalized must be a bool"),
+        ({"round_normalized": 1}, TypeError, "round_normalized must be a bool"),
         ({"input": torch.ones(4, 8, dtype=torch.int32)}, ValueError, "x must be float32"),
         ({"input": torch.ones(2, 16385), "weight": torch.ones(16385)}, ValueError, "hidden size must be"),
     ],

@@ -208,6 +208,30 @@ def test_logsumexp_of_all_masked_row_is_minus_inf_like_torch():
     assert lowp_ops.logsumexp(x)[2] == NEG_INF
 
 
+@pytest.mark.parametrize(
+    ("dim", "error", "match"),
+    [
+        (2, IndexError, "dim out of range"),
+        (-3, IndexError, "dim out of range"),
+        ((0, 2), IndexError, "dim out of range"),
+        ((0, -2), ValueError, "must not name a dimension twice"),
+        (1.0, TypeError, "dim must be an int"),
+        (None, TypeError, "dim must be an int"),
+    ],
+)
+@pytest.mark.parametrize("name", ["softmax", "log_softmax", "logsumexp"])
+def test_bad_dim_raises_as_torch_would(name, dim, error, match):
+    """A dim outside [-ndim, ndim) or named twice raises (it once wrapped around modulo ndim)."""
+    if name != "logsumexp" and isinstance(dim, tuple):
+        return  # softmax takes one dim
+    x = torch.randn(3, 4)
+    with pytest.raises(error, match=match):
+        getattr(lowp_ops, name)(x, dim)
+    if not isinstance(dim, float) and dim is not None:  # torch raises too (it accepts neither as its own)
+        with pytest.raises((IndexError, RuntimeError)):
+            getattr(torch, name)(x, dim)
+
+
 @pytest.mark.parametrize("name", ["softmax", "log_softmax"])
 def test_bad_masked_rows_raises_naming_it(name):
     with pytest.raises((RuntimeError, ValueError), match="masked_rows"):

@@ -131,6 +131,14 @@ def test_fp32_probs_get_the_fp32_gradient_and_bf16_probs_its_single_rounding():
             "grad must",
         ),
         (lambda: lowp_ops.dglu(torch.ones(4, 4), torch.ones(4, 8), torch.ones(4), torch.ones(2)), "integer"),
+        # Another device (meta stands in on a CPU-only machine): the reference would return unwritten memory.
+        (
+            lambda: lowp_ops.dglu(
+                torch.ones(4, 4, device="meta"), torch.ones(4, 8), torch.ones(4), torch.tensor([4])
+            ),
+            "grad must be on c's device",
+        ),
+        (lambda: lowp_ops.swiglu(torch.ones(4, 8), torch.ones(4, device="meta")), "probs must be on"),
     ],
 )
 def test_bad_arguments_raise_naming_them(call, match):

@@ -75,7 +75,7 @@ from .. import grouped_swiglu_mlp, library, linear_cross_entropy
 from .. import rms_norm as lowp_rms_norm
 from .. import softmax as lowp_softmax
 from .. import swiglu as lowp_swiglu
-from ..meta.checks import require
+from ..meta.checks import check_bool, require
 from ..meta.rms_norm import MAX_HIDDEN
 
 __all__ = ["apply_lowp_ops"]
@@ -161,9 +161,8 @@ def apply_lowp_ops(
         experts is None or experts in EXPERT_RECIPES,
         lambda: f"experts must be None or one of {EXPERT_RECIPES}, got {experts!r}",
     )
-    for name, flag in (("softmax", softmax), ("mlp", mlp)):
-        if not isinstance(flag, bool):
-            raise ValueError(f"{name} must be a bool, got {type(flag).__name__}")
+    check_bool(softmax, "softmax")
+    check_bool(mlp, "mlp")
     if not (isinstance(rms_norm, bool) or rms_norm == "eager"):
         raise ValueError(f"rms_norm must be True, False or 'eager', got {rms_norm!r}")
     expert_modules = _supported_experts(model) if experts is not None else []

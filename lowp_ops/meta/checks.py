@@ -24,6 +24,12 @@ def check_int(value, name: str) -> None:
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
 
 
+def check_bool(value, name: str) -> None:
+    """``value`` is a bool (an int, a string or a tensor is not), or raise a TypeError naming ``name``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
 def check_real(value, name: str) -> None:
     """``value`` is an int or a float (not a bool, a string or a tensor), or raise a TypeError naming
     ``name``."""

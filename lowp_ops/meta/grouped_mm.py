@@ -19,9 +19,13 @@ def check_recipe(recipe: str) -> None:
     require(recipe in RECIPES, lambda: f"recipe must be one of {RECIPES}, got {recipe!r}")
 
 
-def _check_bf16_matrix(t: torch.Tensor, name: str, dims: int) -> None:
+def _check_bf16_matrix(t: torch.Tensor, name: str, dims: int, device: torch.device | None = None) -> None:
+    """``t`` is a bf16 tensor of ``dims`` dims (on ``device`` when given: x's)."""
     require(t.dim() == dims, lambda: f"{name} must be {dims}-D, got {t.dim()}-D")
     require(t.dtype == torch.bfloat16, lambda: f"{name} must be bfloat16, got {t.dtype}")
+    require(
+        device is None or t.device == device, lambda: f"{name} must be on x's device {device}, got {t.device}"
+    )
 
 
 def grouped_mm_shape(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> tuple[int, ...]:
@@ -97,7 +101,7 @@ def check_grouped_linear(
     split sizes summing to T (multiples of 16 for the NVFP4 recipe), checked on the host where
     ``meta.split_sizes`` says."""
     _check_bf16_matrix(x, "x", 2)
-    _check_bf16_matrix(weight, "weight", 3)
+    _check_bf16_matrix(weight, "weight", 3, x.device)
     require(
         x.shape[1] == weight.shape[2],
         lambda: f"x (T, {x.shape[1]}) and weight (E, N, K={weight.shape[2]}) must share K",
@@ -235,11 +239,12 @@ def check_grouped_swiglu_mlp(
 ) -> None:
     """The checks of :func:`grouped_swiglu_mlp_outputs`, allocating nothing on x's device (the op's
     implementation runs them before computing its outputs)."""
+    _check_bf16_matrix(fc1_weight, "fc1_weight", 3, x.device)
     check_grouped_linear(x, fc1_weight, split_sizes, recipe)
     # c's metadata only: a meta tensor, no memory.
     c = torch.empty((x.shape[0], fc1_weight.shape[1]), dtype=x.dtype, device="meta")
-    check_glu_inputs(c, probs, interleave)
-    _check_bf16_matrix(fc2_weight, "fc2_weight", 3)
+    check_glu_inputs(c, probs, interleave, device=x.device)
+    _check_bf16_matrix(fc2_weight, "fc2_weight", 3, x.device)
     require(
         fc2_weight.shape[-1] % GEMM_ALIGNMENT == 0,
         lambda: f"fc2_weight (E, H, F) needs F a multiple of {GEMM_ALIGNMENT}, got {fc2_weight.shape[-1]}",

@@ -85,7 +85,7 @@ def check_chunk_size(chunk_size: int) -> None:
 
 
 def check_hidden_weight_target(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> None:
-    """Shapes and dtypes of ``hidden (..., H)``, ``weight (V, H)``, ``target (...)``."""
+    """Shapes, dtypes and devices of ``hidden (..., H)``, ``weight (V, H)``, ``target (...)``."""
     require(
         hidden.dtype in HIGH_PRECISION_DTYPES,
         lambda: f"hidden must be float32, bfloat16 or float16, got {hidden.dtype}",
@@ -105,6 +105,14 @@ def check_hidden_weight_target(hidden: torch.Tensor, weight: torch.Tensor, targe
     )
     require(weight.shape[0] >= 1, lambda: "weight must have at least one row (the vocabulary)")
     require(target.dtype in TARGET_DTYPES, lambda: f"target must be int64 or int32, got {target.dtype}")
+    require(
+        weight.device == hidden.device,
+        lambda: f"weight must be on hidden's device {hidden.device}, got {weight.device}",
+    )
+    require(
+        target.device == hidden.device,
+        lambda: f"target must be on hidden's device {hidden.device}, got {target.device}",
+    )
     require(
         target.shape == hidden.shape[:-1],
         lambda: (

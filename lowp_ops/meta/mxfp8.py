@@ -20,7 +20,7 @@ from ..formats import (
     ceil_div,
     round_up,
 )
-from .checks import require
+from .checks import check_bool, require
 
 
 def flat_2d_dims(shape) -> tuple[int, int]:
@@ -88,6 +88,8 @@ def check_quantize_args(
     require(x.dim() >= 1, lambda: "x must have at least one dimension, got a 0-d tensor")
     check_fp8_dtype(fp8_dtype)
     check_scale_layout(scale_layout)
+    check_bool(rowwise, "rowwise")
+    check_bool(columnwise, "columnwise")
     require(rowwise or columnwise, lambda: "at least one of rowwise and columnwise must be True")
 
 

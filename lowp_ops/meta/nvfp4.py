@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ..formats import (
     HIGH_PRECISION_DTYPES,
@@ -12,7 +13,7 @@ from ..formats import (
     ceil_div,
     round_up,
 )
-from .checks import require
+from .checks import check_bool, require, require_tensor
 from .mxfp8 import flat_2d_dims
 from .split_sizes import check_split_size_values, check_split_sizes
 
@@ -23,12 +24,28 @@ def scale_shape(rows, cols) -> tuple[int, int]:
     return round_up(rows, SCALE_TILE_ROWS), round_up(blocks, SCALE_TILE_COLS)
 
 
-def _check_amax(amax: torch.Tensor | None, name: str) -> None:
-    if amax is not None:
-        require(
-            amax.dtype == torch.float32 and amax.numel() == 1,
-            lambda: f"{name} must be a float32 tensor with one element, got {amax.dtype} {tuple(amax.shape)}",
-        )
+def _check_amax(amax: torch.Tensor | None, name: str, device: torch.device, given: bool = True) -> None:
+    """An fp32 one-element amax on ``device`` (the data's). A ``given`` one (a quantizer's argument, not a
+    container's) where it can be read without a device sync (a CPU tensor not being traced) must not be
+    negative, which would flip the scales' signs (inf and NaN are the amaxes of data holding them:
+    defined results). CUDA values are not read (no sync, CUDA graphs capture)."""
+    if amax is None:
+        return
+    require_tensor(amax, name)
+    require(
+        amax.dtype == torch.float32 and amax.numel() == 1,
+        lambda: f"{name} must be a float32 tensor with one element, got {amax.dtype} {tuple(amax.shape)}",
+    )
+    check_amax_device_and_sign(amax, name, device, given)
+
+
+def check_amax_device_and_sign(
+    amax: torch.Tensor, name: str, device: torch.device, given: bool = True
+) -> None:
+    """The device and, for a ``given`` amax on the host, the sign checks of :func:`_check_amax`."""
+    require(amax.device == device, lambda: f"{name} must be on the data's device {device}, got {amax.device}")
+    if given and amax.device.type == "cpu" and not is_fake(amax):
+        require(not bool((amax < 0).any()), lambda: f"{name} must be >= 0, got {amax.tolist()}")
 
 
 def check_quantize_args(
@@ -45,6 +62,9 @@ def check_quantize_args(
         x.dtype in HIGH_PRECISION_DTYPES, lambda: f"x must be float32, bfloat16 or float16, got {x.dtype}"
     )
     require(x.dim() >= 1, lambda: "x must have at least one dimension, got a 0-d tensor")
+    for flag, name in ((rowwise, "rowwise"), (columnwise, "columnwise"), (rht, "rht")):
+        check_bool(flag, name)
+    check_bool(block_2d, "block_2d")
     require(rowwise or columnwise, lambda: "at least one of rowwise and columnwise must be True")
     rows, cols = flat_2d_dims(x.shape)
     require(
@@ -58,13 +78,18 @@ def check_quantize_args(
     if rht and columnwise:
         require(x.dtype == torch.bfloat16, lambda: f"rht needs bfloat16 x (a bf16 transform), got {x.dtype}")
         require(rows % NVFP4_BLOCK_SIZE == 0, lambda: f"rht needs rows divisible by 16, got {rows}")
-    _check_amax(amax_rowwise, "amax_rowwise")
-    _check_amax(amax_columnwise, "amax_columnwise")
-    check_sr_seed(sr_seed)
+    _check_amax(amax_rowwise, "amax_rowwise", x.device)
+    _check_amax(amax_columnwise, "amax_columnwise", x.device)
+    check_sr_seed(sr_seed, x.device)
 
 
-def check_sr_seed(sr_seed: torch.Tensor | None) -> None:
+def check_sr_seed(sr_seed: torch.Tensor | None, device: torch.device) -> None:
     if sr_seed is not None:
+        require_tensor(sr_seed, "sr_seed")
+        require(
+            sr_seed.device == device,
+            lambda: f"sr_seed must be on the data's device {device}, got {sr_seed.device}",
+        )
         require(
             sr_seed.dtype == torch.int64 and sr_seed.numel() == 2,
             lambda: f"sr_seed must be int64 [seed, offset], got {sr_seed.dtype} {tuple(sr_seed.shape)}",
@@ -128,7 +153,7 @@ def nvfp4_dequantize_output(
             f"got {tuple(scale.shape)}"
         ),
     )
-    _check_amax(amax, "amax")
+    _check_amax(amax, "amax", data.device, given=False)
     require(
         dtype in HIGH_PRECISION_DTYPES, lambda: f"dtype must be float32, bfloat16 or float16, got {dtype}"
     )
@@ -154,12 +179,14 @@ def group_split_multiple(columnwise: bool, rht: bool, block_2d: bool = False) ->
     return NVFP4_BLOCK_SIZE if rht else 2
 
 
-def _check_group_amax(amax: torch.Tensor | None, experts: int, name: str) -> None:
+def _check_group_amax(amax: torch.Tensor | None, experts: int, name: str, device: torch.device) -> None:
     if amax is not None:
+        require_tensor(amax, name)
         require(
             amax.dtype == torch.float32 and amax.dim() == 1 and amax.shape[0] == experts,
             lambda: f"{name} must be float32 of shape ({experts},), got {amax.dtype} {tuple(amax.shape)}",
         )
+        check_amax_device_and_sign(amax, name, device)
 
 
 def check_group_quantize_args(
@@ -177,8 +204,8 @@ def check_group_quantize_args(
     require(x.dim() == 2, lambda: f"x must be 2-D (tokens, hidden), got {x.dim()}-D")
     check_quantize_args(x, rowwise, columnwise, rht, None, None, block_2d, sr_seed)
     experts = split_sizes.shape[0]
-    _check_group_amax(amax_rowwise, experts, "amax_rowwise")
-    _check_group_amax(amax_columnwise, experts, "amax_columnwise")
+    _check_group_amax(amax_rowwise, experts, "amax_rowwise", x.device)
+    _check_group_amax(amax_columnwise, experts, "amax_columnwise", x.device)
     check_group_split_values(split_sizes, x.shape[0], columnwise, rht, block_2d)
 
 

@@ -11,9 +11,12 @@ GLU_INTERLEAVE_SIZES = (0, 32)
 """0: ``c = [gate | linear]`` halves (TE's convention); 32: alternating 32-wide gate / linear blocks."""
 
 
-def check_glu_inputs(c: torch.Tensor, probs: torch.Tensor, interleave: int) -> None:
-    """c (tokens, 2 ffn) floating, probs (tokens,) fp32/bf16, interleave 0 or 32 (dividing ffn); raises a
-    ValueError naming the first bad argument."""
+def check_glu_inputs(
+    c: torch.Tensor, probs: torch.Tensor, interleave: int, device: torch.device | None = None
+) -> None:
+    """c (tokens, 2 ffn) floating, probs (tokens,) fp32/bf16 on ``device`` (default c's), interleave 0 or
+    32 (dividing ffn); raises a ValueError naming the first bad argument."""
+    device = c.device if device is None else device
     # One expression for the valid case (the MLP's backward checks three GLU calls: host time).
     valid = (
         c.dim() == 2
@@ -23,17 +26,18 @@ def check_glu_inputs(c: torch.Tensor, probs: torch.Tensor, interleave: int) -> N
         and probs.dim() == 1
         and probs.shape[0] == c.shape[0]
         and probs.dtype in _PROBS_DTYPES
+        and probs.device == device
         and (interleave == 0 or (interleave == 32 and (c.shape[1] // 2) % 32 == 0))
     )
     if not valid:
-        _explain_glu_inputs(c, probs, interleave)
+        _explain_glu_inputs(c, probs, interleave, device)
 
 
 _GLU_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _PROBS_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _explain_glu_inputs(c: torch.Tensor, probs: torch.Tensor, interleave: int) -> None:
+def _explain_glu_inputs(c: torch.Tensor, probs: torch.Tensor, interleave: int, device: torch.device) -> None:
     """Raise the ValueError that names the first bad argument of :func:`check_glu_inputs`."""
     require(c.dim() == 2, lambda: f"c must be 2-D (tokens, 2 * ffn), got {c.dim()}-D")
     require(
@@ -52,6 +56,7 @@ def _explain_glu_inputs(c: torch.Tensor, probs: torch.Tensor, interleave: int) -
         probs.dtype in (torch.float32, torch.bfloat16),
         lambda: f"probs must be float32 or bfloat16, got {probs.dtype}",
     )
+    require(probs.device == device, lambda: f"probs must be on {device}, got {probs.device}")
     require(
         interleave in GLU_INTERLEAVE_SIZES,
         lambda: f"glu_interleave_size must be None or 32, got {interleave}",
@@ -90,6 +95,7 @@ def dglu_outputs(
         grad.shape == (c.shape[0], c.shape[1] // 2),
         lambda: f"grad must have shape {(c.shape[0], c.shape[1] // 2)}, got {tuple(grad.shape)}",
     )
+    require(grad.device == c.device, lambda: f"grad must be on c's device {c.device}, got {grad.device}")
     check_split_sizes(split_sizes, device=c.device, of="c")
     check_split_size_values(split_sizes, c.shape[0], total="at_most")
     return (
