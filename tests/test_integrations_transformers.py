@@ -127,6 +127,41 @@ def test_tied_embeddings_router_aux_loss_and_mxfp8_gradient():
     assert_same_training_signal(ref, mxfp8, *batch(), rtol=0.1)  # E4M3 logits gradient
 
 
+@pytest.mark.parametrize("labels_given", [True, False])
+def test_tuple_output_keeps_the_models_positions(labels_given):
+    """``return_dict=False``: the model's own tuple drops None fields; the patched one keeps the logits'
+    slot (None when training with labels) so that every later field stays where it was."""
+    ref = tiny_model("qwen3_moe", output_router_logits=True)
+    patched = apply_lowp_ops(copy.deepcopy(ref))
+    ids, labels = batch()
+    kwargs = {"labels": labels} if labels_given else {}
+    want = ref(input_ids=ids, return_dict=False, **kwargs)
+    got = patched(input_ids=ids, return_dict=False, **kwargs)
+    assert len(got) == len(want)
+    # (loss, aux_loss, logits, past_key_values, router_logits); no loss without labels
+    logits_at = 2 if labels_given else 1
+    assert want[logits_at].shape == (*ids.shape, VOCAB)
+    if labels_given:
+        assert got[logits_at] is None
+        torch.testing.assert_close(got[0], want[0], rtol=2e-6, atol=0)
+    else:
+        torch.testing.assert_close(got[logits_at], want[logits_at], rtol=2e-6, atol=2e-6)
+    for index, (mine, theirs) in enumerate(zip(got, want, strict=True)):
+        if index != logits_at:
+            assert type(mine) is type(theirs), index
+
+
+def test_head_replaced_after_patching_is_named():
+    """resize_token_embeddings replaces lm_head: the patched forward says so instead of feeding logits
+    to the loss as hidden states."""
+    model = apply_lowp_ops(tiny_model("llama"))
+    model.resize_token_embeddings(VOCAB + 8, mean_resizing=False)
+    ids, labels = batch()
+    for kwargs in ({"labels": labels}, {}):
+        with pytest.raises(RuntimeError, match="lm_head was replaced after apply_lowp_ops"):
+            model(input_ids=ids, **kwargs)
+
+
 def test_gradient_accumulation_with_num_items_in_batch():
     """Two micro-batches, each loss summed and divided by the valid labels of both: the accumulated
     gradient equals the unpatched model's, and the summed loss equals the mean over the full batch."""

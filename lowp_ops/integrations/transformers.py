@@ -10,7 +10,11 @@ parameters stay the model's own (no copies), so optimizers, ``state_dict`` and c
   gradient accumulation) are those of transformers' ``ForCausalLMLoss``. ``model(...)`` returns logits
   (one ``F.linear`` of those hidden states) when no ``labels`` are given, in eval mode, or with
   ``return_logits=True``; when training with labels, ``logits`` is None (``return_logits=True`` costs
-  one more (tokens, vocab) GEMM and its memory). Unless ``chunk_size`` is given, more tokens than the
+  one more (tokens, vocab) GEMM and its memory; with ``return_dict=False`` the None keeps the logits'
+  place in the tuple, so the fields after it stay where the model's own tuple has them). ``lm_head``
+  called on its own returns its input, not logits. A label outside ``[0, vocab)`` other than
+  ``ignore_index`` gives a NaN loss (no host sync to raise, as ``lowp_ops.cross_entropy``) where
+  transformers' loss raises an IndexError. Unless ``chunk_size`` is given, more tokens than the
   hidden size are chunked so that a chunk's logits hold at most ``LOSS_CHUNK_LOGITS`` elements (128 MiB
   in bf16): ``linear_cross_entropy``'s own default (2^28) accumulates the weight gradient in fewer
   passes, but its chunk adds to the whole model's peak memory (a ~1.5 B Llama at 4096 tokens: 13.10 GiB
@@ -384,15 +388,27 @@ def _forward_with_optional_logits(
     """The class's forward with the head's output (hidden states) turned back into logits when wanted
     (default: unless training with ``labels``; pass ``labels`` by keyword, as transformers' Trainer does,
     or the logits are computed too)."""
+    if getattr(self.lm_head.forward, "__func__", None) is not _hidden_passthrough:
+        raise RuntimeError(
+            "model.lm_head was replaced after apply_lowp_ops (resize_token_embeddings replaces it): apply "
+            "lowp_ops to the model after resizing its embeddings"
+        )
     return_dict = kwargs.pop("return_dict", None)
     if return_logits is None:
         return_logits = kwargs.get("labels") is None or not self.training
     output = type(self).forward(self, *args, logits_to_keep=logits_to_keep, return_dict=True, **kwargs)
     logits = F.linear(output.logits, self.lm_head.weight) if return_logits else None
-    output = type(output)(**{**{f.name: getattr(output, f.name) for f in fields(output)}, "logits": logits})
+    values = {f.name: getattr(output, f.name) for f in fields(output)}
+    output = type(output)(**{**values, "logits": logits})
     if return_dict is None:
         return_dict = getattr(self.config, "return_dict", True)
-    return output if return_dict else output.to_tuple()
+    if return_dict:
+        return output
+    # The model's own tuple drops None fields; the logits keep their slot (None when not computed), so
+    # out[1] is what it is without lowp_ops.
+    return tuple(
+        value for name, value in {**values, "logits": logits}.items() if name == "logits" or value is not None
+    )
 
 
 # ------------------------------------------------------------------------------ RMSNorm, dense MLPs
