@@ -231,7 +231,8 @@ class NVFP4GroupedTensor:
     - ``col_scale`` [roundup(K, 128), T // 16 + 4E]: expert e's [roundup(K, 128), roundup(ceil(m_e/16), 4)]
       block starts at column ``sum_{i<e} roundup(ceil(m_i/16), 4)``
       (``reference.nvfp4.group_col_scale_starts``); all other bytes are 0.
-    - ``amax_rowwise``, ``amax_columnwise``: fp32 (E,), 0 for an empty expert.
+    - ``amax_rowwise``, ``amax_columnwise``: fp32 (E,): the given amaxes as given, else each expert's
+      computed one (0 for an empty expert).
     - A copy that was not asked for is ``None``.
     - ``block_2d``: one scale per 16x16 tile within each expert (stacked expert weights), else 1x16.
     """

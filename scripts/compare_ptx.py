@@ -103,6 +103,8 @@ def record_calls() -> dict:
     head = (torch.randn(300, 64) * 0.1).to(bf16).requires_grad_()
     hidden_states = torch.randn(64, 64, dtype=bf16, requires_grad=True)
     lowp_ops.linear_cross_entropy(hidden_states, head, target).backward()
+    # The MXFP8 logits gradient feeds the MXFP8 GEMM kernels (dgrad and wgrad).
+    lowp_ops.linear_cross_entropy(hidden_states, head, target, grad_format="mxfp8_e4m3").backward()
     return records
 
 

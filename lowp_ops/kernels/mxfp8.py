@@ -82,6 +82,30 @@ def dequantize_multiplier(code):
 
 
 @triton.jit
+def fp8_to_fp32(values):
+    """``values`` widened to fp32, exactly. The interpreter (triton 3.9) decodes the FP8 (E4M3 / E5M2) Inf
+    and NaN codes as finite numbers (E4M3 0x7F as 480), so there FP8 codes are decoded from their bits."""
+    if INTERPRETING and (values.dtype == tl.float8e4nv or values.dtype == tl.float8e5):
+        bits = values.to(tl.uint8, bitcast=True).to(tl.uint32)
+        sign = (bits & 0x80) << 24
+        magnitude = bits & 0x7F
+        if values.dtype == tl.float8e4nv:  # 4 exponent bits (bias 7), 3 mantissa bits, 0x7F NaN
+            exponent, mantissa = magnitude >> 3, magnitude & 7
+            normal = ((exponent + 120) << 23) | (mantissa << 20)
+            subnormal = mantissa.to(tl.float32) * 0.001953125  # 2^-9
+            special = tl.where(magnitude == 0x7F, 0x7FC00000, 0)
+        else:  # 5 exponent bits (bias 15), 2 mantissa bits, exponent 31: Inf or NaN
+            exponent, mantissa = magnitude >> 2, magnitude & 3
+            normal = ((exponent + 112) << 23) | (mantissa << 21)
+            subnormal = mantissa.to(tl.float32) * 0.0000152587890625  # 2^-16
+            special = tl.where(exponent == 31, tl.where(mantissa == 0, 0x7F800000, 0x7FC00000), 0)
+        magnitude_bits = tl.where(exponent == 0, subnormal.to(tl.uint32, bitcast=True), normal)
+        magnitude_bits = tl.where(special != 0, special, magnitude_bits).to(tl.uint32)
+        return (magnitude_bits | sign).to(tl.float32, bitcast=True)
+    return values.to(tl.float32)
+
+
+@triton.jit
 def _max_drop_nan(a, b):
     # maxnum: the non-NaN operand wins (PTX max.f32, numpy fmax in the interpreter), as TE's fmaxf.
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.NONE)
@@ -488,7 +512,7 @@ def mxfp8_dequantize_kernel(
     in_bounds = (rows_idx[:, None] < rows) & (cols_idx[None, :] < cols)
     rows64 = rows_idx[:, None].to(tl.int64)
     values = tl.load(data_ptr + rows64 * data_stride + cols_idx[None, :], mask=in_bounds, other=0.0)
-    values = values.to(tl.float32)
+    values = fp8_to_fp32(values)
     if COLUMNWISE:
         i = cols_idx[None, :]
         j = rows_idx[:, None] // 32
@@ -532,13 +556,13 @@ def mxfp8_round_trip_kernel(
     x = load_tile_fp32(x_ptr, stride_row, rows_idx, cols_idx, rows, cols, EVEN, "")
     if ROWWISE:
         code, data = quantize_rows(x, BLOCK_COLS, FP8_MAX, MAX_RCP, OUT_DTYPE)
-        values = tl.reshape(data.to(tl.float32) * dequantize_multiplier(code)[:, :, None], [32, BLOCK_COLS])
+        values = tl.reshape(fp8_to_fp32(data) * dequantize_multiplier(code)[:, :, None], [32, BLOCK_COLS])
         values = to_dtype_rne(values, row_out_ptr.dtype.element_ty)
         store_tile(row_out_ptr, rows_idx, cols_idx, rows, cols, cols, values, EVEN)
     if COLWISE:
         code, data = quantize_columns(x, FP8_MAX, MAX_RCP, OUT_DTYPE)
         values = to_dtype_rne(
-            data.to(tl.float32) * dequantize_multiplier(code)[None, :], col_out_ptr.dtype.element_ty
+            fp8_to_fp32(data) * dequantize_multiplier(code)[None, :], col_out_ptr.dtype.element_ty
         )
         store_tile(col_out_ptr, rows_idx, cols_idx, rows, cols, cols, values, EVEN)
 

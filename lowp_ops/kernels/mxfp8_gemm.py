@@ -22,7 +22,7 @@ from ..meta.mxfp8_gemm import gemm_dims, mxfp8_gemm_output
 from ..reference.mxfp8 import swizzle_scales
 from .bf16_pairs import to_dtype_rne
 from .launch import cached_launch
-from .mxfp8 import dequantize_multiplier
+from .mxfp8 import dequantize_multiplier, fp8_to_fp32
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DOT_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -121,9 +121,9 @@ def mxfp8_gemm_kernel(
                 acc = tl.dot_scaled(a, a_codes, A_FORMAT, b, None, B_FORMAT, acc)
         else:
             # Upcast right after the load (the interpreter's bf16 math is wrong); scale in fp32, exactly.
-            a_values = scale_tile_along_k(a.to(tl.float32), a_codes, BLOCK_K, 1).to(DOT_DTYPE)
+            a_values = scale_tile_along_k(fp8_to_fp32(a), a_codes, BLOCK_K, 1).to(DOT_DTYPE)
             if B_IS_MXFP8:
-                b_values = scale_tile_along_k(b.to(tl.float32), b_codes, BLOCK_K, 0).to(DOT_DTYPE)
+                b_values = scale_tile_along_k(fp8_to_fp32(b), b_codes, BLOCK_K, 0).to(DOT_DTYPE)
             elif FP32_DOT:
                 b_values = b.to(tl.float32)
             else:
