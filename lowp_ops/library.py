@@ -838,6 +838,7 @@ def _linear_cross_entropy_fwd_bwd_setup(ctx, inputs, output):
     ctx.computed = inputs[9:11]  # compute_dhidden, compute_dweight
     ctx.n_inputs = len(inputs)
     ctx.save_for_backward(dhidden, dweight)
+    ctx.backward_ran = False
     ctx.mark_non_differentiable(dhidden, dweight, row_stats)
     # Otherwise autograd hands the backward zero-filled gradients of dhidden and dweight: +1 dweight.
     ctx.set_materialize_grads(False)
@@ -845,7 +846,14 @@ def _linear_cross_entropy_fwd_bwd_setup(ctx, inputs, output):
 
 def _linear_cross_entropy_fwd_bwd_backward(ctx, grad_loss, _grad_dhidden, _grad_dweight, _grad_row_stats):
     # The forward computed the gradients of the loss itself; the chain rule only scales them, in place
-    # (no second copy of dweight; a second backward through this node fails autograd's version check).
+    # (no second copy of dweight), so a second backward through this node is refused.
+    if ctx.backward_ran and not torch.compiler.is_compiling():
+        raise RuntimeError(
+            "lowp_ops.linear_cross_entropy: its backward ran already (the forward computed the gradients "
+            "and the backward scaled them in place); a second backward through the same loss "
+            "(retain_graph=True) is not supported: compute the loss again"
+        )
+    ctx.backward_ran = True
     dhidden, dweight = ctx.saved_tensors
     computed_dhidden, computed_dweight = ctx.computed
     for grad, computed in ((dhidden, computed_dhidden), (dweight, computed_dweight)):
