@@ -62,8 +62,9 @@ def check_quantize_args(
         x.dtype in HIGH_PRECISION_DTYPES, lambda: f"x must be float32, bfloat16 or float16, got {x.dtype}"
     )
     require(x.dim() >= 1, lambda: "x must have at least one dimension, got a 0-d tensor")
-    for flag, name in ((rowwise, "rowwise"), (columnwise, "columnwise"), (rht, "rht")):
-        check_bool(flag, name)
+    check_bool(rowwise, "rowwise")
+    check_bool(columnwise, "columnwise")
+    check_bool(rht, "rht")
     check_bool(block_2d, "block_2d")
     require(rowwise or columnwise, lambda: "at least one of rowwise and columnwise must be True")
     rows, cols = flat_2d_dims(x.shape)
