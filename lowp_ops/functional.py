@@ -16,9 +16,9 @@ from .meta.cross_entropy import (
     SHIFT,
     check_class_weight,
     check_grad_loss,
-    check_label_smoothing,
     check_logits_target,
     check_reduction,
+    public_label_smoothing,
     public_softcap,
     public_z_loss,
 )
@@ -44,9 +44,7 @@ _SOFT_TARGET_ERROR = (
 )
 
 
-def _check_loss_args(
-    logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, reduction: str
-) -> None:
+def _check_loss_args(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str) -> None:
     """Types and values of the scalar arguments, and the target's kind and device, before any kernel."""
     require_tensor(logits, "input")
     require_tensor(target, "target")
@@ -57,8 +55,6 @@ def _check_loss_args(
         lambda: f"target must be on the logits' device {logits.device}, got {target.device}",
     )
     check_int(ignore_index, "ignore_index")
-    check_real(label_smoothing, "label_smoothing")
-    check_label_smoothing(label_smoothing)
     check_reduction(reduction)
 
 
@@ -167,7 +163,7 @@ def cross_entropy(
     ignore_index: int = -100,
     reduce: bool | None = None,
     reduction: str = "mean",
-    label_smoothing: float = 0.0,
+    label_smoothing: float = 0,
     *,
     classes_last: bool = False,
     process_group=None,
@@ -229,7 +225,8 @@ def cross_entropy(
     """
     if size_average is not None or reduce is not None:
         reduction = legacy_get_string(size_average, reduce)
-    _check_loss_args(input, target, ignore_index, label_smoothing, reduction)
+    _check_loss_args(input, target, ignore_index, reduction)
+    smoothing = public_label_smoothing(label_smoothing)
     z_loss, softcap = public_z_loss(z_loss), public_softcap(softcap)
     check_return_flags(return_z_loss, return_lse)
     check_bool(classes_last, "classes_last")
@@ -240,7 +237,7 @@ def cross_entropy(
     if process_group is None:
         check_class_weight(weight, logits_rows.shape[1], logits_rows)
         loss, stats = library.cross_entropy_loss(
-            logits_rows, target_rows, float(label_smoothing), ignore_index, reduction, weight, z_loss,
+            logits_rows, target_rows, smoothing, ignore_index, reduction, weight, z_loss,
             softcap, overwrite,
         )  # fmt: skip
         if reduction == "none" and target.dim() != 1:  # mean / sum are 0-d, rows are (N,)
@@ -251,7 +248,7 @@ def cross_entropy(
         check_process_group(process_group)
         check_class_weight(weight, vocab_shard(logits_rows.shape[1], process_group)[1], logits_rows)
         loss_rows, stats = vocab_parallel_cross_entropy_rows(
-            logits_rows, target_rows, float(label_smoothing), ignore_index, process_group, weight,
+            logits_rows, target_rows, smoothing, ignore_index, process_group, weight,
             z_loss, softcap, with_stats=True,
         )  # fmt: skip
         loss = reduce_row_losses(loss_rows, target, reduction, ignore_index, weight)
@@ -304,7 +301,7 @@ def cross_entropy_with_mxfp8_grad(
     target: torch.Tensor,
     grad_loss: torch.Tensor | None = None,
     *,
-    label_smoothing: float = 0.0,
+    label_smoothing: float = 0,
     ignore_index: int = -100,
     reduction: str = "mean",
     fp8_dtype: str | torch.dtype = "e4m3",
@@ -337,7 +334,8 @@ def cross_entropy_with_mxfp8_grad(
     above holds with them); extras come after the payload: ``(loss, grad, z_loss, lse)``, only those
     requested.
     """
-    _check_loss_args(logits, target, ignore_index, label_smoothing, reduction)
+    _check_loss_args(logits, target, ignore_index, reduction)
+    smoothing = public_label_smoothing(label_smoothing)
     z_loss, softcap = public_z_loss(z_loss), public_softcap(softcap)
     check_return_flags(return_z_loss, return_lse)
     logits_rows, target_rows = _class_rows(logits, target, classes_last=True)
@@ -347,7 +345,7 @@ def cross_entropy_with_mxfp8_grad(
     check_bool(columnwise, "columnwise")
     require(rowwise or columnwise, lambda: "at least one of rowwise and columnwise must be True")
     args = (
-        logits_rows, target_rows, target, grad_loss, float(label_smoothing), ignore_index, reduction,
+        logits_rows, target_rows, target, grad_loss, smoothing, ignore_index, reduction,
         fp8_dtype, rowwise, columnwise, scale_layout, weight, process_group, z_loss, softcap,
     )  # fmt: skip
     # The loss is returned detached: no graph is recorded (grad mode is only switched where one could be).

@@ -66,8 +66,9 @@ def tracing() -> bool:
 def eager_call_allowed(args: tuple) -> bool:
     """True when an op call may run its implementation directly instead of through the dispatcher:
     nothing traces it (Dynamo, AOTAutograd's fake and functional tensors, proxy or other dispatch modes,
-    functorch transforms) and every tensor argument is a plain tensor (no subclass such as DTensor)."""
-    if tracing() or torch._C._are_functorch_transforms_active():
+    functorch transforms), autocast is off (the dispatcher then turns it off inside the op:
+    :func:`_without_autocast`) and every tensor argument is a plain tensor (no subclass such as DTensor)."""
+    if tracing() or torch._C._are_functorch_transforms_active() or torch._C._is_any_autocast_enabled():
         return False
     for arg in args:  # noqa: SIM110  (a loop: no generator object on this hot path)
         if type(arg) not in _PLAIN_ARGUMENT_TYPES and isinstance(arg, torch.Tensor):
@@ -226,7 +227,24 @@ def _inline_kernels_rule(lowp_op: LowpOp) -> Callable:
     return rule
 
 
-_CUDA_KERNELS = torch.library.Library("lowp", "IMPL")
+_KERNELS = torch.library.Library("lowp", "IMPL")
+_AUTOCAST_KEYS = ("AutocastCPU", "AutocastCUDA")
+_AUTOCAST_KEY_SET = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU) | torch._C.DispatchKeySet(
+    torch._C.DispatchKey.AutocastCUDA
+)
+
+
+def _without_autocast(overload) -> Callable:
+    """The op's autocast kernel: the call with autocast turned off inside it and its inputs as they are.
+    The ops compute in their inputs' dtypes with fp32 math (their numerical contract), so a matmul in an
+    implementation (the LM head's logits, a grouped GEMM) must not be autocast to bf16 / fp16: under
+    ``torch.autocast`` the bytes stay those without it, as in compiled graphs."""
+
+    def kernel(*args):
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEY_SET):
+            return overload(*args)
+
+    return kernel
 
 
 def _define(
@@ -252,9 +270,11 @@ def _define(
         # Registered on the dispatcher directly rather than through custom_op's register_kernel, whose
         # per-call wrapper adds an output-aliasing check and a Dynamo-disabled call to every dispatched
         # call (docs/registration.md); opcheck checks the aliasing.
-        _CUDA_KERNELS.impl(name, lambda *args: lowp_op.launcher()(*args), "CUDA")
+        _KERNELS.impl(name, lambda *args: lowp_op.launcher()(*args), "CUDA")
     custom.register_fake(fake)
     lowp_op = LowpOp(name, custom, reference, launcher, fake, mutates_args)
+    for key in _AUTOCAST_KEYS:
+        _KERNELS.impl(name, _without_autocast(lowp_op.overload), key)
     if inline_kernels:
         from torch._subclasses.functional_tensor import FunctionalTensorMode
 

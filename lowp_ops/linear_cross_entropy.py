@@ -8,8 +8,8 @@ import torch
 
 from . import library
 from .functional import check_return_flags, loss_extras, reduce_row_losses
-from .meta.checks import check_bool, check_int, check_real, require
-from .meta.cross_entropy import check_label_smoothing, check_reduction, public_softcap, public_z_loss
+from .meta.checks import check_bool, check_int, require
+from .meta.cross_entropy import check_reduction, public_label_smoothing, public_softcap, public_z_loss
 from .meta.linear_cross_entropy import check_ce_weight, check_chunk_size, check_hidden_weight_target
 from .meta.mxfp8_gemm import check_other_operand
 from .reference.cross_entropy import reduce_denominator
@@ -61,7 +61,7 @@ def linear_cross_entropy(
     target: torch.Tensor,
     *,
     grad_format: str | None = None,
-    label_smoothing: float = 0.0,
+    label_smoothing: float = 0,
     ignore_index: int = -100,
     reduction: str = "mean",
     process_group=None,
@@ -136,8 +136,7 @@ def linear_cross_entropy(
     _check_process_group(process_group, reduce_hidden_grad)
     check_hidden_weight_target(hidden, weight, target)
     check_int(ignore_index, "ignore_index")
-    check_real(label_smoothing, "label_smoothing")
-    check_label_smoothing(label_smoothing)
+    smoothing = public_label_smoothing(label_smoothing)
     check_reduction(reduction)
     require(
         grad_format in PUBLIC_GRAD_FORMATS,
@@ -153,7 +152,7 @@ def linear_cross_entropy(
     check_return_flags(return_z_loss, return_lse)
     ce_weight = _public_ce_weight(ce_weight, weight, process_group)
     loss, stats = _loss_and_stats(
-        hidden, weight, target, grad_format, float(label_smoothing), int(ignore_index), reduction,
+        hidden, weight, target, grad_format, smoothing, int(ignore_index), reduction,
         process_group, chunk_size, other_operand, reduce_hidden_grad, z_loss, softcap, ce_weight,
     )  # fmt: skip
     if not (return_z_loss or return_lse):

@@ -12,8 +12,8 @@ import torch
 
 from .functional import cross_entropy
 from .linear_cross_entropy import linear_cross_entropy
-from .meta.checks import check_bool, check_int, check_real, require
-from .meta.cross_entropy import check_label_smoothing, check_reduction, public_softcap, public_z_loss
+from .meta.checks import check_bool, check_int, require
+from .meta.cross_entropy import check_reduction, public_label_smoothing, public_softcap, public_z_loss
 
 __all__ = ["CrossEntropyLoss", "LinearCrossEntropyLoss"]
 
@@ -21,8 +21,7 @@ __all__ = ["CrossEntropyLoss", "LinearCrossEntropyLoss"]
 def _check_options(ignore_index: int, reduction: str, label_smoothing: float) -> None:
     check_int(ignore_index, "ignore_index")
     check_reduction(reduction)
-    check_real(label_smoothing, "label_smoothing")
-    check_label_smoothing(label_smoothing)
+    public_label_smoothing(label_smoothing)
 
 
 def _check_class_weight(weight: torch.Tensor | None, name: str) -> None:
@@ -118,7 +117,7 @@ class CrossEntropyLoss(_LossModule):
         *,
         ignore_index: int = -100,
         reduction: str = "mean",
-        label_smoothing: float = 0.0,
+        label_smoothing: float = 0,
         process_group=None,
         z_loss: float = 0,
         lse_square_scale: float | None = None,
@@ -162,7 +161,7 @@ class LinearCrossEntropyLoss(_LossModule):
         *,
         ignore_index: int = -100,
         reduction: str = "mean",
-        label_smoothing: float = 0.0,
+        label_smoothing: float = 0,
         grad_format: str | None = None,
         process_group=None,
         z_loss: float = 0,

@@ -876,6 +876,26 @@ def test_compiled_forward_backward_is_one_graph_without_recompiles(reduction, ra
     assert not counters["graph_break"]
 
 
+DEFAULT_ARGUMENT_CALLS = {
+    "cross_entropy": lambda x, t: lowp_ops.cross_entropy(x, t),
+    "cross_entropy_with_mxfp8_grad": lambda x, t: lowp_ops.cross_entropy_with_mxfp8_grad(x, t)[0],
+    "linear_cross_entropy": lambda x, t: lowp_ops.linear_cross_entropy(x, torch.ones(8, 16), t),
+    "nn.CrossEntropyLoss": lowp_ops.nn.CrossEntropyLoss(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DEFAULT_ARGUMENT_CALLS))
+def test_default_arguments_compile_once_with_dynamic_shapes(name):
+    """A float default (``label_smoothing=0.0``) became a symbolic float under ``dynamic=True`` and the
+    op's ``float`` argument made Dynamo restart: the backend compiled the one graph twice."""
+    backend = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(DEFAULT_ARGUMENT_CALLS[name], backend=backend, fullgraph=True, dynamic=True)
+    logits, target = compile_inputs((6, 16), seed=0)
+    target = target.clamp(min=0, max=7)
+    compiled(logits.float(), target)
+    assert backend.frame_count == 1
+
+
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_compiled_mxfp8_grad_is_one_graph_without_recompiles(reduction):
     def loss_and_payload(logits, target, grad_loss):

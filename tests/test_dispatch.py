@@ -312,6 +312,36 @@ def test_cuda_kernel_count_is_frozen(case):
     assert len(kernels) == CUDA_KERNELS[case], "\n".join(kernels)
 
 
+AUTOCAST_CALLS = {
+    # fp32 inputs: an implementation's matmul would run in bf16 if autocast reached inside the op.
+    "linear_cross_entropy": lambda h, w, t: lowp_ops.linear_cross_entropy(h, w, t),
+    "linear_cross_entropy sum": lambda h, w, t: lowp_ops.linear_cross_entropy(h, w, t, reduction="sum"),
+    "cross_entropy": lambda h, w, t: lowp_ops.cross_entropy(h * w[0], t % 16),
+    "rms_norm": lambda h, w, t: lowp_ops.rms_norm(h, w[0]).square().sum(),
+}
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("name", sorted(AUTOCAST_CALLS))
+def test_ops_compute_as_without_autocast_inside_an_autocast_region(name, compiled):
+    """Under ``torch.autocast`` an op's inputs stay as given and its math stays fp32: the bytes of a call
+    without autocast, eagerly and compiled (compiled graphs never autocast inside custom ops)."""
+    gen = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(12, 16, generator=gen), torch.randn(40, 16, generator=gen)
+    target = torch.randint(0, 40, (12,), generator=gen)
+    fn = AUTOCAST_CALLS[name]
+    results = []
+    for autocast in (False, True):
+        call = torch.compile(fn, backend="aot_eager", fullgraph=True) if compiled else fn
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = call(h, w, target)
+        loss.backward()
+        results.append((loss.detach(), h.grad, w.grad))
+    for want, got in zip(*results, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
 def test_cross_entropy_backward_makes_no_zero_gradients_for_its_side_outputs():
     """The fused loss node's non-differentiable outputs (grad scale, row statistics) get no zero-filled
     gradients: the only tensors the backward creates are the root gradient and dlogits."""

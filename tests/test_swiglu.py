@@ -57,6 +57,18 @@ def test_swiglu_forward_is_rounded_once_from_fp32():
     assert ((h.double() - h_ref).abs() <= bf16_ulp(h_ref) + 1e-30).all()
 
 
+@pytest.mark.parametrize("interleave", [None, 32])
+def test_no_tokens_give_empty_outputs(interleave):
+    """0 tokens: the shapes the fake promises, also with interleaved blocks (a reshape to -1 failed)."""
+    c = torch.zeros(0, 64, dtype=torch.bfloat16)
+    assert lowp_ops.swiglu(c, glu_interleave_size=interleave).shape == (0, 32)
+    dc, dprobs, amax = lowp_ops.dglu(
+        torch.zeros(0, 32, dtype=torch.bfloat16), c, torch.zeros(0), torch.tensor([0, 0]),
+        glu_interleave_size=interleave,
+    )  # fmt: skip
+    assert (dc.shape, dprobs.shape) == ((0, 64), (0,)) and torch.equal(amax, torch.zeros(2))
+
+
 def test_per_expert_amax_rounds_to_the_max_of_dc_exactly_and_empty_experts_are_zero():
     c, probs, grad = make(48, 64, seed=2)
     split_sizes = torch.tensor([0, 10, 0, 30, 8, 0])

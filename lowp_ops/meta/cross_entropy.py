@@ -85,6 +85,19 @@ def public_z_loss(z_loss) -> float:
     return 0.0 if z_loss == 0 else float(z_loss)
 
 
+def public_label_smoothing(label_smoothing) -> float:
+    """A public ``label_smoothing=`` argument as the ops' float: a real number in [0, 1], else a TypeError /
+    ValueError naming it. The public default is the int 0: a float default becomes a symbolic float
+    under ``torch.compile(dynamic=True)``, and passing it to an op's ``float`` makes Dynamo restart
+    (the backend compiles the graph twice); 0 is specialized, so the default compiles once."""
+    if not isinstance(label_smoothing, (int, float)) or isinstance(label_smoothing, bool):
+        raise TypeError(
+            f"label_smoothing must be a float, got {type(label_smoothing).__name__} {label_smoothing!r}"
+        )
+    check_label_smoothing(label_smoothing)
+    return 0.0 if label_smoothing == 0 else float(label_smoothing)
+
+
 def public_softcap(softcap) -> float:
     """A public ``softcap=`` argument (None or a float > 0) as the ops' float (0.0 = no cap)."""
     if softcap is None:

@@ -34,7 +34,7 @@ def split_glu(c: torch.Tensor, interleave: int) -> tuple[torch.Tensor, torch.Ten
         gate, linear = c.float().chunk(2, dim=1)
         return gate, linear
     blocks = c.float().view(tokens, width // (2 * interleave), 2, interleave)
-    return blocks[:, :, 0].reshape(tokens, -1), blocks[:, :, 1].reshape(tokens, -1)
+    return blocks[:, :, 0].reshape(tokens, width // 2), blocks[:, :, 1].reshape(tokens, width // 2)
 
 
 def join_glu(gate: torch.Tensor, linear: torch.Tensor, interleave: int) -> torch.Tensor:
