@@ -5,7 +5,11 @@ Layout: rank ``r`` of the process group's ``W`` ranks holds the logits of the vo
 to a multiple of ``W``, as Megatron does). Targets are global ids, replicated on every rank. Equal widths
 keep ``vocab_start`` and ``vocab_total`` host integers taken from shapes (no host sync, static under
 ``torch.compile`` and CUDA graphs); the merge checks on device that every rank sent the same width and
-otherwise returns NaN loss and row statistics on every rank (hence NaN gradients).
+otherwise returns NaN loss and row statistics on every rank (hence NaN gradients). Every rank must pass
+the same rows (N, hidden size), targets and options (``label_smoothing``, ``ignore_index``, ``z_loss``,
+...): a mismatch is not detected (that would need a host sync); rows of different counts make the
+all-gather itself fail as the backend does (gloo aborts the process; another rank may read a partly
+filled buffer), and other differences give each rank a different loss.
 
 Forward: one pass over the shard packs per-row statistics (``lowp::vocab_parallel_ce_stats``: the shard's
 row maximum and log-sum of exponentials, the target logit where this shard holds it, the shard's sum of
@@ -46,7 +50,13 @@ _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_te
 
 
 def check_process_group(process_group) -> None:
-    """Only a ``torch.distributed.ProcessGroup`` is supported (not a DeviceMesh or a list of ranks)."""
+    """Only a ``torch.distributed.ProcessGroup`` is supported (not a DeviceMesh or a list of ranks), on a
+    rank that belongs to it."""
+    if type(process_group) is int and process_group == dist.GroupMember.NON_GROUP_MEMBER:
+        # What new_group returns on the ranks it leaves out.
+        raise ValueError(
+            "process_group: this process is not a member of the group; call the loss only on its ranks"
+        )
     if not isinstance(process_group, dist.ProcessGroup):
         raise NotImplementedError(
             "process_group must be a torch.distributed.ProcessGroup (other group kinds are not supported), "

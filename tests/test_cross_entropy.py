@@ -669,6 +669,18 @@ BAD_CALLS = {
 }
 
 
+def test_a_rank_outside_the_process_group_is_told_so():
+    """``new_group`` returns ``GroupMember.NON_GROUP_MEMBER`` (an int) on the ranks it leaves out."""
+    import torch.distributed as dist
+
+    with pytest.raises(ValueError, match="this process is not a member of the group"):
+        lowp_ops.cross_entropy(
+            torch.randn(4, 8),
+            torch.zeros(4, dtype=torch.int64),
+            process_group=dist.GroupMember.NON_GROUP_MEMBER,
+        )
+
+
 @pytest.mark.parametrize("name", list(BAD_CALLS))
 def test_bad_arguments_raise_naming_the_argument(name):
     call, message = BAD_CALLS[name]
