@@ -521,7 +521,8 @@ def swiglu(
     alternating 32-wide gate/linear blocks (``glu_interleave_size=32``); ``probs`` (tokens,) fp32 or bf16
     (MoE experts), or None for a dense MLP (``silu(gate) * linear``). fp32 math, one rounding to c's
     dtype. Differentiable in ``c`` and ``probs``; the probability gradient is computed in fp32 and never
-    rounded to bf16 for fp32 ``probs``. Only the input ``c`` is saved for the backward."""
+    rounded to bf16 for fp32 ``probs``. Only the input ``c`` and ``probs`` (ones when None) are saved for
+    the backward, not the output."""
     require_tensor(c, "c")
     if probs is None:
         probs = c.new_ones(c.shape[:1], dtype=torch.float32)

@@ -145,9 +145,9 @@ def linear_cross_entropy(
     check_other_operand(other_operand)
     if chunk_size is not None:
         check_int(chunk_size, "chunk_size")
+        require(chunk_size > 0, lambda: f"chunk_size must be positive (None: automatic), got {chunk_size}")
     chunk = 0 if chunk_size is None else chunk_size
     check_chunk_size(chunk)
-    require(chunk_size is None or chunk_size > 0, lambda: f"chunk_size must be positive, got {chunk_size}")
     z_loss, softcap = public_z_loss(z_loss), public_softcap(softcap)
     check_return_flags(return_z_loss, return_lse)
     ce_weight = _public_ce_weight(ce_weight, weight, process_group)

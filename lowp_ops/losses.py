@@ -63,6 +63,9 @@ class _LossModule(torch.nn.Module):
         options,
     ):
         super().__init__()
+        for legacy in ("size_average", "reduce"):
+            if legacy in options:  # cross_entropy takes them, as F.cross_entropy does; the modules do not
+                raise TypeError(f"{legacy} (deprecated in torch) is not taken: pass reduction=")
         _check_options(ignore_index, reduction, label_smoothing)
         _check_class_weight(weight, weight_name)
         self.weight_name = weight_name

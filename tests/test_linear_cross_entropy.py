@@ -345,6 +345,11 @@ BAD_CALLS = {
     "grad_format": (dict(grad_format="mxfp4"), ValueError, "grad_format must be one of"),
     "other_operand": (dict(other_operand="fp8"), ValueError, "other_operand must be one of"),
     "chunk_size": (dict(chunk_size=0), ValueError, "chunk_size must be positive"),
+    "negative chunk_size": (
+        dict(chunk_size=-1),
+        ValueError,
+        r"chunk_size must be positive \(None: automatic\)",
+    ),
     "reduction": (dict(reduction="avg"), ValueError, "reduction must be one of"),
     "label_smoothing": (dict(label_smoothing=1.5), ValueError, "label_smoothing must be in"),
     # int() would truncate these to another class index, or a bool to class 0 / 1: refused instead.

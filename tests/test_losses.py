@@ -98,6 +98,8 @@ def test_unknown_option_is_rejected_by_the_function():
         ({"label_smoothing": 1.5}, ValueError, "label_smoothing"),
         ({"ignore_index": -100.0}, TypeError, "ignore_index must be an int"),
         ({"label_smoothing": torch.tensor(0.1)}, TypeError, "label_smoothing must be a float"),
+        ({"size_average": False}, TypeError, "size_average .* is not taken"),
+        ({"reduce": False}, TypeError, "reduce .* is not taken"),
     ],
 )
 @pytest.mark.parametrize("module", [lowp_ops.nn.CrossEntropyLoss, lowp_ops.nn.LinearCrossEntropyLoss])
