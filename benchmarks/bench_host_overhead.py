@@ -417,13 +417,22 @@ def profile(fn, calls: int = 50, top: int = 30) -> str:
     return out.getvalue()
 
 
+def selects(part: str, name: str) -> bool:
+    """Whether an ``--only`` part picks the case ``name``: a substring, or with a leading ``=`` the name."""
+    return part[1:] == name if part.startswith("=") else part in name
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-compile", action="store_true", help="eager cases only")
     parser.add_argument("--profile", action="store_true", help="cProfile a few calls of each of our cases")
-    parser.add_argument("--only", default="", help="substrings of the case names to run, comma-separated")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="substrings of the case names to run, comma-separated; '=name' matches that whole name only",
+    )
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cases = eager_cases(device) + ([] if args.no_compile else compiled_cases(device))
@@ -432,7 +441,7 @@ def main() -> None:
         f"{'case':52s} {'ours us':>9s} {'base us':>9s} {'ratio':>6s}  baseline   (host us/call; wall in JSON)"
     )
     for name, ours, base_name, base in cases:
-        if args.only and not any(part in name for part in args.only.split(",")):
+        if args.only and not any(selects(part, name) for part in args.only.split(",")):
             continue
         (ours_host, ours_wall), (base_host, base_wall) = alternating_host_and_wall_us(
             [ours, base], args.calls, args.repeats

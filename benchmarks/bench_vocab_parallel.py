@@ -2,7 +2,7 @@
 
 One GPU: ``lowp_ops.cross_entropy`` on 4096 x 129280 bf16 logits. Two GPUs: each rank holds 4096 x 64640
 (its half of the vocabulary) and calls it with ``process_group=``: one Triton pass over the shard, one
-NCCL all-gather of a (4, 4096) fp32 packet, the merge, and a local backward. Cases: forward only,
+NCCL all-gather of a (5, 4096) fp32 packet, the merge, and a local backward. Cases: forward only,
 forward + backward to bf16, forward + backward to MXFP8 row+col, and the all-gather of the packet alone.
 Byte floors per rank: forward 2, forward + bf16 backward 6, forward + MXFP8 backward 6.0625 B/elem.
 
@@ -60,7 +60,7 @@ def make_cases(logits: torch.Tensor, target: torch.Tensor, group) -> dict:
     }
     if group is not None:
         stats = torch.ops.lowp.vocab_parallel_ce_stats(logits, target, 0, False)
-        cases["all-gather of the (4, N) packet alone"] = lambda: dist.all_gather_into_tensor(
+        cases["all-gather of the (5, N) packet alone"] = lambda: dist.all_gather_into_tensor(
             torch.empty((WORLD * stats.shape[0], stats.shape[1]), device=stats.device), stats, group=group
         )
     return cases

@@ -22,12 +22,19 @@ MIN_NORMAL_EXPONENT = {"e4m3": -6, "e5m2": -14}
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", type=int, default=4096)
-    parser.add_argument("--cols", type=int, default=4096)
+    parser.add_argument("--rows", type=int, default=4096, help="rows of x (default 4096)")
+    parser.add_argument("--cols", type=int, default=4096, help="columns of x (default 4096)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--fp8-dtype", default="e4m3", choices=["e4m3", "e5m2"])
     parser.add_argument("--iters", type=int, default=None, help="timed calls (default: 50 on CUDA, 2 on CPU)")
-    return parser.parse_args()
+    args = parser.parse_args()
+    for name in ("rows", "cols", "iters"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name} must be at least 1, got {value}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
+    return args
 
 
 def block_scales(q: lowp_ops.MXFP8Tensor, use: str, rows: int, cols: int) -> torch.Tensor:
@@ -85,7 +92,7 @@ def main() -> None:
     )
     report_errors(x, q, args.fp8_dtype)
 
-    iters = args.iters or (50 if device == "cuda" else 2)
+    iters = args.iters if args.iters is not None else (50 if device == "cuda" else 2)
     seconds = time_quantize(x, args.fp8_dtype, iters)
     print(f"quantize: {seconds * 1e3:.3f} ms per call, {x.nbytes / seconds / 1e9:.2f} GB/s of bf16 input")
 

@@ -22,7 +22,8 @@ Each run prints one line (wrapped here)::
     graph_breaks=<k> recompiles=<r> tokens_per_s=<t> peak_memory_mib=<MiB, or n/a on CPU>
 
 tokens/s counts the steps after the first ``WARMUP_STEPS + 1`` (compilation, warm-up and
-the CUDA-graph capture happen there). Usage: ``python examples/train_tiny_moe.py --steps 30`` (CPU,
+the CUDA-graph capture happen there): ``n/a`` for runs of no more steps than those.
+Usage: ``python examples/train_tiny_moe.py --steps 30`` (CPU,
 reference kernels), ``--device cuda`` (Triton kernels), ``--recipe mxfp8``, ``--plot losses.png``
 (trains the three recipes, and the baseline with ``--baseline``, and plots their loss curves).
 Needs the ``examples`` extra (tqdm, matplotlib): ``pip install -e ".[examples]"``.
@@ -37,6 +38,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -293,7 +295,8 @@ def train(args: argparse.Namespace, recipe: str, baseline: bool) -> dict:
     data = torch.frombuffer(bytearray(tiny_corpus(200_000, args.seed)), dtype=torch.uint8)
     model = TinyMoELM(recipe=recipe, seq=args.seq, baseline=baseline).to(args.device)
     trainer = Trainer(model, args.device, args.batch, args.seq, args.mode)
-    untimed = min(WARMUP_STEPS + 1, args.steps - 1)
+    untimed = WARMUP_STEPS + 1
+    timed = args.steps > untimed
     start = time.perf_counter()
     losses = []
     bar = tqdm(total=args.steps, desc=run_label(baseline, recipe), unit="step", disable=None, file=sys.stderr)
@@ -316,7 +319,7 @@ def train(args: argparse.Namespace, recipe: str, baseline: bool) -> dict:
         "losses": torch.stack(losses).tolist(),
         "graph_breaks": breaks,
         "recompiles": recompiles,
-        "tokens_per_s": (args.steps - untimed) * args.batch * args.seq / elapsed,
+        "tokens_per_s": (args.steps - untimed) * args.batch * args.seq / elapsed if timed else None,
         "peak_memory_mib": peak,
     }
 
@@ -324,11 +327,12 @@ def train(args: argparse.Namespace, recipe: str, baseline: bool) -> dict:
 def summary(args: argparse.Namespace, run: dict) -> str:
     """The one-line result of a run (the module docstring gives its fields)."""
     peak = "n/a" if run["peak_memory_mib"] is None else f"{run['peak_memory_mib']:.1f}"
+    speed = "n/a" if run["tokens_per_s"] is None else f"{run['tokens_per_s']:.0f}"
     return (
         f"model={run['model']} recipe={run['recipe']} device={args.device} mode={args.mode} "
         f"steps={args.steps} first_loss={run['losses'][0]:.4f} last_loss={run['losses'][-1]:.4f} "
         f"graph_breaks={run['graph_breaks']} recompiles={run['recompiles']} "
-        f"tokens_per_s={run['tokens_per_s']:.0f} peak_memory_mib={peak}"
+        f"tokens_per_s={speed} peak_memory_mib={peak}"
     )
 
 
@@ -360,10 +364,14 @@ def loss_figure(runs: list[dict], title: str):
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=30, help="training steps per run (default 30)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(
-        "--mode", choices=MODES, default=None, help="default: graph on CUDA, compiled on CPU (see above)"
+        "--mode",
+        choices=MODES,
+        default=None,
+        help="graph (CUDA: compiled step captured in a CUDA graph; the default there), compiled (the "
+        "default on CPU) or eager",
     )
     parser.add_argument("--recipe", choices=RECIPES, default=None, help="the experts' recipe (mxfp8)")
     parser.add_argument(
@@ -372,10 +380,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--plot", default=None, help="PNG path: train the three recipes (and --baseline), plot the losses"
     )
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--losses", default=None, help="write each run's per-step losses (JSON) here")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
+    parser.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
+    parser.add_argument("--seed", type=int, default=0, help="parameters, text and batches (default 0)")
+    parser.add_argument(
+        "--losses",
+        default=None,
+        help="JSON path: each run's per-step losses as exact float.hex() strings (float.fromhex reads them)",
+    )
     args = parser.parse_args(argv)
     for name in ("steps", "batch", "seq"):
         if getattr(args, name) < 1:
@@ -387,13 +399,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--mode graph captures a CUDA graph: it needs --device cuda (use compiled or eager)")
     if args.baseline and args.recipe not in (None, "bf16"):
         parser.error(f"--baseline trains bf16 experts: --recipe must be bf16 or left out, got {args.recipe}")
+    if args.mode == "graph" and args.steps <= WARMUP_STEPS:
+        parser.error(
+            f"--mode graph captures the step after {WARMUP_STEPS} warm-up steps: --steps must be more"
+        )
     if args.plot and args.recipe is not None:
         parser.error("--plot trains every recipe: leave --recipe out")
     if args.plot:
         try:
-            import matplotlib  # noqa: F401
+            from matplotlib.figure import Figure
         except ImportError:
             parser.error('--plot needs matplotlib: pip install -e ".[examples]"')
+        formats = Figure().canvas.get_supported_filetypes()
+        if Path(args.plot).suffix.lstrip(".").lower() not in formats:
+            parser.error(f"--plot: the file's extension picks the image format, one of {sorted(formats)}")
+    # Checked before training, which takes minutes: a path that cannot be written fails now.
+    for name in ("plot", "losses"):
+        path = getattr(args, name)
+        if path is not None and not Path(path).resolve().parent.is_dir():
+            parser.error(f"--{name}: the folder of {path} does not exist")
     return args
 
 

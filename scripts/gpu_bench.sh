@@ -3,11 +3,13 @@
 # (bench.log, a "== label exit status in N s" line after each), benchmark JSON left in a temporary
 # directory. Carried wheels in .whl/ (Liger, tqdm; TE in .whl/te) are installed first (peer_wheels.sh).
 #
-#   bash scripts/gpu_bench.sh                  # every benchmark below
-#   bash scripts/gpu_bench.sh ce mxfp8         # only those labels
+#   bash scripts/gpu_bench.sh                  # the labels of `order` below (the kernel benchmarks,
+#                                              # the host table, the example in each mode)
+#   bash scripts/gpu_bench.sh ce mxfp8         # those labels (any key of `jobs`)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$(mktemp -d)}"
+mkdir -p "$OUT"
 json="$(mktemp -d)"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 source scripts/peer_wheels.sh
@@ -48,6 +50,12 @@ for mode in eager compiled graph; do
 done
 order=(ce mxfp8 nvfp4 grouped_mlp nvfp4_decode linear_ce host tiny_moe_eager tiny_moe_compiled tiny_moe_graph)
 [ $# -gt 0 ] && order=("$@")
+for label in "${order[@]}"; do
+    if [ -z "${jobs[$label]+set}" ]; then
+        echo "gpu_bench.sh: unknown label $label; labels: ${!jobs[*]}" >&2
+        exit 2
+    fi
+done
 for label in "${order[@]}"; do
     start=$SECONDS
     echo "######## $label: ${jobs[$label]}" >> "$OUT/bench.log"

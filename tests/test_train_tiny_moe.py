@@ -21,7 +21,7 @@ EXAMPLE = ROOT / "examples" / "train_tiny_moe.py"
 SUMMARY = re.compile(
     r"^model=(?P<model>lowp|baseline) recipe=(?P<recipe>\w+) device=(?P<device>\w+) mode=(?P<mode>\w+)"
     r" steps=(?P<steps>\d+) first_loss=(?P<first>[\d.]+) last_loss=(?P<last>[\d.]+)"
-    r" graph_breaks=(?P<breaks>\d+) recompiles=(?P<recompiles>\d+) tokens_per_s=(?P<tokens_per_s>\d+)"
+    r" graph_breaks=(?P<breaks>\d+) recompiles=(?P<recompiles>\d+) tokens_per_s=(?P<tokens_per_s>\d+|n/a)"
     r" peak_memory_mib=(?P<peak>[\d.]+|n/a)$"
 )
 
@@ -69,6 +69,12 @@ def test_short_cpu_run_learns_with_no_graph_break_and_no_recompile():
     assert int(run["recompiles"]) == 0
     assert int(run["tokens_per_s"]) > 0
     assert run["peak"] == "n/a"  # CPU: no allocator statistics
+
+
+def test_a_run_with_no_timed_step_reports_no_speed():
+    """The first WARMUP_STEPS + 1 steps (compilation, warm-up, capture) are not timed: 4 steps leave none."""
+    (run,) = run_example("--steps", "4", "--device", "cpu", "--mode", "eager")
+    assert run["tokens_per_s"] == "n/a"
 
 
 def test_eager_baseline_trains_the_same_model_as_lowp_bf16(tmp_path):
@@ -129,6 +135,10 @@ def test_loss_figure_has_a_title_axis_labels_and_a_legend(example, tmp_path):
         (("--mode", "fast"), "--mode"),
         (("--baseline", "--recipe", "mxfp8"), "--recipe"),
         (("--plot", "x.png", "--recipe", "bf16"), "--recipe"),
+        # Checked before minutes of training: a folder that does not exist, a format matplotlib lacks.
+        (("--plot", "no_such_folder/x.png"), "--plot: the folder"),
+        (("--plot", "losses.txt"), "--plot: the file's extension"),
+        (("--losses", "no_such_folder/l.json"), "--losses: the folder"),
     ],
 )
 def test_bad_arguments_are_rejected_with_the_argument_named(example, capsys, args, named):
