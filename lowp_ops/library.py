@@ -341,6 +341,17 @@ nvfp4_dequantize = _define(
     nvfp4_meta.nvfp4_dequantize_output,
 )
 
+# The grouped copies' dequantization for inspection and tests: element-wise PyTorch (no host sync), also
+# on CUDA (no kernel).
+nvfp4_group_dequantize = _define(
+    "nvfp4_group_dequantize",
+    "(Tensor data, Tensor scale, Tensor amax, Tensor split_sizes, ScalarType dtype, str use, SymInt tokens,"
+    " SymInt hidden, int multiple) -> Tensor",
+    nvfp4_ref.nvfp4_group_dequantize,
+    None,
+    nvfp4_meta.nvfp4_group_dequantize_output,
+)
+
 # ---------------------------------------------------------------------------------------- MoE SwiGLU
 # Split sizes never leave the device.
 

@@ -7,6 +7,7 @@ import torch
 from . import library
 from .formats import NVFP4GroupedTensor, NVFP4Tensor
 from .meta.checks import check_bool, check_float_dtype, require, require_tensor
+from .meta.nvfp4 import group_split_multiple
 
 __all__ = ["nvfp4_dequantize", "nvfp4_group_quantize", "nvfp4_quantize"]
 
@@ -126,17 +127,35 @@ def nvfp4_group_quantize(
 
 
 def nvfp4_dequantize(
-    q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16, use: str = "rowwise"
+    q: NVFP4Tensor | NVFP4GroupedTensor, dtype: torch.dtype = torch.bfloat16, use: str = "rowwise"
 ) -> torch.Tensor:
     """Dequantize one copy of ``q``: ``"rowwise"`` gives ``q.shape``; ``"columnwise"`` gives the 2-D
-    transposed operand ``(K, M)`` (in the Hadamard domain when ``q.rht``)."""
-    if not isinstance(q, NVFP4Tensor):
-        raise TypeError(f"q must be an NVFP4Tensor, got {type(q).__name__}")
+    transposed operand ``(K, M)`` (in the Hadamard domain when ``q.rht``).
+
+    An :class:`~lowp_ops.formats.NVFP4GroupedTensor` (tokens ``(T, K)``) gives ``(T, K)`` / ``(K, T)``:
+    each expert's rows / columns with its own amax, equal to dequantizing that expert quantized alone
+    (element-wise PyTorch, no host sync, on CUDA too); the rows of no expert are 0."""
+    if not isinstance(q, (NVFP4Tensor, NVFP4GroupedTensor)):
+        raise TypeError(f"q must be an NVFP4Tensor or an NVFP4GroupedTensor, got {type(q).__name__}")
     require(use in ("rowwise", "columnwise"), lambda: f"use must be 'rowwise' or 'columnwise', got {use!r}")
     check_float_dtype(dtype)
+    if isinstance(q, NVFP4GroupedTensor):
+        return _group_dequantize(q, dtype, use)
     if use == "rowwise":
         require(q.row_data is not None, lambda: "use='rowwise' but q holds no rowwise copy")
         values = library.nvfp4_dequantize(q.row_data, q.row_scale, q.amax_rowwise, dtype)
         return values.view(q.shape)
     require(q.col_data is not None, lambda: "use='columnwise' but q holds no columnwise copy")
     return library.nvfp4_dequantize(q.col_data, q.col_scale, q.amax_columnwise, dtype)
+
+
+def _group_dequantize(q: NVFP4GroupedTensor, dtype: torch.dtype, use: str) -> torch.Tensor:
+    tokens, hidden = q.shape
+    data = q.row_data if use == "rowwise" else q.col_data
+    require(data is not None, lambda: f"use={use!r} but q holds no {use} copy")
+    # The boundaries the quantization used: its split-size multiple (meta.nvfp4.group_split_multiple).
+    multiple = group_split_multiple(q.col_data is not None, q.rht, q.block_2d)
+    scale, amax = (q.row_scale, q.amax_rowwise) if use == "rowwise" else (q.col_scale, q.amax_columnwise)
+    return library.nvfp4_group_dequantize(
+        data, scale, amax, q.split_sizes, dtype, use, tokens, hidden, multiple
+    )

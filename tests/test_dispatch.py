@@ -120,6 +120,7 @@ TRITON_LAUNCHES = {
     "nvfp4_quantize row+col RHT, computed amaxes, SR": 2,  # amax, quantize
     "nvfp4_group_quantize row+col RHT": 2,  # per-expert amaxes, quantize
     "nvfp4_dequantize": 1,
+    "nvfp4_dequantize of a grouped tensor, column-wise": 0,  # element-wise PyTorch (no kernel)
     # the in-gradient schedule: column statistics, their combination, the gradient in place, 2 scalings
     "linear_cross_entropy fwd+bwd": 5,
     # chunk forward, fused MXFP8 backward, 2 MXFP8 GEMMs (dgrad, wgrad), 2 scalings
@@ -164,6 +165,7 @@ def _launch_cases(device):
     w1 = (torch.randn(4, 2 * ffn, hidden, generator=gen) * 0.1).bfloat16().to(device)
     w2 = (torch.randn(4, hidden, ffn, generator=gen) * 0.1).bfloat16().to(device)
     probs = torch.rand(tokens, generator=gen).to(device)
+    grouped = lowp_ops.nvfp4_group_quantize(xt, splits, columnwise=True, rht=True)
     c = torch.randn(tokens, 2 * ffn, generator=gen).bfloat16().to(device)
     grad_h = torch.randn(tokens, ffn, generator=gen).bfloat16().to(device)
     hid = torch.randn(16, 32, generator=gen).bfloat16().to(device)
@@ -222,6 +224,9 @@ def _launch_cases(device):
             xt, splits, columnwise=True, rht=True
         ),
         "nvfp4_dequantize": lambda: lowp_ops.nvfp4_dequantize(q4),
+        "nvfp4_dequantize of a grouped tensor, column-wise": lambda: lowp_ops.nvfp4_dequantize(
+            grouped, use="columnwise"
+        ),
         "linear_cross_entropy fwd+bwd": fwd_bwd(
             lambda h, w: lowp_ops.linear_cross_entropy(h, w, target), hid, head
         ),

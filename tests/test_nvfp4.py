@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import lowp_ops
+from lowp_ops.meta.split_sizes import set_split_size_checks
 from lowp_ops.reference import nvfp4 as ref
 
 GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
@@ -390,6 +391,72 @@ def test_grouped_16x16_blocks_are_each_experts_own_quantization():
         lowp_ops.nvfp4_group_quantize(
             x.bfloat16(), torch.tensor(sizes), block_2d=True, rht=True, columnwise=True
         )
+
+
+GROUPED_OPTIONS = {
+    "row-wise": {},
+    "both copies": {"columnwise": True},
+    "both copies, RHT": {"columnwise": True, "rht": True},
+    "16x16 blocks": {"block_2d": True},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("options", sorted(GROUPED_OPTIONS))
+def test_grouped_dequantize_is_each_experts_own_dequantization(options, dtype):
+    """Expert e's rows (row-wise) or columns (column-wise) of a grouped tensor dequantize to the bytes of
+    that expert quantized alone with the same amaxes; an empty expert takes no rows."""
+    kwargs = GROUPED_OPTIONS[options]
+    x = random_matrix(96, 48, seed=26)
+    sizes = [32, 0, 48, 16]
+    grouped = lowp_ops.nvfp4_group_quantize(x, torch.tensor(sizes), **kwargs)
+    uses = ("rowwise", "columnwise") if kwargs.get("columnwise") else ("rowwise",)
+    got = {use: lowp_ops.nvfp4_dequantize(grouped, dtype, use) for use in uses}
+    assert got["rowwise"].shape == (96, 48) and got.get("columnwise", torch.empty(48, 96)).shape == (48, 96)
+    row0 = 0
+    for expert, size in enumerate(sizes):
+        amaxes = {"amax_rowwise": grouped.amax_rowwise[expert : expert + 1].clone()}
+        if kwargs.get("columnwise"):
+            amaxes["amax_columnwise"] = grouped.amax_columnwise[expert : expert + 1].clone()
+        if size:
+            alone = lowp_ops.nvfp4_quantize(x[row0 : row0 + size], **kwargs, **amaxes)
+            for use in uses:
+                want = lowp_ops.nvfp4_dequantize(alone, dtype, use)
+                part = got[use][row0 : row0 + size] if use == "rowwise" else got[use][:, row0 : row0 + size]
+                assert torch.equal(part.view(torch.uint8), want.view(torch.uint8)), (expert, use)
+        row0 += size
+
+
+def test_grouped_dequantize_gives_zero_for_rows_of_no_expert_and_checks_its_arguments():
+    """Sizes summing to fewer rows (effective boundaries): the rows past the last end dequantize to 0."""
+    x = random_matrix(64, 32, seed=27)
+    previous = set_split_size_checks("off")
+    try:
+        grouped = lowp_ops.nvfp4_group_quantize(x, torch.tensor([16, 32]))
+    finally:
+        set_split_size_checks(previous)
+    values = lowp_ops.nvfp4_dequantize(grouped, torch.float32)
+    assert not values[48:].any() and values[:48].abs().sum() > 0
+    with pytest.raises(ValueError, match="use='columnwise' but q holds no columnwise copy"):
+        lowp_ops.nvfp4_dequantize(grouped, use="columnwise")
+    out = torch.ops.lowp.nvfp4_group_quantize(x, torch.tensor([32, 32]), True, True, False, None, None)
+    args = (out[2], out[3], out[5], torch.tensor([32, 32]), torch.bfloat16, "columnwise", 64, 32, 2)
+    torch.library.opcheck(torch.ops.lowp.nvfp4_group_dequantize.default, args)
+
+
+def test_grouped_round_trip_compiles_to_one_graph_across_token_counts():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def round_trip(x, sizes):
+        grouped = lowp_ops.nvfp4_group_quantize(x, sizes, columnwise=True, rht=True)
+        return lowp_ops.nvfp4_dequantize(grouped, torch.float32, "columnwise")
+
+    backend = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(round_trip, backend=backend, fullgraph=True, dynamic=True)
+    for tokens in (64, 96, 128):
+        x, sizes = random_matrix(tokens, 32, seed=tokens), torch.tensor([16, 0, tokens - 16])
+        assert torch.equal(compiled(x, sizes), round_trip(x, sizes))
+    assert backend.frame_count == 1
 
 
 def test_reprs_show_shapes_dtypes_and_flags_not_values():

@@ -210,6 +210,53 @@ def check_group_quantize_args(
     check_group_split_values(split_sizes, x.shape[0], columnwise, rht, block_2d)
 
 
+def nvfp4_group_dequantize_output(
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    amax: torch.Tensor,
+    split_sizes: torch.Tensor,
+    dtype: torch.dtype,
+    use: str,
+    tokens: int,
+    hidden: int,
+    multiple: int,
+) -> torch.Tensor:
+    """``(tokens, hidden)`` (``use="rowwise"``) or ``(hidden, tokens)`` (``"columnwise"``) in ``dtype`` of
+    one copy of ``lowp::nvfp4_group_quantize``'s outputs (their layout: :func:`nvfp4_group_quantize_outputs`;
+    ``multiple``: the :func:`group_split_multiple` the quantization used)."""
+    require(use in ("rowwise", "columnwise"), lambda: f"use must be 'rowwise' or 'columnwise', got {use!r}")
+    check_split_sizes(split_sizes, device=data.device, of="data")
+    experts = split_sizes.shape[0]
+    require(
+        data.dtype == torch.uint8 and scale.dtype == torch.uint8,
+        lambda: f"data and scale must be uint8, got {data.dtype} and {scale.dtype}",
+    )
+    if use == "rowwise":
+        data_shape, scale_shape_ = (tokens, hidden // 2), scale_shape(tokens, hidden)
+    else:
+        data_shape = (hidden * tokens // 2,)
+        scale_shape_ = (round_up(hidden, SCALE_TILE_ROWS), group_col_scale_cols(tokens, experts))
+    require(
+        tuple(data.shape) == data_shape and tuple(scale.shape) == tuple(scale_shape_),
+        lambda: (
+            f"data and scale must have shapes {data_shape} and {tuple(scale_shape_)}, got "
+            f"{tuple(data.shape)} and {tuple(scale.shape)}"
+        ),
+    )
+    require(
+        amax.dtype == torch.float32 and tuple(amax.shape) == (experts,) and amax.device == data.device,
+        lambda: (
+            f"amax must be float32 of shape ({experts},) on the data's device, got {amax.dtype} "
+            f"{tuple(amax.shape)} on {amax.device}"
+        ),
+    )
+    require(
+        dtype in HIGH_PRECISION_DTYPES, lambda: f"dtype must be float32, bfloat16 or float16, got {dtype}"
+    )
+    require(multiple in (1, 2, NVFP4_BLOCK_SIZE), lambda: f"multiple must be 1, 2 or 16, got {multiple}")
+    return data.new_empty((tokens, hidden) if use == "rowwise" else (hidden, tokens), dtype=dtype)
+
+
 def check_group_split_values(
     split_sizes: torch.Tensor, tokens: int, columnwise: bool, rht: bool, block_2d: bool
 ) -> None:

@@ -29,16 +29,18 @@ from ..formats import (
     NVFP4_GLOBAL_SCALE_NUMERATOR,
     RHT_SIGN_MASK,
     SCALE_TILE_COLS,
+    ceil_div,
 )
 from ..meta.mxfp8 import flat_2d_dims
 from ..meta.nvfp4 import (
     check_quantize_args,
     group_split_multiple,
     nvfp4_dequantize_output,
+    nvfp4_group_dequantize_output,
     nvfp4_group_quantize_outputs,
     nvfp4_quantize_outputs,
 )
-from ..meta.split_sizes import effective_split_sizes
+from ..meta.split_sizes import effective_split_sizes, expert_of_rows
 
 _BLOCK = NVFP4_BLOCK_SIZE
 FLT_MAX = torch.finfo(torch.float32).max
@@ -351,6 +353,14 @@ def staged_amax(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
+def dequantized(codes: torch.Tensor, block_scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """fp32 ``e2m1(codes) * (fp32(s_b) * amax * fp32(1/2688))``, the amax staged as :func:`staged_amax`:
+    ``block_scale`` (fp32 per element) and ``amax`` broadcast against ``codes``."""
+    amax, unstage = staged_amax(amax)
+    final_scale = block_scale * amax * (1.0 / NVFP4_GLOBAL_SCALE_NUMERATOR)
+    return e2m1_values(codes) * final_scale * unstage
+
+
 def nvfp4_dequantize(
     data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -359,8 +369,55 @@ def nvfp4_dequantize(
     out = nvfp4_dequantize_output(data, scale, amax, dtype)
     rows, cols = out.shape
     block_scale = scale[:rows].view(torch.float8_e4m3fn).float()
-    amax, unstage = staged_amax(amax.reshape(1, 1))
-    final_scale = block_scale * amax * (1.0 / NVFP4_GLOBAL_SCALE_NUMERATOR)
-    values = e2m1_values(unpack_fp4(data)) * final_scale.repeat_interleave(_BLOCK, dim=1)[:, :cols]
-    out.copy_(values * unstage)
+    element_scale = block_scale.repeat_interleave(_BLOCK, dim=1)[:, :cols]
+    out.copy_(dequantized(unpack_fp4(data), element_scale, amax.reshape(1, 1)))
+    return out
+
+
+def nvfp4_group_dequantize(
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    amax: torch.Tensor,
+    split_sizes: torch.Tensor,
+    dtype: torch.dtype,
+    use: str,
+    tokens: int,
+    hidden: int,
+    multiple: int,
+) -> torch.Tensor:
+    """``lowp::nvfp4_group_dequantize`` (element-wise PyTorch on the device, no host sync: it serves CUDA
+    too): one copy of ``lowp::nvfp4_group_quantize``'s outputs dequantized, every element with its
+    expert's amax as :func:`nvfp4_dequantize` computes it, so expert e's rows (row-wise, ``(T, K)``) or
+    columns (column-wise, ``(K, T)``: ``x^T``, or ``RHT(x^T)``) equal the dequantization of that expert
+    quantized alone. The experts' rows are the effective boundaries with ``multiple``; the rows of no
+    expert give 0."""
+    out = nvfp4_group_dequantize_output(data, scale, amax, split_sizes, dtype, use, tokens, hidden, multiple)
+    if out.numel() == 0:
+        return out
+    experts = split_sizes.shape[0]
+    sizes = effective_split_sizes(split_sizes, tokens, multiple)
+    expert = expert_of_rows(sizes, tokens)  # (tokens,), E for a row of no expert
+    decodable = expert < experts
+    expert = expert.clamp(max=experts - 1)
+    if use == "rowwise":
+        block_scale = scale[:tokens, : ceil_div(hidden, _BLOCK)].view(torch.float8_e4m3fn).float()
+        element_scale = block_scale.repeat_interleave(_BLOCK, dim=1)[:, :hidden]
+        values = dequantized(unpack_fp4(data), element_scale, amax[expert][:, None])
+        out.copy_(torch.where(decodable[:, None], values, 0.0))
+        return out
+    # Token t of expert e (local index l = t - start_e) in channel h: its code in byte
+    # hidden * start_e / 2 + h * m_e / 2 + l / 2 (high nibble for odd l), its scale in
+    # scale[h, group_col_scale_starts[e] + l // 16].
+    ends = torch.cumsum(sizes, 0)
+    start = (ends - sizes)[expert]
+    local = torch.arange(tokens, device=data.device) - start
+    channel = torch.arange(hidden, device=data.device)[:, None]
+    byte = hidden * start // 2 + channel * (sizes[expert] // 2) + local // 2
+    packed = data[byte.clamp(0, max(data.numel() - 1, 0))]
+    codes = torch.where(local % 2 == 1, packed >> 4, packed & 0xF)
+    scale_col = group_col_scale_starts(sizes)[expert] + local // _BLOCK
+    scale_col = scale_col.clamp(0, scale.shape[1] - 1).expand(hidden, tokens)
+    block_scale = scale[:hidden].gather(1, scale_col).view(torch.float8_e4m3fn).float()
+    values = dequantized(codes, block_scale, amax[expert][None, :])
+    out.copy_(torch.where(decodable[None, :], values, 0.0))
     return out
