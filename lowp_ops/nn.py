@@ -36,6 +36,10 @@ class GroupedSwiGLUMLP(torch.nn.Module):
     ):
         super().__init__()
         check_mlp_options(recipe, fc1_dy_amax_from_dglu, glu_interleave_size)
+        if dtype != torch.bfloat16:  # the grouped GEMMs take bf16 operands, whatever the recipe
+            raise ValueError(
+                f"dtype must be torch.bfloat16 (the experts' grouped GEMMs take bf16), got {dtype}"
+            )
         self.num_experts, self.hidden, self.ffn = num_experts, hidden, ffn
         self.recipe = recipe
         self.fc1_dy_amax_from_dglu = fc1_dy_amax_from_dglu
@@ -86,7 +90,14 @@ class RMSNorm(torch.nn.Module):
     ):
         super().__init__()
         self.hidden, self.eps, self.round_normalized = hidden, eps, round_normalized
-        self.weight = torch.nn.Parameter(torch.ones(hidden, device=device, dtype=dtype))
+        self.weight = torch.nn.Parameter(torch.empty(hidden, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Ones, as ``torch.nn.RMSNorm`` (deferred initialization: build on ``meta``, ``to_empty``, then
+        this)."""
+        with torch.no_grad():
+            self.weight.fill_(1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, round_normalized=self.round_normalized)

@@ -521,6 +521,8 @@ def test_module_checks_its_options_when_built():
         lowp_ops.nn.GroupedSwiGLUMLP(2, 32, 16, glu_interleave_size=16)
     with pytest.raises(TypeError, match="fc1_dy_amax_from_dglu must be a bool"):
         lowp_ops.nn.GroupedSwiGLUMLP(2, 32, 16, recipe="nvfp4", fc1_dy_amax_from_dglu="yes")
+    with pytest.raises(ValueError, match=r"dtype must be torch\.bfloat16"):
+        lowp_ops.nn.GroupedSwiGLUMLP(2, 32, 16, dtype=torch.float32)
 
 
 _A, _B = torch.zeros(8, 16, dtype=torch.bfloat16), torch.zeros(2, 16, 4, dtype=torch.bfloat16)

@@ -151,6 +151,26 @@ def test_tuple_output_keeps_the_models_positions(labels_given):
             assert type(mine) is type(theirs), index
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_a_whole_patched_model_saves_and_loads(model_type, tmp_path):
+    """torch.save / pickle of the whole patched model loads back patched, with the same loss (bound
+    methods pickled as getattr(module, name), which the modules do not have)."""
+    options = {"experts": "bf16"} if model_type == "qwen3_moe" else {}
+    dtype = torch.bfloat16 if options else torch.float32
+    model = apply_lowp_ops(tiny_model(model_type, dtype=dtype), **options)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    ids, labels = batch()
+    assert torch.equal(loaded(input_ids=ids, labels=labels).loss, model(input_ids=ids, labels=labels).loss)
+    assert loaded.lm_head.forward.func is integration._hidden_passthrough
+
+
+def test_experts_converted_after_patching_are_named():
+    model = apply_lowp_ops(tiny_model("qwen3_moe", dtype=torch.bfloat16), experts="bf16").float()
+    with pytest.raises(ValueError, match=r"apply_lowp_ops\(experts='bf16'\): .* torch.float32 now"):
+        model(input_ids=batch()[0])
+
+
 def test_head_replaced_after_patching_is_named():
     """resize_token_embeddings replaces lm_head: the patched forward says so instead of feeding logits
     to the loss as hidden states."""
@@ -536,9 +556,9 @@ def saved_bytes(model, ids, labels) -> int:
 def test_every_rms_norm_and_dense_mlp_is_patched(model_type):
     model = apply_lowp_ops(tiny_model(model_type))
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
-    assert norms and all(m.forward.__func__ is integration._rms_norm_forward for m in norms)
+    assert norms and all(m.forward.func is integration._rms_norm_forward for m in norms)
     dense = [m for m in model.modules() if type(m).__name__.endswith("MLP") and hasattr(m, "down_proj")]
-    assert all(m.forward.__func__ is integration._dense_swiglu_forward for m in dense)
+    assert all(m.forward.func is integration._dense_swiglu_forward for m in dense)
     if model_type in ("llama", "phi3", "qwen2_moe", "deepseek_v3"):
         assert dense, "the dense or shared-expert MLPs were not found"
     untouched = apply_lowp_ops(tiny_model(model_type), rms_norm=False, mlp=False)

@@ -235,3 +235,12 @@ def test_compiled_transformers_formula_saves_what_the_op_saves():
     ours = bytes_saved_by_compiled_forward(layer(lambda v: lowp_ops.rms_norm(v, weight, 1e-6)), xr)
     # weight (bf16), rstd (fp32), x (bf16), the projection (bf16)
     assert theirs == ours == sorted([2 * 256, 4 * 64, 2 * 64 * 256, 2 * 256 * 256])
+
+
+def test_module_reset_parameters_initializes_a_deferred_weight():
+    """Deferred initialization (FSDP2 style): built on meta, to_empty, reset_parameters -> ones."""
+    with torch.device("meta"):
+        norm = lowp_ops.nn.RMSNorm(64)
+    norm = norm.to_empty(device="cpu")
+    norm.reset_parameters()
+    assert torch.equal(norm.weight, torch.ones(64, dtype=torch.bfloat16))

@@ -51,8 +51,8 @@ parameters stay the model's own (no copies), so optimizers, ``state_dict`` and c
 
 from __future__ import annotations
 
+import functools
 import inspect
-import types
 import warnings
 from dataclasses import fields
 
@@ -178,24 +178,32 @@ def apply_lowp_ops(
         for module in _rms_norm_modules(model):
             module._lowp_round_normalized = round_normalized
             module._lowp_eager_only = rms_norm == "eager"
-            module.forward = types.MethodType(_rms_norm_forward, module)
+            module.forward = _bound(_rms_norm_forward, module)
     if mlp:
         for module in _dense_swiglu_modules(model):
-            module.forward = types.MethodType(_dense_swiglu_forward, module)
+            module.forward = _bound(_dense_swiglu_forward, module)
     for module in expert_modules:
         module._lowp_recipe = experts
-        module.forward = types.MethodType(_grouped_experts_forward, module)
+        module.forward = _bound(_grouped_experts_forward, module)
     if use_lowp_attention:
         _select_lowp_attention(model)
     return model
 
 
+def _bound(function, module: nn.Module) -> functools.partial:
+    """``function`` bound to ``module`` as an instance attribute: a ``functools.partial``, which pickles
+    by reference to the module-level function (``torch.save`` of a whole patched model loads back; a
+    bound method pickles as ``getattr(module, name)``, which the module does not have), and which
+    ``copy.deepcopy`` binds to the copy."""
+    return functools.partial(function, module)
+
+
 def _patch_head_and_loss(model: nn.Module, loss_options: dict) -> None:
-    """Instance attributes only (bound methods, so ``copy.deepcopy`` binds them to the copy)."""
+    """Instance attributes only (:func:`_bound`), so the class and other instances stay as they are."""
     model._lowp_ops_loss = loss_options
-    model.lm_head.forward = types.MethodType(_hidden_passthrough, model.lm_head)
-    model.loss_function = types.MethodType(_causal_lm_loss, model)
-    model.forward = types.MethodType(_forward_with_optional_logits, model)
+    model.lm_head.forward = _bound(_hidden_passthrough, model.lm_head)
+    model.loss_function = _bound(_causal_lm_loss, model)
+    model.forward = _bound(_forward_with_optional_logits, model)
 
 
 def _select_lowp_attention(model: nn.Module) -> None:
@@ -388,7 +396,7 @@ def _forward_with_optional_logits(
     """The class's forward with the head's output (hidden states) turned back into logits when wanted
     (default: unless training with ``labels``; pass ``labels`` by keyword, as transformers' Trainer does,
     or the logits are computed too)."""
-    if getattr(self.lm_head.forward, "__func__", None) is not _hidden_passthrough:
+    if getattr(self.lm_head.forward, "func", None) is not _hidden_passthrough:
         raise RuntimeError(
             "model.lm_head was replaced after apply_lowp_ops (resize_token_embeddings replaces it): apply "
             "lowp_ops to the model after resizing its embeddings"
@@ -568,6 +576,12 @@ def _grouped_experts_forward(
 ) -> torch.Tensor:
     """transformers' experts forward (tokens (T, H), top-k expert ids and weights (T, k)) through
     ``grouped_swiglu_mlp``; (T, H) in hidden_states' dtype, the k choices summed."""
+    if self.gate_up_proj.dtype != torch.bfloat16 or self.down_proj.dtype != torch.bfloat16:
+        raise ValueError(
+            f"apply_lowp_ops(experts={self._lowp_recipe!r}): {type(self).__name__}'s weights are "
+            f"{self.gate_up_proj.dtype} now (the model was converted after patching); the lowp experts take "
+            "bf16: convert the model back to bf16, or patch it without experts="
+        )
     tokens, top_k = top_k_index.shape
     experts, hidden = self.gate_up_proj.shape[0], hidden_states.shape[-1]
     alignment = ROW_ALIGNMENT[self._lowp_recipe]
