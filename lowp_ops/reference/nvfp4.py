@@ -374,6 +374,31 @@ def nvfp4_dequantize(
     return out
 
 
+def group_column_codes(
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    sizes: torch.Tensor,
+    expert: torch.Tensor,
+    hidden: int,
+    tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E2M1 codes, fp32 block scales), both ``(hidden, tokens)``, of the grouped column-wise copy (flat
+    ``data``, ``scale`` as ``meta.nvfp4.nvfp4_group_quantize_outputs``) for effective ``sizes`` (E,) and
+    each token's ``expert`` (clamped to a valid one). Token t of expert e (local index l = t - start_e) in
+    channel h has its code in byte ``hidden * start_e / 2 + h * m_e / 2 + l / 2`` (high nibble for odd
+    l) and its scale in ``scale[h, group_col_scale_starts[e] + l // 16]``."""
+    ends = torch.cumsum(sizes, 0)
+    start = (ends - sizes)[expert]
+    local = torch.arange(tokens, device=data.device) - start
+    channel = torch.arange(hidden, device=data.device)[:, None]
+    byte = hidden * start // 2 + channel * (sizes[expert] // 2) + local // 2
+    packed = data[byte.clamp(0, max(data.numel() - 1, 0))]
+    codes = torch.where(local % 2 == 1, packed >> 4, packed & 0xF)
+    scale_col = group_col_scale_starts(sizes)[expert] + local // _BLOCK
+    scale_col = scale_col.clamp(0, scale.shape[1] - 1).expand(hidden, tokens)
+    return codes, scale[:hidden].gather(1, scale_col).view(torch.float8_e4m3fn).float()
+
+
 def nvfp4_group_dequantize(
     data: torch.Tensor,
     scale: torch.Tensor,
@@ -405,19 +430,7 @@ def nvfp4_group_dequantize(
         values = dequantized(unpack_fp4(data), element_scale, amax[expert][:, None])
         out.copy_(torch.where(decodable[:, None], values, 0.0))
         return out
-    # Token t of expert e (local index l = t - start_e) in channel h: its code in byte
-    # hidden * start_e / 2 + h * m_e / 2 + l / 2 (high nibble for odd l), its scale in
-    # scale[h, group_col_scale_starts[e] + l // 16].
-    ends = torch.cumsum(sizes, 0)
-    start = (ends - sizes)[expert]
-    local = torch.arange(tokens, device=data.device) - start
-    channel = torch.arange(hidden, device=data.device)[:, None]
-    byte = hidden * start // 2 + channel * (sizes[expert] // 2) + local // 2
-    packed = data[byte.clamp(0, max(data.numel() - 1, 0))]
-    codes = torch.where(local % 2 == 1, packed >> 4, packed & 0xF)
-    scale_col = group_col_scale_starts(sizes)[expert] + local // _BLOCK
-    scale_col = scale_col.clamp(0, scale.shape[1] - 1).expand(hidden, tokens)
-    block_scale = scale[:hidden].gather(1, scale_col).view(torch.float8_e4m3fn).float()
+    codes, block_scale = group_column_codes(data, scale, sizes, expert, hidden, tokens)
     values = dequantized(codes, block_scale, amax[expert][None, :])
     out.copy_(torch.where(decodable[None, :], values, 0.0))
     return out

@@ -19,7 +19,7 @@ from ..meta.nvfp4_decode import (
     nvfp4_scale_rows_output,
 )
 from ..meta.split_sizes import effective_split_sizes, expert_of_rows
-from .nvfp4 import e2m1_values, group_col_scale_starts
+from .nvfp4 import e2m1_values, group_column_codes
 
 
 def nvfp4_decode_rows(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -55,16 +55,7 @@ def nvfp4_group_decode_columns(
     expert = expert_of_rows(sizes, tokens)
     decodable = expert < experts
     expert = expert.clamp(max=experts - 1)
-    ends = torch.cumsum(sizes, 0)
-    start = (ends - sizes)[expert]
-    local = torch.arange(tokens, device=col_data.device) - start
-    channel = torch.arange(hidden, device=col_data.device)[:, None]
-    byte = hidden * start // 2 + channel * (sizes[expert] // 2) + local // 2
-    packed = col_data[byte.clamp(0, col_data.numel() - 1)]
-    codes = torch.where(local % 2 == 1, packed >> 4, packed & 0xF)
-    scale_col = group_col_scale_starts(sizes)[expert] + local // NVFP4_BLOCK_SIZE
-    scale_col = scale_col.clamp(0, col_scale.shape[1] - 1).expand(hidden, tokens)
-    scale = col_scale[:hidden].gather(1, scale_col).view(torch.float8_e4m3fn).float()
+    codes, scale = group_column_codes(col_data, col_scale, sizes, expert, hidden, tokens)
     values = e2m1_values(codes) * scale
     out.copy_(torch.where(decodable, values, 0.0))
     return out
