@@ -10,7 +10,7 @@ from . import library
 from .functional import check_return_flags, loss_extras, reduce_row_losses
 from .meta.checks import check_bool, check_int, require
 from .meta.cross_entropy import check_reduction, public_label_smoothing, public_softcap, public_z_loss
-from .meta.linear_cross_entropy import check_ce_weight, check_chunk_size, check_hidden_weight_target
+from .meta.linear_cross_entropy import check_ce_weight, check_hidden_weight_target
 from .meta.mxfp8_gemm import check_other_operand
 from .reference.cross_entropy import reduce_denominator
 
@@ -146,8 +146,6 @@ def linear_cross_entropy(
     if chunk_size is not None:
         check_int(chunk_size, "chunk_size")
         require(chunk_size > 0, lambda: f"chunk_size must be positive (None: automatic), got {chunk_size}")
-    chunk = 0 if chunk_size is None else chunk_size
-    check_chunk_size(chunk)
     z_loss, softcap = public_z_loss(z_loss), public_softcap(softcap)
     check_return_flags(return_z_loss, return_lse)
     ce_weight = _public_ce_weight(ce_weight, weight, process_group)

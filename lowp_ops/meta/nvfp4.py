@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
 from ..formats import (
     HIGH_PRECISION_DTYPES,
@@ -15,7 +14,7 @@ from ..formats import (
 )
 from .checks import check_bool, require, require_tensor
 from .mxfp8 import flat_2d_dims
-from .split_sizes import check_split_size_values, check_split_sizes
+from .split_sizes import check_split_size_values, check_split_sizes, host_check_wanted
 
 
 def scale_shape(rows, cols) -> tuple[int, int]:
@@ -25,10 +24,8 @@ def scale_shape(rows, cols) -> tuple[int, int]:
 
 
 def _check_amax(amax: torch.Tensor | None, name: str, device: torch.device, given: bool = True) -> None:
-    """An fp32 one-element amax on ``device`` (the data's). A ``given`` one (a quantizer's argument, not a
-    container's) where it can be read without a device sync (a CPU tensor not being traced) must not be
-    negative, which would flip the scales' signs (inf and NaN are the amaxes of data holding them:
-    defined results). CUDA values are not read (no sync, CUDA graphs capture)."""
+    """An fp32 one-element amax on ``device`` (the data's); a ``given`` one (a quantizer's argument, not a
+    container's) as :func:`_check_given_amax_values`."""
     if amax is None:
         return
     require_tensor(amax, name)
@@ -36,15 +33,20 @@ def _check_amax(amax: torch.Tensor | None, name: str, device: torch.device, give
         amax.dtype == torch.float32 and amax.numel() == 1,
         lambda: f"{name} must be a float32 tensor with one element, got {amax.dtype} {tuple(amax.shape)}",
     )
-    check_amax_device_and_sign(amax, name, device, given)
+    _require_on(amax, name, device)
+    if given:
+        _check_given_amax_values(amax, name)
 
 
-def check_amax_device_and_sign(
-    amax: torch.Tensor, name: str, device: torch.device, given: bool = True
-) -> None:
-    """The device and, for a ``given`` amax on the host, the sign checks of :func:`_check_amax`."""
-    require(amax.device == device, lambda: f"{name} must be on the data's device {device}, got {amax.device}")
-    if given and amax.device.type == "cpu" and not is_fake(amax):
+def _require_on(t: torch.Tensor, name: str, device: torch.device) -> None:
+    require(t.device == device, lambda: f"{name} must be on the data's device {device}, got {t.device}")
+
+
+def _check_given_amax_values(amax: torch.Tensor, name: str) -> None:
+    """A given amax is not negative, which would flip the scales' signs (inf and NaN are the amaxes of
+    data holding them: defined results); read where ``meta.split_sizes`` reads device values on the host
+    (CPU tensors by default: no sync on CUDA)."""
+    if host_check_wanted(amax):
         require(not bool((amax < 0).any()), lambda: f"{name} must be >= 0, got {amax.tolist()}")
 
 
@@ -87,10 +89,7 @@ def check_quantize_args(
 def check_sr_seed(sr_seed: torch.Tensor | None, device: torch.device) -> None:
     if sr_seed is not None:
         require_tensor(sr_seed, "sr_seed")
-        require(
-            sr_seed.device == device,
-            lambda: f"sr_seed must be on the data's device {device}, got {sr_seed.device}",
-        )
+        _require_on(sr_seed, "sr_seed", device)
         require(
             sr_seed.dtype == torch.int64 and sr_seed.numel() == 2,
             lambda: f"sr_seed must be int64 [seed, offset], got {sr_seed.dtype} {tuple(sr_seed.shape)}",
@@ -187,7 +186,8 @@ def _check_group_amax(amax: torch.Tensor | None, experts: int, name: str, device
             amax.dtype == torch.float32 and amax.dim() == 1 and amax.shape[0] == experts,
             lambda: f"{name} must be float32 of shape ({experts},), got {amax.dtype} {tuple(amax.shape)}",
         )
-        check_amax_device_and_sign(amax, name, device)
+        _require_on(amax, name, device)
+        _check_given_amax_values(amax, name)
 
 
 def check_group_quantize_args(

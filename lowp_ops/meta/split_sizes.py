@@ -27,7 +27,8 @@ environment variable ``LOWP_OPS_CHECK_SPLIT_SIZES`` read at import):
   call, a debugging aid; skipped while a CUDA graph is being captured;
 - ``"off"`` (``LOWP_OPS_CHECK_SPLIT_SIZES=0``): never; every device gives the effective-boundary result.
 
-Tensors being traced (fake or meta tensors, Dynamo) are never read: the ops check when they run.
+Tensors being traced (fake or meta tensors, Dynamo) are never read: the ops check when they run. The
+NVFP4 quantizers read their given amaxes (not negative) under the same mode (:func:`host_check_wanted`).
 """
 
 from __future__ import annotations
