@@ -95,13 +95,13 @@ def grouped_mm_output(
 
 
 def check_grouped_linear(
-    x: torch.Tensor, weight: torch.Tensor, split_sizes: torch.Tensor, recipe: str
+    x: torch.Tensor, weight: torch.Tensor, split_sizes: torch.Tensor, recipe: str, weight_name: str = "weight"
 ) -> None:
     """x (T, K) bf16, weight (E, N, K) bf16 (``nn.Linear`` layout per expert), K and N multiples of 8;
     split sizes summing to T (multiples of 16 for the NVFP4 recipe), checked on the host where
     ``meta.split_sizes`` says."""
     _check_bf16_matrix(x, "x", 2)
-    _check_bf16_matrix(weight, "weight", 3, x.device)
+    _check_bf16_matrix(weight, weight_name, 3, x.device)
     require(
         x.shape[1] == weight.shape[2],
         lambda: f"x (T, {x.shape[1]}) and weight (E, N, K={weight.shape[2]}) must share K",
@@ -239,8 +239,7 @@ def check_grouped_swiglu_mlp(
 ) -> None:
     """The checks of :func:`grouped_swiglu_mlp_outputs`, allocating nothing on x's device (the op's
     implementation runs them before computing its outputs)."""
-    _check_bf16_matrix(fc1_weight, "fc1_weight", 3, x.device)
-    check_grouped_linear(x, fc1_weight, split_sizes, recipe)
+    check_grouped_linear(x, fc1_weight, split_sizes, recipe, "fc1_weight")
     # c's metadata only: a meta tensor, no memory.
     c = torch.empty((x.shape[0], fc1_weight.shape[1]), dtype=x.dtype, device="meta")
     check_glu_inputs(c, probs, interleave, device=x.device)
