@@ -19,6 +19,15 @@ parameters stay the model's own (no copies), so optimizers, ``state_dict`` and c
   in bf16): ``linear_cross_entropy``'s own default (2^28) accumulates the weight gradient in fewer
   passes, but its chunk adds to the whole model's peak memory (a ~1.5 B Llama at 4096 tokens: 13.10 GiB
   with it, 12.86 GiB with this; benchmarks/RESULTS.md).
+- **Logit steps** (``LOGIT_TRANSFORMS``: Gemma 2 / 3's final-logit soft-capping, Granite's
+  ``logits_scaling``, Cohere's ``logit_scale``). The class's forward would apply its step to the hidden
+  states the head hands through, so the patched forward runs it with the step switched off (the config's
+  or model's attribute set to a value that leaves its input as it is, and set back when the last running
+  forward of the model returns, also traced by ``torch.compile``), and applies the step itself: in the
+  loss as ``linear_cross_entropy(softcap=c)`` (fp32 ``c * tanh(z / c)`` where the model rounds each step
+  to its dtype) or as a scale of the hidden states (``(h * s) W^T``: the model's ``(h W^T) * s`` up to one
+  rounding of the product, exact in fp32 for powers of two), to returned logits as the model's own
+  operations (the same bytes). Gemma's norms (``1 + weight``) and GELU MLPs are left alone.
 - **MoE experts** (``experts="bf16" | "mxfp8" | "nvfp4"``): every fused experts module of transformers
   5.x (3-D ``gate_up_proj`` (E, 2F, H), gate rows first, and ``down_proj`` (E, H, F), SiLU, no biases:
   Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-V3, ...) runs through :func:`lowp_ops.grouped_swiglu_mlp`
@@ -53,8 +62,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import warnings
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -90,10 +100,59 @@ ROW_ALIGNMENT = {"bf16": 1, "mxfp8": 32, "nvfp4": 16}
 """Rows per expert are padded to these multiples: MXFP8 column-wise blocks are 32 tokens long, NVFP4's
 RHT and column-wise blocks 16 (lowp_ops.composite.grouped_linear)."""
 
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """What a model's forward does to ``lm_head``'s output before its loss: ``kind`` ``"softcap"`` (``c *
+    tanh(x / c)``), ``"divide"`` (``x / s``) or ``"multiply"`` (``x * s``), its value read from attribute
+    ``name`` of the model's config (``on_config``) or of the model itself; ``identity`` (a value that makes
+    the step leave its input as it is) switches the step off."""
+
+    kind: str
+    name: str
+    on_config: bool
+    identity: float | None
+
+    def holder(self, model: nn.Module):
+        return model.config if self.on_config else model
+
+    def apply(self, logits: torch.Tensor, value: float | None) -> torch.Tensor:
+        """The model's own step on ``logits``, operation for operation (so its bytes)."""
+        if value is None:
+            return logits
+        if self.kind == "softcap":
+            return torch.tanh(logits / value) * value
+        return logits / value if self.kind == "divide" else logits * value
+
+
+_SOFTCAP = LogitTransform("softcap", "final_logit_softcapping", on_config=True, identity=None)
+LOGIT_TRANSFORMS = {
+    "gemma2": _SOFTCAP,
+    "gemma3_text": _SOFTCAP,
+    "granite": LogitTransform("divide", "logits_scaling", on_config=True, identity=1.0),
+    "cohere": LogitTransform("multiply", "logit_scale", on_config=False, identity=1.0),
+    "cohere2": LogitTransform("multiply", "logit_scale", on_config=False, identity=1.0),
+}
+"""Causal LMs whose forward changes ``lm_head``'s output before ``loss_function``: Gemma 2/3's final-logit
+soft-capping, Granite's and Cohere's logit scales. The patched forward runs the class's forward with the
+step switched off (the head hands the hidden states through) and applies it itself: to the loss as
+``linear_cross_entropy``'s ``softcap`` or as a scale of the hidden states, to returned logits as the model's
+own operations."""
+
+UNIT_OFFSET_NORM_MODEL_TYPES = frozenset({"gemma", "gemma2", "gemma3_text"})
+"""Models whose RMSNorm multiplies by ``1 + weight``, which ``lowp_ops.rms_norm`` does not compute: their
+norms are left alone whatever their attributes are named."""
+
 LM_HEAD_MODEL_TYPES = frozenset(
     {
+        "cohere",
+        "cohere2",
         "deepseek_v3",
+        "gemma",
+        "gemma2",
+        "gemma3_text",
         "gpt_oss",
+        "granite",
         "llama",
         "mistral",
         "mixtral",
@@ -106,8 +165,8 @@ LM_HEAD_MODEL_TYPES = frozenset(
         "qwen3_moe",
     }
 )
-"""Causal LMs whose forward hands ``lm_head``'s output straight to ``loss_function`` (no soft-capping or
-scaling of the logits in between); each one is a test in tests/test_integrations_transformers.py."""
+"""Causal LMs whose forward hands ``lm_head``'s output straight to ``loss_function``, or through one of
+``LOGIT_TRANSFORMS``; each one is a test in tests/test_integrations_transformers.py."""
 
 NORM_WEIGHT_IN_FP32_MODEL_TYPES = frozenset({"gpt_oss", "olmo2"})
 """Models whose RMSNorm multiplies the fp32 normalized rows by the weight and rounds once
@@ -161,6 +220,7 @@ def apply_lowp_ops(
     """
     _check_causal_lm(model)
     _check_loss_options(grad_format, loss_options)
+    _check_softcap_option(model, loss_options)
     require(
         experts is None or experts in EXPERT_RECIPES,
         lambda: f"experts must be None or one of {EXPERT_RECIPES}, got {experts!r}",
@@ -201,6 +261,8 @@ def _bound(function, module: nn.Module) -> functools.partial:
 def _patch_head_and_loss(model: nn.Module, loss_options: dict) -> None:
     """Instance attributes only (:func:`_bound`), so the class and other instances stay as they are."""
     model._lowp_ops_loss = loss_options
+    if model.config.model_type in LOGIT_TRANSFORMS:
+        model._lowp_logit_step = _StepSwitch()
     model.lm_head.forward = _bound(_hidden_passthrough, model.lm_head)
     model.loss_function = _bound(_causal_lm_loss, model)
     model.forward = _bound(_forward_with_optional_logits, model)
@@ -252,6 +314,18 @@ def _check_loss_options(grad_format: str | None, loss_options: dict) -> None:
         raise NotImplementedError(
             "apply_lowp_ops: process_group (a vocabulary-parallel lm_head) is not wired into "
             "transformers models"
+        )
+
+
+def _check_softcap_option(model: nn.Module, loss_options: dict) -> None:
+    transform = LOGIT_TRANSFORMS.get(model.config.model_type)
+    if transform is None or transform.kind != "softcap" or loss_options.get("softcap") is None:
+        return
+    value = getattr(transform.holder(model), transform.name)
+    if value is not None:
+        raise ValueError(
+            f"apply_lowp_ops got softcap={loss_options['softcap']!r}, but the model soft-caps its logits "
+            f"itself (config.{transform.name}={value!r}), which the loss applies"
         )
 
 
@@ -364,6 +438,9 @@ def _causal_lm_loss(
     shift_labels = shift_labels.to(hidden.device)
     reduction = "mean" if num_items_in_batch is None else "sum"
     options = self._lowp_ops_loss
+    transform = LOGIT_TRANSFORMS.get(self.config.model_type)
+    if transform is not None:
+        hidden, options = _loss_with_logit_step(self, transform, hidden, options)
     if options.get("chunk_size") is None:
         options = {**options, "chunk_size": loss_chunk_size(hidden, weight)}
     loss = linear_cross_entropy(
@@ -374,6 +451,25 @@ def _causal_lm_loss(
     if isinstance(num_items_in_batch, torch.Tensor):
         num_items_in_batch = num_items_in_batch.to(loss.device)
     return loss / num_items_in_batch
+
+
+def _loss_with_logit_step(
+    model: nn.Module, transform: LogitTransform, hidden: torch.Tensor, options: dict
+) -> tuple[torch.Tensor, dict]:
+    """The model's logit step in the loss: ``softcap`` for ``linear_cross_entropy``, or the scale on the
+    hidden states (``(h * s) W^T = (h W^T) * s`` up to rounding; exact for powers of two)."""
+    state = model._lowp_logit_step
+    if state.running == 0:
+        raise RuntimeError(
+            f"the patched loss_function of a {model.config.model_type} model runs inside its patched "
+            "forward only (there its logit step is switched off): call model(...), not the class's forward"
+        )
+    value = state.value
+    if value is None:
+        return hidden, options
+    if transform.kind == "softcap":
+        return hidden, {**options, "softcap": value}
+    return (hidden / value if transform.kind == "divide" else hidden * value), options
 
 
 def loss_chunk_size(hidden: torch.Tensor, weight: torch.Tensor) -> int | None:
@@ -404,8 +500,19 @@ def _forward_with_optional_logits(
     return_dict = kwargs.pop("return_dict", None)
     if return_logits is None:
         return_logits = kwargs.get("labels") is None or not self.training
-    output = type(self).forward(self, *args, logits_to_keep=logits_to_keep, return_dict=True, **kwargs)
+    kwargs.update(logits_to_keep=logits_to_keep, return_dict=True)
+    transform = LOGIT_TRANSFORMS.get(self.config.model_type)
+    if transform is None:
+        output = type(self).forward(self, *args, **kwargs)
+    else:
+        value = _switch_off(self, transform)
+        try:
+            output = type(self).forward(self, *args, **kwargs)
+        finally:
+            _switch_back(self, transform)
     logits = F.linear(output.logits, self.lm_head.weight) if return_logits else None
+    if logits is not None and transform is not None:
+        logits = transform.apply(logits, value)
     values = {f.name: getattr(output, f.name) for f in fields(output)}
     output = type(output)(**{**values, "logits": logits})
     if return_dict is None:
@@ -419,11 +526,58 @@ def _forward_with_optional_logits(
     )
 
 
+class _StepSwitch:
+    """A patched model's logit step while its forwards run: how many run now (threads may share the
+    model) and the step's value, read when the first of them switched the step off."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.value: float | None = None
+
+
+_STEP_SWITCH_LOCK = threading.Lock()
+
+
+def _switch_off(model: nn.Module, transform: LogitTransform) -> float | None:
+    """Switches the class forward's logit step off (the first of concurrent forwards does); its value."""
+    if torch.compiler.is_compiling():  # traced: Dynamo replays the attribute writes; no lock in a graph
+        return _switch_off_unlocked(model, transform)
+    with _STEP_SWITCH_LOCK:
+        return _switch_off_unlocked(model, transform)
+
+
+def _switch_off_unlocked(model: nn.Module, transform: LogitTransform) -> float | None:
+    state, holder = model._lowp_logit_step, transform.holder(model)
+    if state.running == 0:
+        state.value = getattr(holder, transform.name)
+        setattr(holder, transform.name, transform.identity)
+    state.running += 1
+    return state.value
+
+
+def _switch_back(model: nn.Module, transform: LogitTransform) -> None:
+    """Restores the step's value when the last running forward ends."""
+    if torch.compiler.is_compiling():
+        return _switch_back_unlocked(model, transform)
+    with _STEP_SWITCH_LOCK:
+        return _switch_back_unlocked(model, transform)
+
+
+def _switch_back_unlocked(model: nn.Module, transform: LogitTransform) -> None:
+    state = model._lowp_logit_step
+    state.running -= 1
+    if state.running == 0:
+        setattr(transform.holder(model), transform.name, state.value)
+
+
 # ------------------------------------------------------------------------------ RMSNorm, dense MLPs
 
 
 def _rms_norm_modules(model: nn.Module) -> list[nn.Module]:
-    """transformers' ``*RMSNorm`` modules: a 1-D ``weight`` and a ``variance_epsilon``."""
+    """transformers' ``*RMSNorm`` modules: a 1-D ``weight`` and a ``variance_epsilon`` (none in models
+    whose norms multiply by ``1 + weight``)."""
+    if model.config.model_type in UNIT_OFFSET_NORM_MODEL_TYPES:
+        return []
     return [
         module
         for module in model.modules()
