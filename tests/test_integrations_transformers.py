@@ -76,6 +76,13 @@ EXTRA.update(
     gemma={"head_dim": 8},
     gemma2={"head_dim": 8, "final_logit_softcapping": 0.05},
     gemma3_text={"head_dim": 8, "final_logit_softcapping": 0.05},
+    gemma4_text={
+        "head_dim": 8,
+        "global_head_dim": 8,
+        "final_logit_softcapping": 0.05,
+        "vocab_size_per_layer_input": VOCAB,
+        "hidden_size_per_layer_input": 8,
+    },
     granite={"logits_scaling": 0.3},
     cohere={"logit_scale": 3.0},
     cohere2={"logit_scale": 3.0},
@@ -678,12 +685,12 @@ def saved_bytes(model, ids, labels) -> int:
 
 @pytest.mark.parametrize("model_type", sorted(LM_HEAD_MODEL_TYPES))
 def test_every_rms_norm_and_dense_mlp_is_patched(model_type):
-    """Every RMSNorm and SwiGLU MLP, but Gemma's norms (``1 + weight``) and its GELU MLPs; Cohere's norms
-    are LayerNorms."""
+    """Every RMSNorm and SwiGLU MLP, but Gemma's norms (NORMS_LEFT_ALONE_MODEL_TYPES) and GELU MLPs;
+    Cohere's norms are LayerNorms."""
     model = apply_lowp_ops(tiny_model(model_type))
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
     patched_norms = [m for m in norms if "forward" in vars(m)]
-    if model_type in integration.UNIT_OFFSET_NORM_MODEL_TYPES:
+    if model_type in integration.NORMS_LEFT_ALONE_MODEL_TYPES:
         assert norms and not patched_norms
     else:
         assert bool(norms) == (model_type not in ("cohere", "cohere2"))

@@ -19,15 +19,15 @@ parameters stay the model's own (no copies), so optimizers, ``state_dict`` and c
   in bf16): ``linear_cross_entropy``'s own default (2^28) accumulates the weight gradient in fewer
   passes, but its chunk adds to the whole model's peak memory (a ~1.5 B Llama at 4096 tokens: 13.10 GiB
   with it, 12.86 GiB with this; benchmarks/RESULTS.md).
-- **Logit steps** (``LOGIT_TRANSFORMS``: Gemma 2 / 3's final-logit soft-capping, Granite's
+- **Logit steps** (``LOGIT_TRANSFORMS``: Gemma 2 / 3 / 4's final-logit soft-capping, Granite's
   ``logits_scaling``, Cohere's ``logit_scale``). The class's forward would apply its step to the hidden
   states the head hands through, so the patched forward runs it with the step switched off (the config's
   or model's attribute set to a value that leaves its input as it is, and set back when the last running
   forward of the model returns, also traced by ``torch.compile``), and applies the step itself: in the
   loss as ``linear_cross_entropy(softcap=c)`` (fp32 ``c * tanh(z / c)`` where the model rounds each step
-  to its dtype) or as a scale of the hidden states (``(h * s) W^T``: the model's ``(h W^T) * s`` up to one
-  rounding of the product, exact in fp32 for powers of two), to returned logits as the model's own
-  operations (the same bytes). Gemma's norms (``1 + weight``) and GELU MLPs are left alone.
+  to its dtype) or as a scale of the hidden states (``(h * s) W^T``: the model's ``(h W^T) * s`` up to the
+  rounding of ``h * s``, none for powers of two), to returned logits as the model's own operations (the
+  same bytes). Gemma's norms (``NORMS_LEFT_ALONE_MODEL_TYPES``) and GELU MLPs are left alone.
 - **MoE experts** (``experts="bf16" | "mxfp8" | "nvfp4"``): every fused experts module of transformers
   5.x (3-D ``gate_up_proj`` (E, 2F, H), gate rows first, and ``down_proj`` (E, H, F), SiLU, no biases:
   Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-V3, ...) runs through :func:`lowp_ops.grouped_swiglu_mlp`
@@ -129,6 +129,7 @@ _SOFTCAP = LogitTransform("softcap", "final_logit_softcapping", on_config=True, 
 LOGIT_TRANSFORMS = {
     "gemma2": _SOFTCAP,
     "gemma3_text": _SOFTCAP,
+    "gemma4_text": _SOFTCAP,
     "granite": LogitTransform("divide", "logits_scaling", on_config=True, identity=1.0),
     "cohere": LogitTransform("multiply", "logit_scale", on_config=False, identity=1.0),
     "cohere2": LogitTransform("multiply", "logit_scale", on_config=False, identity=1.0),
@@ -139,9 +140,10 @@ step switched off (the head hands the hidden states through) and applies it itse
 ``linear_cross_entropy``'s ``softcap`` or as a scale of the hidden states, to returned logits as the model's
 own operations."""
 
-UNIT_OFFSET_NORM_MODEL_TYPES = frozenset({"gemma", "gemma2", "gemma3_text"})
-"""Models whose RMSNorm multiplies by ``1 + weight``, which ``lowp_ops.rms_norm`` does not compute: their
-norms are left alone whatever their attributes are named."""
+NORMS_LEFT_ALONE_MODEL_TYPES = frozenset({"gemma", "gemma2", "gemma3_text", "gemma4_text"})
+"""Models whose RMSNorms are left alone whatever their attributes are named: Gemma 1-3's multiply by ``1 +
+weight``, which ``lowp_ops.rms_norm`` does not compute; Gemma 4's (``(weight * x * (ms + eps)^-0.5)``,
+some without a weight) renamed their epsilon between transformers 5.x releases."""
 
 LM_HEAD_MODEL_TYPES = frozenset(
     {
@@ -151,6 +153,7 @@ LM_HEAD_MODEL_TYPES = frozenset(
         "gemma",
         "gemma2",
         "gemma3_text",
+        "gemma4_text",
         "gpt_oss",
         "granite",
         "llama",
@@ -574,9 +577,9 @@ def _switch_back_unlocked(model: nn.Module, transform: LogitTransform) -> None:
 
 
 def _rms_norm_modules(model: nn.Module) -> list[nn.Module]:
-    """transformers' ``*RMSNorm`` modules: a 1-D ``weight`` and a ``variance_epsilon`` (none in models
-    whose norms multiply by ``1 + weight``)."""
-    if model.config.model_type in UNIT_OFFSET_NORM_MODEL_TYPES:
+    """transformers' ``*RMSNorm`` modules: a 1-D ``weight`` and a ``variance_epsilon`` (none in
+    ``NORMS_LEFT_ALONE_MODEL_TYPES``)."""
+    if model.config.model_type in NORMS_LEFT_ALONE_MODEL_TYPES:
         return []
     return [
         module
