@@ -1,14 +1,17 @@
 """Training throughput and peak memory of whole transformers models: stock, Liger and lowp_ops.
 
-Two causal LMs built from configs (no downloads, random weights drawn from a fixed seed, bf16, sdpa
-attention): a ~1.5B-parameter Llama (Llama-3.2-1B shapes with untied embeddings) and a small
-Qwen3-MoE (64 experts, top-8). Each is trained with
+Three causal LMs built from configs (no downloads, random weights drawn from a fixed seed, bf16, sdpa
+attention; eager for Gemma 2, whose attention soft-capping sdpa does not take): a ~1.5B-parameter Llama
+(Llama-3.2-1B shapes with untied embeddings), a small Qwen3-MoE (64 experts, top-8) and, on request
+(``--models gemma2``), Gemma 2 2B's shapes (a 256000-token vocabulary, final-logit soft-capping at 30).
+Each is trained with
 
 - ``stock``: transformers as installed (MoE experts through its default experts implementation);
-- ``liger``: Liger-Kernel's full patch for the model (RMSNorm, RoPE, SwiGLU / fused MoE experts, fused
-  linear cross entropy); ``liger-loss``: Liger with only its fused linear cross entropy (lowp's scope);
+- ``liger``: Liger-Kernel's full patch for the model (RMSNorm, RoPE, SwiGLU / GeGLU / fused MoE experts,
+  fused linear cross entropy); ``liger-loss``: Liger with only its fused linear cross entropy (lowp's scope);
 - ``lowp``: ``apply_lowp_ops(model)`` (LM head + loss through ``linear_cross_entropy``, every RMSNorm
-  through ``rms_norm``, the dense SwiGLU MLPs through ``swiglu``; on the MoE also ``experts="bf16"``);
+  through ``rms_norm``, the dense SwiGLU MLPs through ``swiglu``; on the MoE also ``experts="bf16"``;
+  on Gemma 2 the LM head and loss only: its norms and GeGLU MLPs stay transformers');
   opt-in ``lowp-mxfp8`` (``grad_format="mxfp8_e4m3"``, MoE experts ``"mxfp8"``)
   and ``lowp-nvfp4`` (MoE experts ``"nvfp4"``); ``lowp-no-rms-norm``: ``lowp`` with the RMSNorms left to
   transformers (``rms_norm=False``); ``lowp-rms-norm-kernel``: ``lowp`` with the RMSNorms through
@@ -50,7 +53,9 @@ import zlib
 from pathlib import Path
 
 RESULT_TAG = "BENCH_TRANSFORMERS_RESULT "
-MODELS = ("llama", "qwen3moe")
+MODELS = ("llama", "qwen3moe", "gemma2")
+DEFAULT_MODELS = ("llama", "qwen3moe")
+MODEL_TYPES = {"llama": "llama", "qwen3moe": "qwen3_moe", "gemma2": "gemma2"}
 MODES = ("eager", "compiled")
 IMPLS = (
     "stock",
@@ -72,7 +77,15 @@ LIGER_FLAGS = {
     "liger": {"rope": True, "rms_norm": True, "swiglu": True, "fused_linear_cross_entropy": True},
     "liger-loss": {"rope": False, "rms_norm": False, "swiglu": False, "fused_linear_cross_entropy": True},
 }
-LIGER_PATCH = {"llama": "apply_liger_kernel_to_llama", "qwen3moe": "apply_liger_kernel_to_qwen3_moe"}
+LIGER_PATCH = {
+    "llama": "apply_liger_kernel_to_llama",
+    "qwen3moe": "apply_liger_kernel_to_qwen3_moe",
+    "gemma2": "apply_liger_kernel_to_gemma2",
+}
+ATTENTION = {"gemma2": "eager"}
+"""The attention implementation where it is not ``"sdpa"``."""
+LIGER_MLP_FLAG = {"gemma2": "geglu"}
+"""Liger's name for its MLP kernel's flag where it is not ``swiglu``."""
 LOWP_OPTIONS = {
     "lowp": {"grad_format": None, "experts": "bf16"},
     "lowp-mxfp8": {"grad_format": "mxfp8_e4m3", "experts": "mxfp8"},
@@ -112,6 +125,21 @@ CONFIGS = {
         "max_position_embeddings": 8192,
         "tie_word_embeddings": False,
     },
+    "gemma2": {
+        "hidden_size": 2304,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "intermediate_size": 9216,
+        "vocab_size": 256000,
+        "max_position_embeddings": 8192,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "final_logit_softcapping": 30.0,
+        "attn_logit_softcapping": 50.0,
+        "tie_word_embeddings": True,
+    },
 }
 TINY_CONFIGS = {
     "llama": {
@@ -139,6 +167,19 @@ TINY_CONFIGS = {
         "max_position_embeddings": 256,
         "tie_word_embeddings": False,
     },
+    "gemma2": {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 128,
+        "vocab_size": 512,
+        "max_position_embeddings": 256,
+        "final_logit_softcapping": 30.0,
+        "attn_logit_softcapping": 50.0,
+        "tie_word_embeddings": True,
+    },
 }
 FULL_DEFAULTS = {"batch": 1, "seq": 4096, "steps": 10, "warmup": 3, "case_timeout": 150, "budget": 225}
 TINY_DEFAULTS = {"batch": 2, "seq": 64, "steps": 3, "warmup": 2, "case_timeout": 120, "budget": 600}
@@ -155,7 +196,7 @@ WEIGHT_SEED, DATA_SEED = 0, 1
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line; unset sizes take the full or ``--tiny`` defaults."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default=",".join(MODELS), help=f"comma list of {MODELS}")
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"comma list of {MODELS}")
     parser.add_argument("--impls", default=",".join(DEFAULT_IMPLS), help=f"comma list of {IMPLS}")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma list of {MODES}")
     parser.add_argument("--compile-scope", choices=("regional", "model"), default="regional")
@@ -219,14 +260,15 @@ def build_model(model_name: str, impl: str, tiny: bool, device):
     """The model of ``model_name`` with ``impl`` applied, on ``device`` in bf16, weights from WEIGHT_SEED.
     Liger patches the transformers module before the model is built (its documented order)."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     if impl in LIGER_FLAGS:
         apply_liger(model_name, impl, device)
-    config_class = {"llama": LlamaConfig, "qwen3moe": Qwen3MoeConfig}[model_name]
-    config = config_class(**(TINY_CONFIGS if tiny else CONFIGS)[model_name])
+    config = AutoConfig.for_model(MODEL_TYPES[model_name], **(TINY_CONFIGS if tiny else CONFIGS)[model_name])
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.bfloat16, attn_implementation=ATTENTION.get(model_name, "sdpa")
+        )
     init_weights(model, WEIGHT_SEED)
     if impl in LOWP_OPTIONS:
         apply_lowp(model, model_name, impl)
@@ -244,7 +286,9 @@ def apply_liger(model_name: str, impl: str, device) -> None:
         patch = import_liger("transformers", LIGER_PATCH[model_name])
     if patch is None:
         raise SkipCase(printed.getvalue().strip() or "liger_kernel.transformers does not import")
-    patch(cross_entropy=False, **LIGER_FLAGS[impl])
+    flags = dict(LIGER_FLAGS[impl])
+    flags[LIGER_MLP_FLAG.get(model_name, "swiglu")] = flags.pop("swiglu")
+    patch(cross_entropy=False, **flags)
 
 
 def apply_lowp(model, model_name: str, impl: str) -> None:
@@ -255,7 +299,7 @@ def apply_lowp(model, model_name: str, impl: str) -> None:
     if model_name != "qwen3moe":
         options.pop("experts")
         if impl == "lowp-nvfp4":
-            raise SkipCase("lowp-nvfp4 changes only MoE experts; llama has none")
+            raise SkipCase(f"lowp-nvfp4 changes only MoE experts; {model_name} has none")
     apply_lowp_ops(model, **options)
 
 
@@ -423,7 +467,7 @@ def skip_reason(case: tuple[str, str, str], cuda: bool) -> str | None:
     if impl in LIGER_FLAGS and importlib.util.find_spec("liger_kernel") is None:
         return "liger_kernel is not installed"
     if impl == "lowp-nvfp4" and model != "qwen3moe":
-        return "lowp-nvfp4 changes only MoE experts; llama has none"
+        return f"lowp-nvfp4 changes only MoE experts; {model} has none"
     return None
 
 

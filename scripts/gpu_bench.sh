@@ -31,6 +31,7 @@ declare -A jobs=(
     [transformers_vs_liger]="python3 benchmarks/bench_transformers.py --models ${TRANSFORMERS_MODELS:-llama,qwen3moe} --impls liger,lowp --modes eager,compiled --steps 6 --warmup 2 --budget-seconds ${TRANSFORMERS_SECONDS:-200} --json $json/transformers_vs_liger.json"
     [host_profile_ce]="python3 benchmarks/bench_host_overhead.py --no-compile --calls 100 --only cross_entropy --profile"
     [transformers_qwen3moe]="python3 benchmarks/bench_transformers.py --models qwen3moe --impls lowp,liger,stock --modes eager,compiled --steps 6 --warmup 2 --case-timeout 250 --budget-seconds ${TRANSFORMERS_SECONDS:-560} --json $json/transformers_qwen3moe.json"
+    [transformers_gemma2]="python3 benchmarks/bench_transformers.py --models gemma2 --impls lowp,liger,stock --modes eager,compiled --steps 6 --warmup 2 --case-timeout 250 --budget-seconds ${TRANSFORMERS_SECONDS:-560} --json $json/transformers_gemma2.json"
     [probe_memory]="python3 benchmarks/probe_train_memory.py --model qwen3moe --impl lowp"
     [host_eager]="python3 benchmarks/bench_host_overhead.py --no-compile --calls 100"
     [host_compiled]="python3 benchmarks/bench_host_overhead.py --calls 100 --only compiled"
