@@ -24,7 +24,7 @@ parameters stay the model's own (no copies), so optimizers, ``state_dict`` and c
   states the head hands through, so the patched forward runs it with the step switched off (the config's
   or model's attribute set to a value that leaves its input as it is, and set back when the last running
   forward of the model returns, also traced by ``torch.compile``), and applies the step itself: in the
-  loss as ``linear_cross_entropy(softcap=c)`` (fp32 ``c * tanh(z / c)`` where the model rounds each step
+  loss as ``linear_cross_entropy(softcap=c)`` (fp32 ``c * tanh(z * (1/c))``; the model rounds each step
   to its dtype) or as a scale of the hidden states (``(h * s) W^T``: the model's ``(h W^T) * s`` up to the
   rounding of ``h * s``, none for powers of two), to returned logits as the model's own operations (the
   same bytes). Gemma's norms (``NORMS_LEFT_ALONE_MODEL_TYPES``) and GELU MLPs are left alone.
