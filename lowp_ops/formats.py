@@ -200,6 +200,7 @@ class NVFP4Tensor:
       ``[roundup(M, 128), roundup(ceil(K/16), 4)]``, zero padding; ``amax_rowwise``: fp32 ``(1,)``.
     - ``col_data``: uint8 ``(K, M/2)``, the quantized *transpose* (of ``RHT(x^T)`` when ``rht``);
       ``col_scale``: ``[roundup(K, 128), roundup(ceil(M/16), 4)]``; ``amax_columnwise``: fp32 ``(1,)``.
+    - ``rht``: the column-wise copy is in the Hadamard domain (False when there is none).
     - A copy that was not asked for is ``None``. Dequantized value:
       ``e2m1(q) * (fp32(scale) * amax * fp32(1/2688))`` (an amax >= 2^64 in units of 2^64, so that it
       cannot overflow: ``reference.nvfp4.staged_amax``).

@@ -63,7 +63,8 @@ def nvfp4_quantize(
     Args:
         rowwise / columnwise: the copies to write; the column-wise copy quantizes ``x^T`` (K, M).
         rht: apply the 16-point random Hadamard transform to the column-wise operand (bf16 ``x``,
-            ``M % 16 == 0``); the row-wise copy is never transformed.
+            ``M % 16 == 0``); the row-wise copy is never transformed (``q.rht`` is False without a
+            column-wise copy).
         amax_rowwise / amax_columnwise: fp32 global amaxes to use as is (no amax pass runs for them).
         block_2d: one scale per 16x16 tile (weights); not with ``rht``.
         stochastic_rounding: round the E2M1 data of both copies stochastically (unbiased: up with
@@ -82,7 +83,10 @@ def nvfp4_quantize(
         x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d, sr_seed
     )
     return NVFP4Tensor(
-        **_container_fields(outputs, rowwise, columnwise), rht=rht, block_2d=block_2d, shape=x.shape
+        **_container_fields(outputs, rowwise, columnwise),
+        rht=rht and columnwise,
+        block_2d=block_2d,
+        shape=x.shape,
     )
 
 
@@ -120,7 +124,7 @@ def nvfp4_group_quantize(
     return NVFP4GroupedTensor(
         **_container_fields(outputs, rowwise, columnwise),
         split_sizes=split_sizes,
-        rht=rht,
+        rht=rht and columnwise,
         shape=x.shape,
         block_2d=block_2d,
     )

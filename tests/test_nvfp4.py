@@ -1,6 +1,8 @@
 """NVFP4 (round-to-nearest) reference: E2M1 rounding, packing, the RHT, and quantize/dequantize against
 an independent per-block numpy-float32 oracle written from docs/nvfp4.md."""
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -166,6 +168,21 @@ def test_columnwise_copy_quantizes_the_transpose_or_its_hadamard_transform(rht):
     assert q.amax_columnwise.item() == amax
     assert np.array_equal(unpack(q.col_data), codes)
     assert np.array_equal(q.col_scale[:48, :2].numpy(), scales)
+
+
+def test_rht_flag_says_whether_a_columnwise_copy_is_transformed():
+    """``q.rht`` describes the column-wise copy: with the row-wise copy alone (never transformed) it is
+    False, so that no caller applies the inverse transform to a row-wise GEMM."""
+    x = random_matrix(32, 32, seed=7)
+    splits = torch.tensor([16, 16])
+    for quantize in (
+        lowp_ops.nvfp4_quantize,
+        functools.partial(lowp_ops.nvfp4_group_quantize, split_sizes=splits),
+    ):
+        rowwise_only = quantize(x, rht=True)
+        assert rowwise_only.rht is False and rowwise_only.col_data is None
+        assert quantize(x, columnwise=True, rht=True).rht is True
+        assert torch.equal(rowwise_only.row_data, quantize(x).row_data)
 
 
 def test_rowwise_amax_is_untouched_by_rht_and_columnwise_amax_is_at_most_four_times_it():
