@@ -155,6 +155,18 @@ def sustained_ms(fn, seconds: float = 2.0, calls: int = 20, graph: bool = True) 
     return begin.elapsed_time(end) / (steps * per_step), clock
 
 
+def gpu_script_args(doc: str | None, add_arguments=None) -> argparse.Namespace:
+    """The command line of a CUDA-only script: ``--help`` prints ``doc`` on any machine; without a CUDA
+    device the script exits with status 2 and says so. ``add_arguments(parser)`` adds its options."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if add_arguments is not None:
+        add_arguments(parser)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.exit(2, f"{parser.prog}: needs a CUDA device (torch sees none)\n")
+    return args
+
+
 def moe_shape_args() -> argparse.Namespace:
     """Command line of the MoE benchmarks: ``--shape T H F E`` (tokens, hidden, FFN width, experts;
     default 16384 4096 1536 8) and ``--json`` (an output path)."""

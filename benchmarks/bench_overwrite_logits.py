@@ -6,16 +6,19 @@ Run: ``PYTHONPATH=. python3 benchmarks/bench_overwrite_logits.py [N V]``.
 
 from __future__ import annotations
 
-import sys
-
 import torch
-from _common import copy_bandwidth_tbs, graph_ms, rotating
+from _common import copy_bandwidth_tbs, gpu_script_args, graph_ms, rotating
 
 import lowp_ops
 
 
 def main() -> None:
-    n_rows, vocab = (int(sys.argv[1]), int(sys.argv[2])) if len(sys.argv) > 2 else (4096, 129280)
+    def shape(parser):
+        parser.add_argument("n_rows", type=int, nargs="?", default=4096, help="rows N (default 4096)")
+        parser.add_argument("vocab", type=int, nargs="?", default=129280, help="classes V (default 129280)")
+
+    args = gpu_script_args(__doc__, shape)
+    n_rows, vocab = args.n_rows, args.vocab
     torch.manual_seed(0)
     base = (torch.randn(n_rows, vocab, device="cuda") * 3).bfloat16()
     target = torch.randint(0, vocab, (n_rows,), device="cuda")

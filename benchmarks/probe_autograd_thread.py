@@ -8,9 +8,12 @@ bound in the forward; or does nothing (identity). Also the same launcher on the 
 import time
 
 import torch
+from _common import gpu_script_args
 
 from lowp_ops import library
 from lowp_ops.kernels import softmax as softmax_kernels
+
+gpu_script_args(__doc__)
 
 
 def us(fn, n=300):

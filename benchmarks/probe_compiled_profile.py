@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from _common import gpu_script_args
 from bench_host_overhead import fwd_bwd, host_and_wall_us
 from torch.profiler import ProfilerActivity, profile
 
@@ -18,6 +19,7 @@ import lowp_ops
 
 
 def main() -> None:
+    gpu_script_args(__doc__)
     gen = torch.Generator(device="cuda").manual_seed(1)
     logits = torch.randn(512, 32000, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_(True)
     target = torch.randint(0, 32000, (512,), device="cuda", generator=gen)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from _common import copy_bandwidth_tbs, median_ms
+from _common import copy_bandwidth_tbs, gpu_script_args, median_ms
 
 from lowp_ops.kernels.cross_entropy import launch_cross_entropy_bwd_mxfp8, launch_cross_entropy_fwd
 from lowp_ops.kernels.mxfp8 import launch_mxfp8_quantize
@@ -35,6 +35,7 @@ def split_write_kernel(
 
 
 def main() -> None:
+    gpu_script_args(__doc__)
     _, copy_tbs = copy_bandwidth_tbs()
     print(f"copy {copy_tbs:.3f} TB/s")
     x = torch.randn(16384, 16384, device="cuda", dtype=torch.bfloat16)

@@ -12,10 +12,8 @@
 
 from __future__ import annotations
 
-import sys
-
 import torch
-from _common import copy_bandwidth_tbs, environment, median_ms, write_json
+from _common import copy_bandwidth_tbs, environment, gpu_script_args, median_ms, write_json
 
 from lowp_ops.kernels.cross_entropy import (
     launch_cross_entropy_bwd,
@@ -131,7 +129,13 @@ SECTIONS = {"mxfp8": tune_mxfp8, "nvfp4": tune_nvfp4, "ce": tune_cross_entropy}
 
 
 def main() -> None:
-    names = sys.argv[1:] or list(SECTIONS)
+    def sections(parser):
+        parser.add_argument("sections", nargs="*", metavar="SECTION", help=f"of {list(SECTIONS)}")
+
+    names = gpu_script_args(__doc__, sections).sections or list(SECTIONS)
+    unknown = sorted(set(names) - set(SECTIONS))
+    if unknown:
+        raise SystemExit(f"unknown sections {unknown}; choose from {list(SECTIONS)}")
     _, copy_tbs = copy_bandwidth_tbs()
     print(f"copy {copy_tbs:.3f} TB/s", flush=True)
     results: list = []
