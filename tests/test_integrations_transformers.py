@@ -90,11 +90,28 @@ EXTRA.update(
 MOE_TYPES = ["deepseek_v3", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe"]
 
 
+TEXT_MODEL_TYPE = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
+"""Multimodal causal LMs: their language model's options (``config`` goes there too) and a tiny vision
+tower, which text-only batches leave unused."""
+VISION = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "image_size": 32,
+    "patch_size": 8,
+}
+
+
 def tiny_model(model_type: str, dtype=torch.float32, seed=0, **config):
     torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cfg = AutoConfig.for_model(model_type, **{**COMMON, **EXTRA.get(model_type, {}), **config})
+        if model_type in TEXT_MODEL_TYPE:
+            text = {**COMMON, **EXTRA[TEXT_MODEL_TYPE[model_type]], **config}
+            cfg = AutoConfig.for_model(model_type, text_config=text, vision_config=VISION)
+        else:
+            cfg = AutoConfig.for_model(model_type, **{**COMMON, **EXTRA.get(model_type, {}), **config})
         return AutoModelForCausalLM.from_config(cfg).to(dtype)
 
 

@@ -105,16 +105,19 @@ RHT and column-wise blocks 16 (lowp_ops.composite.grouped_linear)."""
 class LogitTransform:
     """What a model's forward does to ``lm_head``'s output before its loss: ``kind`` ``"softcap"`` (``c *
     tanh(x / c)``), ``"divide"`` (``x / s``) or ``"multiply"`` (``x * s``), its value read from attribute
-    ``name`` of the model's config (``on_config``) or of the model itself; ``identity`` (a value that makes
-    the step leave its input as it is) switches the step off."""
+    ``name`` of ``owner``: ``"config"`` (the model's config), ``"text_config"`` (its language model's, in
+    multimodal models) or ``"model"`` (the model itself); ``identity`` (a value that makes the step leave
+    its input as it is) switches the step off."""
 
     kind: str
     name: str
-    on_config: bool
+    owner: str
     identity: float | None
 
     def holder(self, model: nn.Module):
-        return model.config if self.on_config else model
+        if self.owner == "model":
+            return model
+        return model.config.get_text_config() if self.owner == "text_config" else model.config
 
     def apply(self, logits: torch.Tensor, value: float | None) -> torch.Tensor:
         """The model's own step on ``logits``, operation for operation (so its bytes)."""
@@ -125,14 +128,15 @@ class LogitTransform:
         return logits / value if self.kind == "divide" else logits * value
 
 
-_SOFTCAP = LogitTransform("softcap", "final_logit_softcapping", on_config=True, identity=None)
+_SOFTCAP = LogitTransform("softcap", "final_logit_softcapping", "config", identity=None)
 LOGIT_TRANSFORMS = {
     "gemma2": _SOFTCAP,
     "gemma3_text": _SOFTCAP,
     "gemma4_text": _SOFTCAP,
-    "granite": LogitTransform("divide", "logits_scaling", on_config=True, identity=1.0),
-    "cohere": LogitTransform("multiply", "logit_scale", on_config=False, identity=1.0),
-    "cohere2": LogitTransform("multiply", "logit_scale", on_config=False, identity=1.0),
+    "gemma4": LogitTransform("softcap", "final_logit_softcapping", "text_config", identity=None),
+    "granite": LogitTransform("divide", "logits_scaling", "config", identity=1.0),
+    "cohere": LogitTransform("multiply", "logit_scale", "model", identity=1.0),
+    "cohere2": LogitTransform("multiply", "logit_scale", "model", identity=1.0),
 }
 """Causal LMs whose forward changes ``lm_head``'s output before ``loss_function``: Gemma 2/3's final-logit
 soft-capping, Granite's and Cohere's logit scales. The patched forward runs the class's forward with the
@@ -140,7 +144,9 @@ step switched off (the head hands the hidden states through) and applies it itse
 ``linear_cross_entropy``'s ``softcap`` or as a scale of the hidden states, to returned logits as the model's
 own operations."""
 
-NORMS_LEFT_ALONE_MODEL_TYPES = frozenset({"gemma", "gemma2", "gemma3_text", "gemma4_text"})
+NORMS_LEFT_ALONE_MODEL_TYPES = frozenset(
+    {"gemma", "gemma2", "gemma3", "gemma3_text", "gemma4", "gemma4_text"}
+)
 """Models whose RMSNorms are left alone whatever their attributes are named: Gemma 1-3's multiply by ``1 +
 weight``, which ``lowp_ops.rms_norm`` does not compute; Gemma 4's (``(weight * x * (ms + eps)^-0.5)``,
 some without a weight) renamed their epsilon between transformers 5.x releases."""
@@ -152,7 +158,9 @@ LM_HEAD_MODEL_TYPES = frozenset(
         "deepseek_v3",
         "gemma",
         "gemma2",
+        "gemma3",
         "gemma3_text",
+        "gemma4",
         "gemma4_text",
         "gpt_oss",
         "granite",
