@@ -702,13 +702,12 @@ def saved_bytes(model, ids, labels) -> int:
 
 @pytest.mark.parametrize("model_type", sorted(LM_HEAD_MODEL_TYPES))
 def test_every_rms_norm_and_dense_mlp_is_patched(model_type):
-    """Every RMSNorm and SwiGLU MLP, but Gemma's norms (NORMS_LEFT_ALONE_MODEL_TYPES) and GELU MLPs;
-    Cohere's norms are LayerNorms."""
+    """Every RMSNorm and SwiGLU MLP, but Gemma's norms (their forwards are not in RMS_NORM_FORWARDS) and
+    GELU MLPs; Cohere's norms are LayerNorms."""
     model = apply_lowp_ops(tiny_model(model_type))
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
-    patched_norms = [m for m in norms if "forward" in vars(m)]
-    if model_type in integration.NORMS_LEFT_ALONE_MODEL_TYPES:
-        assert norms and not patched_norms
+    if model_type.startswith("gemma"):
+        assert norms and not any("forward" in vars(m) for m in norms)
     else:
         assert bool(norms) == (model_type not in ("cohere", "cohere2"))
         assert all(m.forward.func is integration._rms_norm_forward for m in norms)
@@ -720,6 +719,28 @@ def test_every_rms_norm_and_dense_mlp_is_patched(model_type):
         assert dense, "the dense or shared-expert MLPs were not found"
     untouched = apply_lowp_ops(tiny_model(model_type), rms_norm=False, mlp=False)
     assert not any("forward" in vars(m) for m in untouched.model.modules())
+
+
+def test_norms_and_mlps_with_other_forwards_are_left_alone():
+    """The module's code decides, not its name or attributes: a Llama norm or MLP whose class's forward
+    adds a step (a dropout after the MLP, as Seed-OSS's; a rescaled norm) runs that forward."""
+    model = tiny_model("llama")
+    layer = model.model.layers[0]
+    mlp_class, norm_class = type(layer.mlp), type(layer.input_layernorm)
+
+    class DropoutMLP(mlp_class):
+        def forward(self, x):
+            down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+            return torch.nn.functional.dropout(down_proj, p=0.5, training=self.training)
+
+    class ScaledNorm(norm_class):
+        def forward(self, hidden_states):
+            return 2 * super().forward(hidden_states)
+
+    layer.mlp.__class__, layer.input_layernorm.__class__ = DropoutMLP, ScaledNorm
+    apply_lowp_ops(model)
+    assert "forward" not in vars(layer.mlp) and "forward" not in vars(layer.input_layernorm)
+    assert "forward" in vars(layer.post_attention_layernorm) and "forward" in vars(model.model.layers[1].mlp)
 
 
 @pytest.mark.parametrize("model_type", sorted(LM_HEAD_MODEL_TYPES))

@@ -27,7 +27,7 @@ parameters stay the model's own (no copies), so optimizers, ``state_dict`` and c
   loss as ``linear_cross_entropy(softcap=c)`` (fp32 ``c * tanh(z * (1/c))``; the model rounds each step
   to its dtype) or as a scale of the hidden states (``(h * s) W^T``: the model's ``(h W^T) * s`` up to the
   rounding of ``h * s``, none for powers of two), to returned logits as the model's own operations (the
-  same bytes). Gemma's norms (``NORMS_LEFT_ALONE_MODEL_TYPES``) and GELU MLPs are left alone.
+  same bytes).
 - **MoE experts** (``experts="bf16" | "mxfp8" | "nvfp4"``): every fused experts module of transformers
   5.x (3-D ``gate_up_proj`` (E, 2F, H), gate rows first, and ``down_proj`` (E, H, F), SiLU, no biases:
   Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-V3, ...) runs through :func:`lowp_ops.grouped_swiglu_mlp`
@@ -36,23 +36,25 @@ parameters stay the model's own (no copies), so optimizers, ``state_dict`` and c
   each expert's rows are padded with zero rows to a multiple of 32 / 16, so no quantization block
   straddles two experts. GPT-OSS's experts are not this SwiGLU (biases, interleaved gate/up columns,
   a clamped gate, ``(up + 1) * gate * sigmoid(alpha * gate)``): they raise ``NotImplementedError``.
-- **RMSNorm** (``rms_norm="eager"``, the default, or ``True``): every ``*RMSNorm`` module (the layers'
-  norms, the final norm, Qwen3's per-head q/k norms) runs through :func:`lowp_ops.rms_norm`, whose
-  backward keeps only the input and the fp32 ``1/rms`` per row (transformers' own keeps the fp32 copy
-  of the input and the normalized rows too). The rounding of each model's own formula is kept
-  (``round_normalized``: Llama's ``weight * hidden.to(dtype)``, OLMo 2's and GPT-OSS's ``(weight *
-  hidden).to(dtype)``); an input whose dtype is not the weight's (e.g. fp32 activations, bf16 weights),
-  rows wider than 16384 and DTensor operands run the module's own forward. With ``"eager"``, so does
-  a norm that ``torch.compile`` traces: Inductor fuses it into the code around it, where a lowp call
-  costs a custom-op dispatch and Python launches per norm (H200, batch 1 x 4096 tokens, compiled
-  decoder layers: Qwen3-MoE 41.7 k -> 55.1 k tokens/s, Llama 53.6 k -> 55.4 k, the Llama's peak memory
-  +0.03 GiB; README, transformers models).
-- **Dense SwiGLU MLPs** (``mlp=True``, the default): every MLP of ``down(silu(gate(x)) * up(x))``
-  (``gate_proj`` / ``up_proj`` / ``down_proj``, or Phi-3's fused ``gate_up_proj``; the MoE models' dense
-  layers and shared experts included) computes ``silu(gate) * up`` with :func:`lowp_ops.swiglu`: one
-  kernel, one rounding, and only ``[gate | up]`` saved for the backward; the activation itself, which
-  ``down_proj`` would keep, is recomputed there (transformers' own saves gate, silu(gate), up and
-  their product: 4 x (tokens, intermediate) against lowp's 2).
+- **RMSNorm** (``rms_norm="eager"``, the default, or ``True``): every RMSNorm module whose forward is one
+  that ``lowp_ops.rms_norm`` computes (``RMS_NORM_FORWARDS``, read from the module class's source: the
+  layers' norms, the final norm, Qwen3's per-head q/k norms; not Gemma's ``1 + weight``) runs through
+  :func:`lowp_ops.rms_norm`, whose backward keeps only the input and the fp32 ``1/rms`` per row
+  (transformers' own keeps the fp32 copy of the input and the normalized rows too). The rounding of the
+  module's formula is kept (``round_normalized``: Llama's ``weight * hidden.to(dtype)``, OLMo 2's and
+  GPT-OSS's ``(weight * hidden).to(dtype)``); an input whose dtype is not the weight's (e.g. fp32
+  activations, bf16 weights), rows wider than 16384 and DTensor operands run the module's own forward. With
+  ``"eager"``, so does a norm that ``torch.compile`` traces: Inductor fuses it into the code around it,
+  where a lowp call costs a custom-op dispatch and Python launches per norm (H200, batch 1 x 4096 tokens,
+  compiled decoder layers: Qwen3-MoE 41.7 k -> 55.1 k tokens/s, Llama 53.6 k -> 55.4 k, the Llama's peak
+  memory +0.03 GiB; README, transformers models).
+- **Dense SwiGLU MLPs** (``mlp=True``, the default): every MLP whose forward is ``down(silu(gate(x)) *
+  up(x))`` and nothing else (``SWIGLU_FORWARDS``: ``gate_proj`` / ``up_proj`` / ``down_proj``, or a fused
+  ``gate_up_proj`` as Phi-3's and GLM-4's; a dropout after it, say, leaves it alone; the MoE models' dense
+  layers and shared experts included) computes ``silu(gate) * up`` with :func:`lowp_ops.swiglu`: one kernel,
+  one rounding, and only ``[gate | up]`` saved for the backward; the activation itself, which ``down_proj``
+  would keep, is recomputed there (transformers' own saves gate, silu(gate), up and their product: 4 x
+  (tokens, intermediate) against lowp's 2).
 - **Attention softmax** (``softmax=True``): only for models whose attention implementation is
   ``"eager"``: the probabilities go through :func:`lowp_ops.softmax` (an attention function registered
   as ``"lowp_eager"`` and selected on this model). Other implementations (sdpa, flash) are left alone.
@@ -60,8 +62,10 @@ parameters stay the model's own (no copies), so optimizers, ``state_dict`` and c
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
+import textwrap
 import threading
 import warnings
 from dataclasses import dataclass, fields
@@ -144,13 +148,6 @@ step switched off (the head hands the hidden states through) and applies it itse
 ``linear_cross_entropy``'s ``softcap`` or as a scale of the hidden states, to returned logits as the model's
 own operations."""
 
-NORMS_LEFT_ALONE_MODEL_TYPES = frozenset(
-    {"gemma", "gemma2", "gemma3", "gemma3_text", "gemma4", "gemma4_text"}
-)
-"""Models whose RMSNorms are left alone whatever their attributes are named: Gemma 1-3's multiply by ``1 +
-weight``, which ``lowp_ops.rms_norm`` does not compute; Gemma 4's (``(weight * x * (ms + eps)^-0.5)``,
-some without a weight) renamed their epsilon between transformers 5.x releases."""
-
 LM_HEAD_MODEL_TYPES = frozenset(
     {
         "cohere",
@@ -179,9 +176,35 @@ LM_HEAD_MODEL_TYPES = frozenset(
 """Causal LMs whose forward hands ``lm_head``'s output straight to ``loss_function``, or through one of
 ``LOGIT_TRANSFORMS``; each one is a test in tests/test_integrations_transformers.py."""
 
-NORM_WEIGHT_IN_FP32_MODEL_TYPES = frozenset({"gpt_oss", "olmo2"})
-"""Models whose RMSNorm multiplies the fp32 normalized rows by the weight and rounds once
-(``(weight * hidden).to(dtype)``); the others round the rows first (``weight * hidden.to(dtype)``)."""
+_LLAMA_NORM_STATEMENTS = (
+    "input_dtype = hidden_states.dtype",
+    "hidden_states = hidden_states.to(torch.float32)",
+    "variance = hidden_states.pow(2).mean(-1, keepdim=True)",
+    "hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)",
+)
+RMS_NORM_FORWARDS = {
+    (*_LLAMA_NORM_STATEMENTS, "return self.weight * hidden_states.to(input_dtype)"): True,
+    (*_LLAMA_NORM_STATEMENTS, "return (self.weight * hidden_states).to(input_dtype)"): False,
+}
+"""The RMSNorm forwards ``lowp_ops.rms_norm`` computes (their statements as ``ast.unparse`` writes them),
+each with its ``round_normalized``: the rows rounded to the input's dtype before the weight (Llama and
+most models) or the weight product in fp32, rounded once (OLMo 2 / 3, GPT-OSS). A norm with another
+forward (Gemma's ``1 + weight``, say) is left alone: the module's code, not its name, decides."""
+
+SWIGLU_FORWARDS = frozenset(
+    {
+        ("down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))", "return down_proj"),
+        (
+            "up_states = self.gate_up_proj(hidden_states)",
+            "gate, up_states = up_states.chunk(2, dim=-1)",
+            "up_states = up_states * self.activation_fn(gate)",
+            "return self.down_proj(up_states)",
+        ),
+    }
+)
+"""The dense MLP forwards patched with ``lowp_ops.swiglu`` when their activation is SiLU: ``gate_proj`` /
+``up_proj`` / ``down_proj``, or one ``gate_up_proj`` (gate half first; Phi-3, GLM-4). One with any other
+step (a dropout, say) is left alone."""
 
 SOFTMAX_MODEL_TYPES = frozenset(
     {"llama", "mistral", "mixtral", "olmoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"}
@@ -245,9 +268,8 @@ def apply_lowp_ops(
 
     _patch_head_and_loss(model, {"grad_format": grad_format, **loss_options})
     if rms_norm:
-        round_normalized = model.config.model_type not in NORM_WEIGHT_IN_FP32_MODEL_TYPES
         for module in _rms_norm_modules(model):
-            module._lowp_round_normalized = round_normalized
+            module._lowp_round_normalized = RMS_NORM_FORWARDS[forward_statements(type(module))]
             module._lowp_eager_only = rms_norm == "eager"
             module.forward = _bound(_rms_norm_forward, module)
     if mlp:
@@ -584,18 +606,34 @@ def _switch_back_unlocked(model: nn.Module, transform: LogitTransform) -> None:
 # ------------------------------------------------------------------------------ RMSNorm, dense MLPs
 
 
+def forward_statements(cls: type) -> tuple[str, ...] | None:
+    """The statements of ``cls.forward`` as ``ast.unparse`` writes them (no docstring, comments or
+    layout), or None where its source cannot be read."""
+    return _forward_statements(cls.forward)
+
+
+@functools.cache
+def _forward_statements(forward) -> tuple[str, ...] | None:
+    try:
+        source = textwrap.dedent(inspect.getsource(forward))
+    except (OSError, TypeError):
+        return None
+    body = ast.parse(source).body[0].body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return tuple(ast.unparse(statement) for statement in body)
+
+
 def _rms_norm_modules(model: nn.Module) -> list[nn.Module]:
-    """transformers' ``*RMSNorm`` modules: a 1-D ``weight`` and a ``variance_epsilon`` (none in
-    ``NORMS_LEFT_ALONE_MODEL_TYPES``)."""
-    if model.config.model_type in NORMS_LEFT_ALONE_MODEL_TYPES:
-        return []
+    """The RMSNorm modules whose forward is one of ``RMS_NORM_FORWARDS``, with a 1-D ``weight`` and a
+    float ``variance_epsilon``."""
     return [
         module
         for module in model.modules()
-        if type(module).__name__.endswith("RMSNorm")
-        and isinstance(getattr(module, "weight", None), torch.Tensor)
+        if isinstance(getattr(module, "weight", None), torch.Tensor)
         and module.weight.dim() == 1
         and isinstance(getattr(module, "variance_epsilon", None), float)
+        and forward_statements(type(module)) in RMS_NORM_FORWARDS
     ]
 
 
@@ -618,8 +656,9 @@ def _rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Ten
 
 
 def _dense_swiglu_modules(model: nn.Module) -> list[nn.Module]:
-    """MLPs of ``down(silu(gate(x)) * up(x))``: ``gate_proj``, ``up_proj``, ``down_proj`` linears and a SiLU
-    ``act_fn``, or Phi-3's ``gate_up_proj`` linear (gate half first) and a SiLU ``activation_fn``."""
+    """MLPs of ``down(silu(gate(x)) * up(x))`` (``SWIGLU_FORWARDS``): ``gate_proj``, ``up_proj``,
+    ``down_proj`` linears and a SiLU ``act_fn``, or a ``gate_up_proj`` linear (gate half first) and a
+    SiLU ``activation_fn``."""
     silu = _silu_classes()
 
     def linears(module, *names):
@@ -629,13 +668,16 @@ def _dense_swiglu_modules(model: nn.Module) -> list[nn.Module]:
         module
         for module in model.modules()
         if (
-            linears(module, "gate_proj", "up_proj", "down_proj")
-            and isinstance(getattr(module, "act_fn", None), silu)
+            (
+                linears(module, "gate_proj", "up_proj", "down_proj")
+                and isinstance(getattr(module, "act_fn", None), silu)
+            )
+            or (
+                linears(module, "gate_up_proj", "down_proj")
+                and isinstance(getattr(module, "activation_fn", None), silu)
+            )
         )
-        or (
-            linears(module, "gate_up_proj", "down_proj")
-            and isinstance(getattr(module, "activation_fn", None), silu)
-        )
+        and forward_statements(type(module)) in SWIGLU_FORWARDS
     ]
 
 
