@@ -133,14 +133,19 @@ class LogitTransform:
 
 
 _SOFTCAP = LogitTransform("softcap", "final_logit_softcapping", "config", identity=None)
+_LOGITS_SCALING = LogitTransform("divide", "logits_scaling", "config", identity=1.0)
+_LOGIT_SCALE = LogitTransform("multiply", "logit_scale", "model", identity=1.0)
 LOGIT_TRANSFORMS = {
     "gemma2": _SOFTCAP,
     "gemma3_text": _SOFTCAP,
     "gemma4_text": _SOFTCAP,
     "gemma4": LogitTransform("softcap", "final_logit_softcapping", "text_config", identity=None),
-    "granite": LogitTransform("divide", "logits_scaling", "config", identity=1.0),
-    "cohere": LogitTransform("multiply", "logit_scale", "model", identity=1.0),
-    "cohere2": LogitTransform("multiply", "logit_scale", "model", identity=1.0),
+    "granite": _LOGITS_SCALING,
+    "granitemoe": _LOGITS_SCALING,
+    "granitemoeshared": _LOGITS_SCALING,
+    "cohere": _LOGIT_SCALE,
+    "cohere2": _LOGIT_SCALE,
+    "cohere2_moe": _LOGIT_SCALE,
 }
 """Causal LMs whose forward changes ``lm_head``'s output before ``loss_function``: Gemma 2/3's final-logit
 soft-capping, Granite's and Cohere's logit scales. The patched forward runs the class's forward with the
@@ -150,27 +155,47 @@ own operations."""
 
 LM_HEAD_MODEL_TYPES = frozenset(
     {
+        "apertus",
         "cohere",
         "cohere2",
+        "cohere2_moe",
+        "deepseek_v2",
         "deepseek_v3",
+        "ernie4_5",
+        "ernie4_5_moe",
+        "exaone4",
         "gemma",
         "gemma2",
         "gemma3",
         "gemma3_text",
         "gemma4",
         "gemma4_text",
+        "glm4",
+        "glm4_moe",
         "gpt_oss",
         "granite",
+        "granitemoe",
+        "granitemoeshared",
+        "hunyuan_v1_dense",
         "llama",
+        "llama4_text",
+        "ministral",
+        "ministral3",
         "mistral",
         "mixtral",
         "olmo2",
+        "olmo3",
         "olmoe",
         "phi3",
         "qwen2",
         "qwen2_moe",
         "qwen3",
+        "qwen3_5_moe_text",
+        "qwen3_5_text",
         "qwen3_moe",
+        "qwen3_next",
+        "smollm3",
+        "starcoder2",
     }
 )
 """Causal LMs whose forward hands ``lm_head``'s output straight to ``loss_function``, or through one of
@@ -191,20 +216,27 @@ each with its ``round_normalized``: the rows rounded to the input's dtype before
 most models) or the weight product in fp32, rounded once (OLMo 2 / 3, GPT-OSS). A norm with another
 forward (Gemma's ``1 + weight``, say) is left alone: the module's code, not its name, decides."""
 
-SWIGLU_FORWARDS = frozenset(
-    {
-        ("down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))", "return down_proj"),
-        (
-            "up_states = self.gate_up_proj(hidden_states)",
-            "gate, up_states = up_states.chunk(2, dim=-1)",
-            "up_states = up_states * self.activation_fn(gate)",
-            "return self.down_proj(up_states)",
-        ),
-    }
-)
-"""The dense MLP forwards patched with ``lowp_ops.swiglu`` when their activation is SiLU: ``gate_proj`` /
-``up_proj`` / ``down_proj``, or one ``gate_up_proj`` (gate half first; Phi-3, GLM-4). One with any other
-step (a dropout, say) is left alone."""
+_GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
+SWIGLU_FORWARDS = {
+    ("down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))", "return down_proj"): (
+        "act_fn",
+        _GATE_UP_DOWN,
+    ),
+    (
+        "down_proj = self.activation_fn(self.gate_proj(x)) * self.up_proj(x)",
+        "return self.down_proj(down_proj)",
+    ): ("activation_fn", _GATE_UP_DOWN),
+    (
+        "up_states = self.gate_up_proj(hidden_states)",
+        "gate, up_states = up_states.chunk(2, dim=-1)",
+        "up_states = up_states * self.activation_fn(gate)",
+        "return self.down_proj(up_states)",
+    ): ("activation_fn", ("gate_up_proj", "down_proj")),
+}
+"""The dense MLP forwards patched with ``lowp_ops.swiglu``, each with the attribute of its activation
+(patched when it is SiLU) and its linears: ``gate_proj`` / ``up_proj`` / ``down_proj`` (Llama's form and
+Llama 4's), or one ``gate_up_proj`` (gate half first; Phi-3, GLM-4). One with any other step (a dropout,
+say) is left alone."""
 
 SOFTMAX_MODEL_TYPES = frozenset(
     {"llama", "mistral", "mixtral", "olmoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"}
@@ -656,29 +688,20 @@ def _rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Ten
 
 
 def _dense_swiglu_modules(model: nn.Module) -> list[nn.Module]:
-    """MLPs of ``down(silu(gate(x)) * up(x))`` (``SWIGLU_FORWARDS``): ``gate_proj``, ``up_proj``,
-    ``down_proj`` linears and a SiLU ``act_fn``, or a ``gate_up_proj`` linear (gate half first) and a
-    SiLU ``activation_fn``."""
+    """MLPs of ``down(silu(gate(x)) * up(x))``: a forward of ``SWIGLU_FORWARDS`` with its ``nn.Linear``
+    projections and a SiLU activation."""
     silu = _silu_classes()
-
-    def linears(module, *names):
-        return all(isinstance(getattr(module, name, None), nn.Linear) for name in names)
-
-    return [
-        module
-        for module in model.modules()
-        if (
-            (
-                linears(module, "gate_proj", "up_proj", "down_proj")
-                and isinstance(getattr(module, "act_fn", None), silu)
-            )
-            or (
-                linears(module, "gate_up_proj", "down_proj")
-                and isinstance(getattr(module, "activation_fn", None), silu)
-            )
-        )
-        and forward_statements(type(module)) in SWIGLU_FORWARDS
-    ]
+    modules = []
+    for module in model.modules():
+        form = SWIGLU_FORWARDS.get(forward_statements(type(module)))
+        if form is None:
+            continue
+        activation, linears = form
+        if isinstance(getattr(module, activation, None), silu) and all(
+            isinstance(getattr(module, name, None), nn.Linear) for name in linears
+        ):
+            modules.append(module)
+    return modules
 
 
 def _dense_swiglu_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
