@@ -246,6 +246,48 @@ def test_a_whole_patched_model_saves_and_loads(model_type, tmp_path):
     assert loaded.lm_head.forward.func is integration._hidden_passthrough
 
 
+class ForwardingWrapper(torch.nn.Module):
+    """A wrapper whose attributes (``config``, ``lm_head``) read through to the model, as PEFT's do."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.base_model = model
+
+    def forward(self, *args, **kwargs):
+        return self.base_model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.base_model, name)
+
+
+class PeftLikeWrapper(ForwardingWrapper):
+    """PEFT's ``PeftModel``: the wrapped model from ``get_base_model()``."""
+
+    def get_base_model(self):
+        return self.base_model
+
+
+def test_wrapped_models_have_their_transformers_model_patched():
+    """A PEFT-style wrapper (``get_base_model``) or a ``torch.compile``'d model: the model inside is
+    patched, the wrapper returned; a wrapper that only forwards attributes is refused (patching it
+    would leave the inner forward's loss unpatched, fed the hidden states)."""
+    ref = tiny_model("llama")
+    ids, labels = batch()
+    want = ref(input_ids=ids, labels=labels).loss
+    for wrap in (PeftLikeWrapper, functools.partial(torch.compile, backend="eager")):
+        inner = copy.deepcopy(ref)
+        wrapped = wrap(inner)
+        assert apply_lowp_ops(wrapped) is wrapped
+        assert inner.lm_head.forward.func is integration._hidden_passthrough
+        torch.testing.assert_close(wrapped(input_ids=ids, labels=labels).loss, want, rtol=2e-6, atol=0)
+    forwarding = ForwardingWrapper(copy.deepcopy(ref))
+    with pytest.raises(ValueError, match=r"lm_head must be an nn\.Linear child of the model"):
+        apply_lowp_ops(forwarding)
+
+
 def test_experts_converted_after_patching_are_named():
     model = apply_lowp_ops(tiny_model("qwen3_moe", dtype=torch.bfloat16), experts="bf16").float()
     with pytest.raises(ValueError, match=r"apply_lowp_ops\(experts='bf16'\): .* torch.float32 now"):

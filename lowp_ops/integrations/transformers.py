@@ -282,8 +282,10 @@ def apply_lowp_ops(
     The patched ``model(...)`` also takes ``return_logits`` (default: logits unless training with
     labels). Every check runs before anything is changed: a refused model is left untouched.
     Apply it after resizing embeddings and before wrapping ``lm_head`` alone in FSDP (the loss reads
-    ``lm_head.weight`` after the head's own call returns).
+    ``lm_head.weight`` after the head's own call returns). A PEFT model (``get_base_model()``) or a
+    ``torch.compile``'d one (``_orig_mod``) has its transformers model patched and is returned as given.
     """
+    wrapper, model = model, _transformers_model(model)
     _check_causal_lm(model)
     _check_loss_options(grad_format, loss_options)
     _check_softcap_option(model, loss_options)
@@ -312,7 +314,19 @@ def apply_lowp_ops(
         module.forward = _bound(_grouped_experts_forward, module)
     if use_lowp_attention:
         _select_lowp_attention(model)
-    return model
+    return wrapper
+
+
+def _transformers_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside PEFT's and ``torch.compile``'s wrappers (both forward their
+    attributes to it, so patching the wrapper would leave the inner forward's loss unpatched)."""
+    while True:
+        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            model = model._orig_mod
+        elif callable(getattr(type(model), "get_base_model", None)):
+            model = model.get_base_model()
+        else:
+            return model
 
 
 def _bound(function, module: nn.Module) -> functools.partial:
@@ -355,10 +369,13 @@ def _check_causal_lm(model: nn.Module) -> None:
             f"{sorted(LM_HEAD_MODEL_TYPES)} (models that change the logits between lm_head and the loss, "
             "such as Gemma's soft-capping, need their own support)"
         )
-    head = getattr(model, "lm_head", None)
+    head = model._modules.get("lm_head")
     require(
         isinstance(head, nn.Linear),
-        lambda: f"model.lm_head must be an nn.Linear, got {type(head).__name__} ({type(model).__name__})",
+        lambda: (
+            f"model.lm_head must be an nn.Linear child of the model, got {type(head).__name__} "
+            f"({type(model).__name__}; patch the transformers model before wrapping it, e.g. in DDP)"
+        ),
     )
     if head.bias is not None:
         raise NotImplementedError("apply_lowp_ops: an lm_head with a bias is not supported")
