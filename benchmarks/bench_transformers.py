@@ -3,7 +3,8 @@
 Three causal LMs built from configs (no downloads, random weights drawn from a fixed seed, bf16, sdpa
 attention; eager for Gemma 2, whose attention soft-capping sdpa does not take): a ~1.5B-parameter Llama
 (Llama-3.2-1B shapes with untied embeddings), a small Qwen3-MoE (64 experts, top-8) and, on request
-(``--models gemma2``), Gemma 2 2B's shapes (a 256000-token vocabulary, final-logit soft-capping at 30).
+(``--models gemma2,gemma3``), Gemma 2 2B's shapes (a 256000-token vocabulary, final-logit soft-capping at
+30) and Gemma 3 1B's (a 262144-token vocabulary).
 Each is trained with
 
 - ``stock``: transformers as installed (MoE experts through its default experts implementation);
@@ -11,7 +12,7 @@ Each is trained with
   fused linear cross entropy); ``liger-loss``: Liger with only its fused linear cross entropy (lowp's scope);
 - ``lowp``: ``apply_lowp_ops(model)`` (LM head + loss through ``linear_cross_entropy``, every RMSNorm
   through ``rms_norm``, the dense SwiGLU MLPs through ``swiglu``; on the MoE also ``experts="bf16"``;
-  on Gemma 2 the LM head and loss only: its norms and GeGLU MLPs stay transformers');
+  on Gemma the LM head and loss only: its norms and GeGLU MLPs stay transformers');
   opt-in ``lowp-mxfp8`` (``grad_format="mxfp8_e4m3"``, MoE experts ``"mxfp8"``)
   and ``lowp-nvfp4`` (MoE experts ``"nvfp4"``); ``lowp-no-rms-norm``: ``lowp`` with the RMSNorms left to
   transformers (``rms_norm=False``); ``lowp-rms-norm-kernel``: ``lowp`` with the RMSNorms through
@@ -53,9 +54,9 @@ import zlib
 from pathlib import Path
 
 RESULT_TAG = "BENCH_TRANSFORMERS_RESULT "
-MODELS = ("llama", "qwen3moe", "gemma2")
+MODELS = ("llama", "qwen3moe", "gemma2", "gemma3")
 DEFAULT_MODELS = ("llama", "qwen3moe")
-MODEL_TYPES = {"llama": "llama", "qwen3moe": "qwen3_moe", "gemma2": "gemma2"}
+MODEL_TYPES = {"llama": "llama", "qwen3moe": "qwen3_moe", "gemma2": "gemma2", "gemma3": "gemma3_text"}
 MODES = ("eager", "compiled")
 IMPLS = (
     "stock",
@@ -81,10 +82,11 @@ LIGER_PATCH = {
     "llama": "apply_liger_kernel_to_llama",
     "qwen3moe": "apply_liger_kernel_to_qwen3_moe",
     "gemma2": "apply_liger_kernel_to_gemma2",
+    "gemma3": "apply_liger_kernel_to_gemma3_text",
 }
 ATTENTION = {"gemma2": "eager"}
 """The attention implementation where it is not ``"sdpa"``."""
-LIGER_MLP_FLAG = {"gemma2": "geglu"}
+LIGER_MLP_FLAG = {"gemma2": "geglu", "gemma3": "geglu"}
 """Liger's name for its MLP kernel's flag where it is not ``swiglu``."""
 LOWP_OPTIONS = {
     "lowp": {"grad_format": None, "experts": "bf16"},
@@ -140,6 +142,19 @@ CONFIGS = {
         "attn_logit_softcapping": 50.0,
         "tie_word_embeddings": True,
     },
+    "gemma3": {
+        "hidden_size": 1152,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "intermediate_size": 6912,
+        "vocab_size": 262144,
+        "max_position_embeddings": 32768,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 512,
+        "tie_word_embeddings": True,
+    },
 }
 TINY_CONFIGS = {
     "llama": {
@@ -178,6 +193,18 @@ TINY_CONFIGS = {
         "max_position_embeddings": 256,
         "final_logit_softcapping": 30.0,
         "attn_logit_softcapping": 50.0,
+        "tie_word_embeddings": True,
+    },
+    "gemma3": {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "intermediate_size": 128,
+        "vocab_size": 512,
+        "max_position_embeddings": 256,
+        "sliding_window": 32,
         "tie_word_embeddings": True,
     },
 }
