@@ -1,6 +1,6 @@
 """Training throughput and peak memory of whole transformers models: stock, Liger and lowp_ops.
 
-Three causal LMs built from configs (no downloads, random weights drawn from a fixed seed, bf16, sdpa
+Four causal LMs built from configs (no downloads, random weights drawn from a fixed seed, bf16, sdpa
 attention; eager for Gemma 2, whose attention soft-capping sdpa does not take): a ~1.5B-parameter Llama
 (Llama-3.2-1B shapes with untied embeddings), a small Qwen3-MoE (64 experts, top-8) and, on request
 (``--models gemma2,gemma3``), Gemma 2 2B's shapes (a 256000-token vocabulary, final-logit soft-capping at
