@@ -147,11 +147,11 @@ LOGIT_TRANSFORMS = {
     "cohere2": _LOGIT_SCALE,
     "cohere2_moe": _LOGIT_SCALE,
 }
-"""Causal LMs whose forward changes ``lm_head``'s output before ``loss_function``: Gemma 2/3's final-logit
-soft-capping, Granite's and Cohere's logit scales. The patched forward runs the class's forward with the
-step switched off (the head hands the hidden states through) and applies it itself: to the loss as
-``linear_cross_entropy``'s ``softcap`` or as a scale of the hidden states, to returned logits as the model's
-own operations."""
+"""Causal LMs whose forward changes ``lm_head``'s output before ``loss_function``: Gemma 2 / 3 / 4's
+final-logit soft-capping, Granite's and Cohere's logit scales. The patched forward runs the class's
+forward with the step switched off (the head hands the hidden states through) and applies it itself: to
+the loss as ``linear_cross_entropy``'s ``softcap`` or as a scale of the hidden states, to returned logits
+as the model's own operations."""
 
 LM_HEAD_MODEL_TYPES = frozenset(
     {
@@ -366,8 +366,8 @@ def _check_causal_lm(model: nn.Module) -> None:
     if model_type not in LM_HEAD_MODEL_TYPES:
         raise NotImplementedError(
             f"apply_lowp_ops: model_type {model_type!r} is not one of the checked causal LMs "
-            f"{sorted(LM_HEAD_MODEL_TYPES)} (models that change the logits between lm_head and the loss, "
-            "such as Gemma's soft-capping, need their own support)"
+            f"{sorted(LM_HEAD_MODEL_TYPES)} (each family is checked against its unpatched model: its "
+            "logits between lm_head and the loss, its norms, MLPs and experts)"
         )
     head = model._modules.get("lm_head")
     require(
@@ -407,7 +407,7 @@ def _check_softcap_option(model: nn.Module, loss_options: dict) -> None:
     if value is not None:
         raise ValueError(
             f"apply_lowp_ops got softcap={loss_options['softcap']!r}, but the model soft-caps its logits "
-            f"itself (config.{transform.name}={value!r}), which the loss applies"
+            f"itself ({transform.owner}.{transform.name}={value!r}), which the loss applies"
         )
 
 
