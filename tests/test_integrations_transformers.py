@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import threading
 import warnings
 
@@ -17,7 +18,8 @@ transformers = pytest.importorskip(
 )
 from partition_checks import shapes_saved_by_compiled_forward  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, default_data_collator  # noqa: E402
+from transformers.trainer_utils import RemoveColumnsCollator  # noqa: E402
 
 import lowp_ops  # noqa: E402
 from lowp_ops.integrations import transformers as integration  # noqa: E402
@@ -244,6 +246,7 @@ def test_a_whole_patched_model_saves_and_loads(model_type, tmp_path):
     ids, labels = batch()
     assert torch.equal(loaded(input_ids=ids, labels=labels).loss, model(input_ids=ids, labels=labels).loss)
     assert loaded.lm_head.forward.func is integration._hidden_passthrough
+    assert inspect.signature(loaded.forward) == inspect.signature(model.forward)
 
 
 class ForwardingWrapper(torch.nn.Module):
@@ -286,6 +289,23 @@ def test_wrapped_models_have_their_transformers_model_patched():
     forwarding = ForwardingWrapper(copy.deepcopy(ref))
     with pytest.raises(ValueError, match=r"lm_head must be an nn\.Linear child of the model"):
         apply_lowp_ops(forwarding)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_trainer_keeps_the_batch_columns_the_forward_names(model_type):
+    """transformers' Trainer hands a batch only the columns ``inspect.signature(model.forward)`` names
+    (``RemoveColumnsCollator``): the patched forward names the class's parameters (a bare ``**kwargs``
+    dropped ``input_ids`` and ``labels``) and ``return_logits``."""
+    ref = tiny_model(model_type)
+    patched = apply_lowp_ops(copy.deepcopy(ref))
+    names = list(inspect.signature(patched.forward).parameters)
+    want = [name for name in inspect.signature(type(ref).forward).parameters if name != "self"]
+    assert [name for name in names if name != "return_logits"] == want and "return_logits" in names
+    collate = RemoveColumnsCollator(default_data_collator, names)
+    ids, labels = batch()
+    columns = collate([{"input_ids": i, "labels": t, "text": "-"} for i, t in zip(ids, labels, strict=True)])
+    assert set(columns) == {"input_ids", "labels"}
+    torch.testing.assert_close(patched(**columns).loss, ref(**columns).loss, rtol=5e-6, atol=0)
 
 
 def test_experts_converted_after_patching_are_named():

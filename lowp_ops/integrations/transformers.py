@@ -345,6 +345,18 @@ def _patch_head_and_loss(model: nn.Module, loss_options: dict) -> None:
     model.lm_head.forward = _bound(_hidden_passthrough, model.lm_head)
     model.loss_function = _bound(_causal_lm_loss, model)
     model.forward = _bound(_forward_with_optional_logits, model)
+    model.forward.__signature__ = _patched_forward_signature(type(model))
+
+
+def _patched_forward_signature(cls: type) -> inspect.Signature:
+    """The class forward's parameters (less ``self``) and ``return_logits``, for the readers of
+    ``inspect.signature(model.forward)``: transformers' Trainer passes a batch only the columns it
+    names there (a bare ``**kwargs`` loses ``input_ids`` and ``labels``)."""
+    signature = inspect.signature(cls.forward)
+    parameters = list(signature.parameters.values())[1:]
+    return_logits = inspect.Parameter("return_logits", inspect.Parameter.KEYWORD_ONLY, default=None)
+    at = len(parameters) - (bool(parameters) and parameters[-1].kind is inspect.Parameter.VAR_KEYWORD)
+    return signature.replace(parameters=[*parameters[:at], return_logits, *parameters[at:]])
 
 
 def _select_lowp_attention(model: nn.Module) -> None:
