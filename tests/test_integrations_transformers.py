@@ -620,7 +620,11 @@ def test_experts_on_a_dense_model_are_refused():
 # ---------------------------------------------------------------------------------------- attention
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+NOT_PLAIN_ATTENTION = {"gemma2", "gemma3", "gemma3_text", "gemma4", "gemma4_text", "gpt_oss", "llama4_text"}
+"""Families whose eager attention is not Llama's plain softmax (soft-capping, sinks, other scalings)."""
+
+
+@pytest.mark.parametrize("model_type", sorted(LM_HEAD_MODEL_TYPES - NOT_PLAIN_ATTENTION))
 def test_eager_attention_softmax_through_lowp(model_type, monkeypatch):
     ref = tiny_model(model_type, attn_implementation="eager")
     patched = apply_lowp_ops(copy.deepcopy(ref), softmax=True)
@@ -636,8 +640,19 @@ def test_eager_attention_softmax_through_lowp(model_type, monkeypatch):
     ids, labels = batch()
     mask = torch.ones_like(ids)
     mask[1, :4] = 0  # left padding
-    assert_same_training_signal(ref, patched, ids, labels, rtol=2e-6, attention_mask=mask)
-    assert len(calls) == COMMON["num_hidden_layers"]
+    # Apertus's xIELU parameters amplify the fp32 softmax's last-bit differences (measured 2.1e-5).
+    rtol = 5e-5 if model_type == "apertus" else 2e-6
+    assert_same_training_signal(ref, patched, ids, labels, rtol=rtol, attention_mask=mask)
+    layer_types = getattr(ref.config, "layer_types", None) or ["full_attention"] * COMMON["num_hidden_layers"]
+    assert len(calls) == sum(kind != "linear_attention" for kind in layer_types)
+
+
+@pytest.mark.parametrize("model_type", sorted(NOT_PLAIN_ATTENTION - set(TEXT_MODEL_TYPE)))
+def test_softmax_refuses_other_eager_attentions(model_type):
+    model = tiny_model(model_type, attn_implementation="eager")
+    with pytest.raises(NotImplementedError, match="not Llama's plain softmax attention"):
+        apply_lowp_ops(model, softmax=True)
+    assert "forward" not in vars(model)
 
 
 def test_softmax_leaves_sdpa_alone():

@@ -56,8 +56,10 @@ parameters stay the model's own (no copies), so optimizers, ``state_dict`` and c
   would keep, is recomputed there (transformers' own saves gate, silu(gate), up and their product: 4 x
   (tokens, intermediate) against lowp's 2).
 - **Attention softmax** (``softmax=True``): only for models whose attention implementation is
-  ``"eager"``: the probabilities go through :func:`lowp_ops.softmax` (an attention function registered
-  as ``"lowp_eager"`` and selected on this model). Other implementations (sdpa, flash) are left alone.
+  ``"eager"`` and whose eager attention function is Llama's plain one (``PLAIN_EAGER_ATTENTION``, read
+  from the model's source; not Gemma's soft-capping or GPT-OSS's sinks): the probabilities go through
+  :func:`lowp_ops.softmax` (an attention function registered as ``"lowp_eager"`` and selected on this
+  model). Other implementations (sdpa, flash) are left alone.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import sys
 import textwrap
 import threading
 import warnings
@@ -238,10 +241,20 @@ SWIGLU_FORWARDS = {
 Llama 4's), or one ``gate_up_proj`` (gate half first; Phi-3, GLM-4). One with any other step (a dropout,
 say) is left alone."""
 
-SOFTMAX_MODEL_TYPES = frozenset(
-    {"llama", "mistral", "mixtral", "olmoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"}
+PLAIN_EAGER_ATTENTION = (
+    "key_states = repeat_kv(key, module.num_key_value_groups)",
+    "value_states = repeat_kv(value, module.num_key_value_groups)",
+    "attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling",
+    "if attention_mask is not None:\n    attn_weights = attn_weights + attention_mask",
+    "attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)",
+    "attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)",
+    "attn_output = torch.matmul(attn_weights, value_states)",
+    "attn_output = attn_output.transpose(1, 2).contiguous()",
+    "return (attn_output, attn_weights)",
 )
-"""Models whose eager attention is plain ``softmax(q k^T * scaling + mask) v`` (no sinks, no soft-cap)."""
+"""The statements of Llama's ``eager_attention_forward``, plain ``softmax(q k^T * scaling + mask) v`` (no
+sinks, no soft-cap), which :func:`lowp_eager_attention` computes: ``softmax=True`` takes a model whose
+modeling module's ``eager_attention_forward`` has them."""
 
 LOSS_CHUNK_LOGITS = 2**26
 """Most logits elements of one chunk of the loss (see the module docstring)."""
@@ -493,10 +506,11 @@ def _eager_attention_allowed(model: nn.Module) -> bool:
             stacklevel=3,
         )
         return False
-    if model.config.model_type not in SOFTMAX_MODEL_TYPES:
+    own = getattr(sys.modules.get(type(model).__module__), "eager_attention_forward", None)
+    if own is None or _forward_statements(own) != PLAIN_EAGER_ATTENTION:
         raise NotImplementedError(
             f"apply_lowp_ops(softmax=True): the eager attention of {model.config.model_type!r} is not "
-            f"the plain softmax attention of {sorted(SOFTMAX_MODEL_TYPES)}"
+            "Llama's plain softmax attention (PLAIN_EAGER_ATTENTION)"
         )
     return True
 
