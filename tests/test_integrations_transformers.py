@@ -308,6 +308,24 @@ def test_trainer_keeps_the_batch_columns_the_forward_names(model_type):
     torch.testing.assert_close(patched(**columns).loss, ref(**columns).loss, rtol=5e-6, atol=0)
 
 
+def test_forwards_replaced_by_other_libraries_are_refused():
+    """accelerate's device hooks (after ``device_map`` dispatch) and other patchers replace ``forward`` on
+    the instance; lowp's patch would drop them: refused, naming the module, the model left as it was.
+    Patching twice is fine (the forwards are lowp's own)."""
+    for path in ("lm_head", "model.layers.1.post_attention_layernorm", "model.layers.0.mlp"):
+        model = tiny_model("llama")
+        module = model.get_submodule(path)
+        module.forward = functools.partial(type(module).forward, module)
+        with pytest.raises(ValueError, match=rf"{path}\.forward was replaced on the instance"):
+            apply_lowp_ops(model)
+        assert "forward" not in vars(model) and "forward" not in vars(model.model.norm)
+    twice = apply_lowp_ops(apply_lowp_ops(tiny_model("llama")))
+    ref = tiny_model("llama")
+    ids, labels = batch()
+    want = ref(input_ids=ids, labels=labels).loss
+    torch.testing.assert_close(twice(input_ids=ids, labels=labels).loss, want, rtol=5e-6, atol=0)
+
+
 def test_experts_converted_after_patching_are_named():
     model = apply_lowp_ops(tiny_model("qwen3_moe", dtype=torch.bfloat16), experts="bf16").float()
     with pytest.raises(ValueError, match=r"apply_lowp_ops\(experts='bf16'\): .* torch.float32 now"):

@@ -312,16 +312,19 @@ def apply_lowp_ops(
         raise ValueError(f"rms_norm must be True, False or 'eager', got {rms_norm!r}")
     expert_modules = _supported_experts(model) if experts is not None else []
     use_lowp_attention = softmax and _eager_attention_allowed(model)
+    norm_modules = _rms_norm_modules(model) if rms_norm else []
+    mlp_modules = _dense_swiglu_modules(model) if mlp else []
+    patched = [model, model.lm_head, *norm_modules, *mlp_modules, *expert_modules]
+    _check_forwards_are_the_classes(model, patched)
 
     _patch_head_and_loss(model, {"grad_format": grad_format, **loss_options})
     if rms_norm:
-        for module in _rms_norm_modules(model):
+        for module in norm_modules:
             module._lowp_round_normalized = RMS_NORM_FORWARDS[forward_statements(type(module))]
             module._lowp_eager_only = rms_norm == "eager"
             module.forward = _bound(_rms_norm_forward, module)
-    if mlp:
-        for module in _dense_swiglu_modules(model):
-            module.forward = _bound(_dense_swiglu_forward, module)
+    for module in mlp_modules:
+        module.forward = _bound(_dense_swiglu_forward, module)
     for module in expert_modules:
         module._lowp_recipe = experts
         module.forward = _bound(_grouped_experts_forward, module)
@@ -422,6 +425,28 @@ def _check_loss_options(grad_format: str | None, loss_options: dict) -> None:
             "apply_lowp_ops: process_group (a vocabulary-parallel lm_head) is not wired into "
             "transformers models"
         )
+
+
+def _check_forwards_are_the_classes(model: nn.Module, modules: list[nn.Module]) -> None:
+    """Refuses modules whose ``forward`` another library replaced on the instance (accelerate's device
+    hooks after ``device_map`` dispatch, another patcher): lowp's forward would drop that wrapper."""
+    ours = (
+        _forward_with_optional_logits,
+        _hidden_passthrough,
+        _rms_norm_forward,
+        _dense_swiglu_forward,
+        _grouped_experts_forward,
+    )
+    names = {id(module): name for name, module in model.named_modules()}
+    for module in modules:
+        forward = vars(module).get("forward")
+        if forward is not None and getattr(forward, "func", None) not in ours:
+            name = names.get(id(module)) or type(module).__name__
+            raise ValueError(
+                f"apply_lowp_ops: {name}.forward was replaced on the instance ({forward!r}), which lowp_ops' "
+                "patch would drop: apply lowp_ops first (before accelerate's device_map dispatch or other "
+                "patchers)"
+            )
 
 
 def _check_softcap_option(model: nn.Module, loss_options: dict) -> None:
