@@ -487,8 +487,8 @@ def _unsupported_reason(module: nn.Module) -> str | None:
         (getattr(module, "_is_expert_parallel", False), "expert parallelism"),
         (tuple(down.shape) != (experts, hidden, two_ffn // 2), f"down_proj {tuple(down.shape)}"),
         (
-            gate_up.dtype != torch.bfloat16 or down.dtype != torch.bfloat16,
-            f"{gate_up.dtype} weights, not bf16",
+            {gate_up.dtype, down.dtype} - {torch.bfloat16, torch.float32},
+            f"{gate_up.dtype} weights, not bf16 (or fp32 under bf16 autocast)",
         ),
         (hidden % 8 != 0 or two_ffn % 16 != 0, "hidden or intermediate size not a multiple of 8"),
     ]
@@ -574,6 +574,7 @@ def _causal_lm_loss(
     transform = LOGIT_TRANSFORMS.get(self.config.model_type)
     if transform is not None:
         hidden, options = _loss_with_logit_step(self, transform, hidden, options)
+    hidden, weight = _as_autocast_would(hidden, weight)  # the model's lm_head is an autocast linear
     if options.get("chunk_size") is None:
         options = {**options, "chunk_size": loss_chunk_size(hidden, weight)}
     loss = linear_cross_entropy(
@@ -787,10 +788,22 @@ def _dense_swiglu_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     rows = c.reshape(-1, c.shape[-1])
     down = self.down_proj
     if _plain_linear(down) and down.bias is None and not isinstance(down.weight, DTensor):
-        y = SwiGLUThenLinear.apply(rows, down.weight)
+        y = SwiGLUThenLinear.apply(*_as_autocast_would(rows, down.weight))
     else:
         y = down(lowp_swiglu(rows))
     return y.view(*c.shape[:-1], y.shape[-1])
+
+
+def _as_autocast_would(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The operands of a linear layer in the dtype ``torch.autocast`` runs it in on their device (a
+    differentiable cast, as autocast's: fp32 weights get fp32 gradients), as given outside autocast. The
+    ops themselves compute in the dtypes they are given, autocast or not (``library._without_autocast``),
+    so the patched modules cast where the model's own linear layers would have been cast."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
 
 
 def _plain_linear(module: nn.Module) -> bool:
@@ -874,12 +887,17 @@ def _grouped_experts_forward(
 ) -> torch.Tensor:
     """transformers' experts forward (tokens (T, H), top-k expert ids and weights (T, k)) through
     ``grouped_swiglu_mlp``; (T, H) in hidden_states' dtype, the k choices summed."""
-    if self.gate_up_proj.dtype != torch.bfloat16 or self.down_proj.dtype != torch.bfloat16:
-        raise ValueError(
-            f"apply_lowp_ops(experts={self._lowp_recipe!r}): {type(self).__name__}'s weights are "
-            f"{self.gate_up_proj.dtype} now (the model was converted after patching); the lowp experts take "
-            "bf16: convert the model back to bf16, or patch it without experts="
-        )
+    gate_up, down, out_dtype = self.gate_up_proj, self.down_proj, hidden_states.dtype
+    if gate_up.dtype != torch.bfloat16 or down.dtype != torch.bfloat16:
+        hidden_as, gate_up, down = _as_autocast_would(hidden_states, gate_up, down)
+        if gate_up.dtype != torch.bfloat16 or down.dtype != torch.bfloat16:
+            raise ValueError(
+                f"apply_lowp_ops(experts={self._lowp_recipe!r}): {type(self).__name__}'s weights are "
+                f"{self.gate_up_proj.dtype}; the lowp experts take bf16 weights, or fp32 ones inside a bf16 "
+                "autocast region (mixed precision): convert the model to bf16, train under "
+                "torch.autocast(dtype=torch.bfloat16), or patch it without experts="
+            )
+        hidden_states = hidden_as
     tokens, top_k = top_k_index.shape
     experts, hidden = self.gate_up_proj.shape[0], hidden_states.shape[-1]
     alignment = ROW_ALIGNMENT[self._lowp_recipe]
@@ -894,9 +912,9 @@ def _grouped_experts_forward(
         row, split_sizes = _padded_rows(expert_of_choice[order], split_sizes, alignment, capacity)
         x = x.new_zeros(capacity, hidden).index_copy(0, row, x)
         probs = probs.new_zeros(capacity).index_copy(0, row, probs)
-    y = grouped_swiglu_mlp(x, self.gate_up_proj, self.down_proj, split_sizes, probs, recipe=self._lowp_recipe)
+    y = grouped_swiglu_mlp(x, gate_up, down, split_sizes, probs, recipe=self._lowp_recipe)
     row_of_choice = torch.empty_like(order).scatter_(0, order, row)
-    return y[row_of_choice].view(tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
+    return y[row_of_choice].view(tokens, top_k, hidden).sum(dim=1).to(out_dtype)
 
 
 # ---------------------------------------------------------------------------------------- attention
