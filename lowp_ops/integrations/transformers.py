@@ -639,11 +639,11 @@ def _forward_with_optional_logits(
     if transform is None:
         output = type(self).forward(self, *args, **kwargs)
     else:
-        value = _switch_off(self, transform)
+        value = _with_switch_lock(_switch_off, self, transform)
         try:
             output = type(self).forward(self, *args, **kwargs)
         finally:
-            _switch_back(self, transform)
+            _with_switch_lock(_switch_back, self, transform)
     logits = F.linear(output.logits, self.lm_head.weight) if return_logits else None
     if logits is not None and transform is not None:
         logits = transform.apply(logits, value)
@@ -672,15 +672,17 @@ class _StepSwitch:
 _STEP_SWITCH_LOCK = threading.Lock()
 
 
+def _with_switch_lock(function, model: nn.Module, transform: LogitTransform):
+    """``function(model, transform)`` under the lock concurrent forwards share; traced, without it
+    (Dynamo replays the attribute writes after the graph; a lock has no place in one)."""
+    if torch.compiler.is_compiling():
+        return function(model, transform)
+    with _STEP_SWITCH_LOCK:
+        return function(model, transform)
+
+
 def _switch_off(model: nn.Module, transform: LogitTransform) -> float | None:
     """Switches the class forward's logit step off (the first of concurrent forwards does); its value."""
-    if torch.compiler.is_compiling():  # traced: Dynamo replays the attribute writes; no lock in a graph
-        return _switch_off_unlocked(model, transform)
-    with _STEP_SWITCH_LOCK:
-        return _switch_off_unlocked(model, transform)
-
-
-def _switch_off_unlocked(model: nn.Module, transform: LogitTransform) -> float | None:
     state, holder = model._lowp_logit_step, transform.holder(model)
     if state.running == 0:
         state.value = getattr(holder, transform.name)
@@ -691,13 +693,6 @@ def _switch_off_unlocked(model: nn.Module, transform: LogitTransform) -> float |
 
 def _switch_back(model: nn.Module, transform: LogitTransform) -> None:
     """Restores the step's value when the last running forward ends."""
-    if torch.compiler.is_compiling():
-        return _switch_back_unlocked(model, transform)
-    with _STEP_SWITCH_LOCK:
-        return _switch_back_unlocked(model, transform)
-
-
-def _switch_back_unlocked(model: nn.Module, transform: LogitTransform) -> None:
     state = model._lowp_logit_step
     state.running -= 1
     if state.running == 0:
