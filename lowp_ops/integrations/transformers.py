@@ -182,9 +182,11 @@ LM_HEAD_MODEL_TYPES = frozenset(
         "hunyuan_v1_dense",
         "llama",
         "llama4_text",
+        "llava",
         "ministral",
         "ministral3",
         "mistral",
+        "mistral3",
         "mixtral",
         "olmo2",
         "olmo3",
@@ -192,6 +194,8 @@ LM_HEAD_MODEL_TYPES = frozenset(
         "phi3",
         "qwen2",
         "qwen2_moe",
+        "qwen2_vl",
+        "qwen2_5_vl",
         "qwen3",
         "qwen3_5_moe_text",
         "qwen3_5_text",
@@ -531,6 +535,11 @@ def _eager_attention_allowed(model: nn.Module) -> bool:
             stacklevel=3,
         )
         return False
+    if model.config.get_text_config() is not model.config:
+        raise NotImplementedError(
+            f"apply_lowp_ops(softmax=True): {model.config.model_type!r} is a multimodal model, whose "
+            "towers' attentions are not all the language model's: only text models take softmax=True"
+        )
     own = getattr(sys.modules.get(type(model).__module__), "eager_attention_forward", None)
     if own is None or _forward_statements(own) != PLAIN_EAGER_ATTENTION:
         raise NotImplementedError(
