@@ -136,7 +136,7 @@ MOE_TYPES = [
 """MoE families whose whole bf16 model is compared with lowp's experts; the linear-attention ones are
 left out there (their gated-delta-net parameters' bf16 gradients differ from fp32 by 15-60% with the
 model's own experts) and checked module by module."""
-ALL_MOE_TYPES = [*MOE_TYPES, "qwen3_5_moe_text", "qwen3_next"]
+ALL_MOE_TYPES = [*MOE_TYPES, "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "qwen3_vl_moe"]
 
 
 TEXT_MODEL_TYPE = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
@@ -194,6 +194,33 @@ VISION_LANGUAGE = {
 }
 """Vision-language models (``AutoModelForImageTextToText``), tiny; their image tokens at the top of the
 vocabulary, which ``batch`` leaves out."""
+QWEN3_VISION = {
+    **QWEN_VISION,
+    "patch_size": 16,
+    "deepstack_visual_indexes": [0],
+    "num_position_embeddings": 16,
+}
+INTERLEAVED_MROPE = {
+    "rope_scaling": {"rope_type": "default", "mrope_section": [1, 1, 2], "mrope_interleaved": True}
+}
+VISION_LANGUAGE.update(
+    qwen3_vl={
+        **IMAGE_TOKENS,
+        "text_config": {**COMMON, "head_dim": 8, **INTERLEAVED_MROPE},
+        "vision_config": QWEN3_VISION,
+    },
+    qwen3_vl_moe={
+        **IMAGE_TOKENS,
+        "text_config": {**COMMON, "head_dim": 8, **INTERLEAVED_MROPE, **SMALL_EXPERTS},
+        "vision_config": QWEN3_VISION,
+    },
+    qwen3_5={**IMAGE_TOKENS, "text_config": {**COMMON, **LINEAR_ATTENTION}, "vision_config": QWEN3_VISION},
+    qwen3_5_moe={
+        **IMAGE_TOKENS,
+        "text_config": {**COMMON, **LINEAR_ATTENTION, **SMALL_EXPERTS},
+        "vision_config": QWEN3_VISION,
+    },
+)
 
 
 def tiny_model(model_type: str, dtype=torch.float32, seed=0, **config):
@@ -255,27 +282,23 @@ def image_batch(model_type):
     unlabelled, as a processor lays them out (their count is what the vision tower outputs per image)."""
     ids, labels = batch()
     gen = torch.Generator().manual_seed(7)
-    if model_type in ("qwen2_vl", "qwen2_5_vl"):
-        tokens, images = (
-            1,
-            {
-                "pixel_values": torch.randn(2 * 4, 3 * 2 * 14 * 14, generator=gen),
-                "image_grid_thw": torch.tensor([[1, 2, 2], [1, 2, 2]]),
-            },
-        )
+    tokens = 1
+    if model_type.startswith("qwen"):  # 2 x 2 patches per image, merged 2 x 2 into one token
+        patch = VISION_LANGUAGE[model_type]["vision_config"]["patch_size"]
+        images = {
+            "pixel_values": torch.randn(2 * 4, 3 * 2 * patch * patch, generator=gen),
+            "image_grid_thw": torch.tensor([[1, 2, 2], [1, 2, 2]]),
+        }
     elif model_type == "mistral3":
-        tokens, images = (
-            1,
-            {
-                "pixel_values": torch.randn(2, 3, 28, 28, generator=gen),
-                "image_sizes": torch.tensor([[28, 28], [28, 28]]),
-            },
-        )
+        images = {
+            "pixel_values": torch.randn(2, 3, 28, 28, generator=gen),
+            "image_sizes": torch.tensor([[28, 28], [28, 28]]),
+        }
     else:
         tokens, images = 4, {"pixel_values": torch.randn(2, 3, 28, 28, generator=gen)}
     ids[:, 2 : 2 + tokens] = VOCAB - 1
     labels[:, 2 : 2 + tokens] = -100
-    if model_type in ("qwen2_vl", "qwen2_5_vl"):
+    if model_type.startswith("qwen"):
         images["mm_token_type_ids"] = (ids == VOCAB - 1).long()  # M-RoPE's image positions
     return ids, labels, images
 
@@ -1026,7 +1049,8 @@ def saved_bytes(model, ids, labels) -> int:
 NO_RMS_NORMS = {"cohere", "cohere2", "cohere2_moe", "starcoder2"}
 """Families with LayerNorms."""
 NORMS_LEFT_ALONE = {
-    *("gemma", "gemma2", "gemma3", "gemma3_text", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"),
+    *("gemma", "gemma2", "gemma3", "gemma3_text"),
+    *("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"),
     *("gemma4", "gemma4_text", "llama4_text"),
 }
 """Families whose RMSNorms lowp_ops.rms_norm does not compute: ``1 + weight`` (the first line), or
