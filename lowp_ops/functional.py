@@ -535,7 +535,8 @@ def rms_norm(
     """RMSNorm over the last dim: ``weight * (x / sqrt(mean(x^2) + eps))`` with fp32 statistics, output
     in x's dtype (docs/rms_norm.md).
 
-    ``input`` (..., H) float32 / bfloat16 / float16, ``weight`` (H,) of the same dtype, H <= 16384.
+    ``input`` (..., H) float32 / bfloat16 / float16, ``weight`` (H,) of the same dtype or fp32 (used as
+    is: Gemma's ``1 + weight`` formed in fp32, say), H <= 16384; the weight gradient in weight's dtype.
     ``round_normalized=True`` rounds the normalized fp32 row to x's dtype before the weight multiplies it
     (transformers' Llama, Qwen, Mistral: ``weight * hidden.to(input_dtype)``); False multiplies in fp32
     and rounds once (OLMo 2). Differentiable in both; the backward saves x, weight and the fp32 ``rstd``

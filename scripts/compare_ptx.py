@@ -86,6 +86,11 @@ def record_calls() -> dict:
         leaf = x.clone().requires_grad_()
         function(leaf, -1).float().sum().backward()
     lowp_ops.logsumexp(x.float(), -1)
+    for weight_dtype in (bf16, torch.float32):  # fp32: Gemma's 1 + weight
+        for round_normalized in (True, False):
+            leaf = x.clone().requires_grad_()
+            weight = torch.rand(256, dtype=weight_dtype, requires_grad=True)
+            lowp_ops.rms_norm(leaf, weight, round_normalized=round_normalized).float().sum().backward()
     given = x.abs().amax().float().reshape(1)
     lowp_ops.nvfp4_quantize(x, columnwise=True, rht=True, amax_rowwise=given, amax_columnwise=given)
     lowp_ops.nvfp4_dequantize(lowp_ops.nvfp4_quantize(x, columnwise=True, rht=True, stochastic_rounding=True))

@@ -223,6 +223,16 @@ VISION_LANGUAGE.update(
 )
 
 
+AMPLIFYING = {"apertus", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}
+"""Families with parameters whose fp32 gradients amplify last-bit differences upstream (Apertus's xIELU,
+the gated delta nets' ``dt_bias`` / ``A_log``: measured 1.0e-5 to 2.1e-5 of the norm)."""
+
+
+def fp32_rtol(model_type: str) -> float:
+    """Gradient tolerance of an fp32 model patched against its own: fp32 rounding, amplified or not."""
+    return 5e-5 if model_type in AMPLIFYING else 5e-6
+
+
 def tiny_model(model_type: str, dtype=torch.float32, seed=0, **config):
     torch.manual_seed(seed)
     with warnings.catch_warnings():
@@ -274,7 +284,7 @@ def assert_same_training_signal(ref, patched, ids, labels, *, rtol, **kwargs):
 def test_loss_and_gradients_equal_the_models_own_fp32(model_type):
     ref = tiny_model(model_type)
     patched = apply_lowp_ops(copy.deepcopy(ref))
-    assert_same_training_signal(ref, patched, *batch(), rtol=5e-6)
+    assert_same_training_signal(ref, patched, *batch(), rtol=fp32_rtol(model_type))
 
 
 def image_batch(model_type):
@@ -310,7 +320,7 @@ def test_vision_language_models_with_images(model_type):
     ref = tiny_model(model_type)
     patched = apply_lowp_ops(copy.deepcopy(ref))
     ids, labels, images = image_batch(model_type)
-    assert_same_training_signal(ref, patched, ids, labels, rtol=5e-6, **images)
+    assert_same_training_signal(ref, patched, ids, labels, rtol=fp32_rtol(model_type), **images)
 
 
 def test_tied_embeddings_router_aux_loss_and_mxfp8_gradient():
@@ -832,10 +842,7 @@ def test_eager_attention_softmax_through_lowp(model_type, monkeypatch):
     ids, labels = batch()
     mask = torch.ones_like(ids)
     mask[1, :4] = 0  # left padding
-    # Apertus's xIELU and the gated delta nets' parameters amplify the fp32 softmax's last-bit
-    # differences (measured 2.1e-5 and 1.3e-5).
-    rtol = 5e-5 if model_type in ("apertus", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next") else 2e-6
-    assert_same_training_signal(ref, patched, ids, labels, rtol=rtol, attention_mask=mask)
+    assert_same_training_signal(ref, patched, ids, labels, rtol=fp32_rtol(model_type), attention_mask=mask)
     layer_types = getattr(ref.config, "layer_types", None) or ["full_attention"] * COMMON["num_hidden_layers"]
     assert len(calls) == sum(kind != "linear_attention" for kind in layer_types)
 
@@ -1048,13 +1055,9 @@ def saved_bytes(model, ids, labels) -> int:
 
 NO_RMS_NORMS = {"cohere", "cohere2", "cohere2_moe", "starcoder2"}
 """Families with LayerNorms."""
-NORMS_LEFT_ALONE = {
-    *("gemma", "gemma2", "gemma3", "gemma3_text"),
-    *("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"),
-    *("gemma4", "gemma4_text", "llama4_text"),
-}
-"""Families whose RMSNorms lowp_ops.rms_norm does not compute: ``1 + weight`` (the first line), or
-formulas written otherwise (weightless norms, ``torch.pow(.., -0.5)``)."""
+NORMS_LEFT_ALONE = {"gemma4", "gemma4_text"}
+"""Families whose RMSNorms lowp_ops.rms_norm does not compute as written (Gemma 4's ``torch.pow(.., -0.5)``
+and weightless norms)."""
 MLPS_LEFT_ALONE = {
     *("gemma", "gemma2", "gemma3", "gemma3_text", "gemma4", "gemma4_text"),
     *("apertus", "starcoder2"),
@@ -1067,7 +1070,11 @@ def test_every_rms_norm_and_dense_mlp_is_patched(model_type):
     """Every RMSNorm and the language model's SwiGLU MLPs, but the families' listed in NORMS_LEFT_ALONE /
     MLPS_LEFT_ALONE (vision towers' MLPs are patched where their forward is a known one)."""
     model = apply_lowp_ops(tiny_model(model_type))
-    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    norms = [  # weightless norms (Llama 4's, Gemma 4's) have nothing to patch
+        m
+        for m in model.modules()
+        if type(m).__name__.endswith("RMSNorm") and isinstance(getattr(m, "weight", None), torch.Tensor)
+    ]
     assert norms or model_type in NO_RMS_NORMS
     assert all(("forward" in vars(m)) != (model_type in NORMS_LEFT_ALONE) for m in norms)
     assert all(m.forward.func is integration._rms_norm_forward for m in norms if "forward" in vars(m))

@@ -103,6 +103,30 @@ def test_forward_is_transformers_own_formula(dtype, round_normalized):
     assert (got != want).float().mean() < 0.01
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp32_weight_is_gemmas_unit_offset_norm(dtype):
+    """An fp32 weight with low-precision rows, as Gemma's and Qwen 3.5's ``1 + weight`` formed in fp32:
+    each element equals the module's own ``(norm(x.float()) * (1.0 + w.float())).type_as(x)`` or is one
+    ulp from it, and w's gradient, through the fp32 sum, is float64 autograd's within its roundings."""
+    x, _, grad = make((64, 96), dtype, seed=2)
+    w = (0.3 * torch.randn(96, generator=torch.Generator().manual_seed(3))).to(dtype).requires_grad_()
+    got = lowp_ops.rms_norm(x, 1.0 + w.float(), 1e-6, round_normalized=False)
+    hidden = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    want = (hidden * (1.0 + w.detach().float())).type_as(x)
+    assert got.dtype == dtype
+    assert ((got.double() - want.double()).abs() <= ulp(want, dtype)).all()
+    assert (got != want).float().mean() < 0.01
+    got.backward(grad)
+    w64 = w.detach().double().requires_grad_()
+    x64 = x.double()
+    y64 = (1 + w64) * x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + 1e-6)
+    (dw64,) = torch.autograd.grad(y64, w64, grad.double())
+    xhat = x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + 1e-6)
+    assert w.grad.dtype == dtype
+    bound = ulp(dw64, dtype) + 1e-5 * (grad.double() * xhat).abs().sum(0)
+    assert ((w.grad.double() - dw64).abs() <= bound).all()
+
+
 def test_any_leading_shape_and_the_module():
     x, weight, grad = make((2, 3, 5, 48), torch.bfloat16, seed=2)
     norm = lowp_ops.nn.RMSNorm(48, eps=1e-5)
@@ -154,9 +178,11 @@ def test_bad_arguments_raise_naming_them(kwargs, error, match):
         lowp_ops.rms_norm(**arguments)
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("round_normalized", [True, False])
-def test_opcheck(round_normalized):
+def test_opcheck(round_normalized, weight_dtype):
     x, weight, grad = make((12, 40), torch.bfloat16, seed=4)
+    weight = weight.to(weight_dtype)
     x = x.t().contiguous().t()  # a column-major input is read through its strides
     torch.library.opcheck(
         torch.ops.lowp.rms_norm_fwd.default,

@@ -17,10 +17,10 @@ from lowp_ops.reference import rms_norm as reference
 property_settings = kernel_property_settings(8)
 
 
-def make(rows: int, hidden: int, dtype: torch.dtype, seed: int, device: str):
+def make(rows: int, hidden: int, dtype: torch.dtype, seed: int, device: str, weight_dtype=None):
     gen = torch.Generator().manual_seed(seed)
     x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
-    weight = (1 + 0.5 * torch.randn(hidden, generator=gen)).to(dtype)
+    weight = (1 + 0.5 * torch.randn(hidden, generator=gen)).to(weight_dtype or dtype)
     grad = torch.randn(rows, hidden, generator=gen).to(dtype)
     return x.to(device), weight.to(device), grad.to(device)
 
@@ -41,8 +41,8 @@ def assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, na
         assert (got != want).float().mean() < 0.05, f"{name}: {(got != want).float().mean():.3f} differ"
 
 
-def check_kernels(rows, hidden, dtype, round_normalized, seed, device, eps=1e-6):
-    x, weight, grad = make(rows, hidden, dtype, seed, device)
+def check_kernels(rows, hidden, dtype, round_normalized, seed, device, eps=1e-6, weight_dtype=None):
+    x, weight, grad = make(rows, hidden, dtype, seed, device, weight_dtype)
     y, rstd = kernels.launch_rms_norm_fwd(x, weight, eps, round_normalized)
     y_ref, rstd_ref = reference.rms_norm_fwd(x, weight, eps, round_normalized)
     torch.testing.assert_close(rstd, rstd_ref, rtol=4e-7, atol=0)
@@ -84,6 +84,15 @@ def test_kernels_match_reference(suite, kernel_device, data, dtype, round_normal
     rows = data.draw(st.integers(1, 40 if suite == "interp" else 5000), label="rows")
     hidden = data.draw(st.sampled_from([1, 40, 128, 1000] + ([2048, 4096, 5120] if suite == "gpu" else [])))
     check_kernels(rows, hidden, dtype, round_normalized, seed, kernel_device)
+
+
+@pytest.mark.parametrize("suite", SUITES)
+@pytest.mark.parametrize("round_normalized", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernels_take_an_fp32_weight(suite, kernel_device, dtype, round_normalized):
+    """An fp32 weight with low-precision rows (Gemma's ``1 + weight`` formed in fp32): y and dx in x's
+    dtype, the weight gradient in fp32, as the reference computes them."""
+    check_kernels(37, 1000, dtype, round_normalized, 13, kernel_device, weight_dtype=torch.float32)
 
 
 @pytest.mark.gpu

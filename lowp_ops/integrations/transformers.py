@@ -38,16 +38,16 @@ parameters stay the model's own (no copies), so optimizers, ``state_dict`` and c
   a clamped gate, ``(up + 1) * gate * sigmoid(alpha * gate)``): they raise ``NotImplementedError``.
 - **RMSNorm** (``rms_norm="eager"``, the default, or ``True``): every RMSNorm module whose forward is one
   that ``lowp_ops.rms_norm`` computes (``RMS_NORM_FORWARDS``, read from the module class's source: the
-  layers' norms, the final norm, Qwen3's per-head q/k norms; not Gemma's ``1 + weight``) runs through
-  :func:`lowp_ops.rms_norm`, whose backward keeps only the input and the fp32 ``1/rms`` per row
-  (transformers' own keeps the fp32 copy of the input and the normalized rows too). The rounding of the
-  module's formula is kept (``round_normalized``: Llama's ``weight * hidden.to(dtype)``, OLMo 2's and
-  GPT-OSS's ``(weight * hidden).to(dtype)``); an input whose dtype is not the weight's (e.g. fp32
-  activations, bf16 weights), rows wider than 16384 and DTensor operands run the module's own forward. With
-  ``"eager"``, so does a norm that ``torch.compile`` traces: Inductor fuses it into the code around it,
-  where a lowp call costs a custom-op dispatch and Python launches per norm (H200, batch 1 x 4096 tokens,
-  compiled decoder layers: Qwen3-MoE 41.7 k -> 55.1 k tokens/s, Llama 53.6 k -> 55.4 k, the Llama's peak
-  memory +0.03 GiB; README, transformers models).
+  layers' norms, the final norm, Qwen3's per-head q/k norms) runs through :func:`lowp_ops.rms_norm`, whose
+  backward keeps only the input and the fp32 ``1/rms`` per row (transformers' own keeps the fp32 copy of the
+  input and the normalized rows too). The rounding of the module's formula is kept (``round_normalized``:
+  Llama's ``weight * hidden.to(dtype)``, OLMo 2's and GPT-OSS's ``(weight * hidden).to(dtype)``; Gemma's,
+  Qwen 3.5's and Qwen3-Next's ``1 + weight`` is formed in fp32 and passed as the op's fp32 weight); an input
+  whose dtype is not the weight's (e.g. fp32 activations, bf16 weights), rows wider than 16384 and DTensor
+  operands run the module's own forward. With ``"eager"``, so does a norm that ``torch.compile`` traces:
+  Inductor fuses it into the code around it, where a lowp call costs a custom-op dispatch and Python
+  launches per norm (H200, batch 1 x 4096 tokens, compiled decoder layers: Qwen3-MoE 41.7 k -> 55.1 k
+  tokens/s, Llama 53.6 k -> 55.4 k, the Llama's peak memory +0.03 GiB; README, transformers models).
 - **Dense SwiGLU MLPs** (``mlp=True``, the default): every MLP whose forward is ``down(silu(gate(x)) *
   up(x))`` and nothing else (``SWIGLU_FORWARDS``: ``gate_proj`` / ``up_proj`` / ``down_proj``, or a fused
   ``gate_up_proj`` as Phi-3's and GLM-4's; a dropout after it, say, leaves it alone; the MoE models' dense
@@ -212,20 +212,60 @@ LM_HEAD_MODEL_TYPES = frozenset(
 """Causal LMs whose forward hands ``lm_head``'s output straight to ``loss_function``, or through one of
 ``LOGIT_TRANSFORMS``; each one is a test in tests/test_integrations_transformers.py."""
 
+
+@dataclass(frozen=True)
+class NormForm:
+    """How a recognized RMSNorm forward maps onto ``lowp_ops.rms_norm``: its ``round_normalized``,
+    whether the weight enters as fp32 ``1 + weight`` (``unit_offset``), and the attribute holding eps."""
+
+    round_normalized: bool
+    unit_offset: bool
+    eps: str
+
+
 _LLAMA_NORM_STATEMENTS = (
     "input_dtype = hidden_states.dtype",
     "hidden_states = hidden_states.to(torch.float32)",
     "variance = hidden_states.pow(2).mean(-1, keepdim=True)",
     "hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)",
 )
+_UNIT_OFFSET_STATEMENTS = (
+    "output = self._norm(x.float())",
+    "output = output * (1.0 + self.weight.float())",
+    "return output.type_as(x)",
+)
+_LLAMA4_STATEMENTS = ("output = self._norm(x.float()).type_as(x)", "return output * self.weight")
+
+
+def _norm_statements(eps: str) -> tuple[str]:
+    return (f"return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.{eps})",)
+
+
 RMS_NORM_FORWARDS = {
-    (*_LLAMA_NORM_STATEMENTS, "return self.weight * hidden_states.to(input_dtype)"): True,
-    (*_LLAMA_NORM_STATEMENTS, "return (self.weight * hidden_states).to(input_dtype)"): False,
+    ((*_LLAMA_NORM_STATEMENTS, "return self.weight * hidden_states.to(input_dtype)"), None): NormForm(
+        True, False, "variance_epsilon"
+    ),
+    ((*_LLAMA_NORM_STATEMENTS, "return (self.weight * hidden_states).to(input_dtype)"), None): NormForm(
+        False, False, "variance_epsilon"
+    ),
+    (_UNIT_OFFSET_STATEMENTS, _norm_statements("eps")): NormForm(False, True, "eps"),
+    (_LLAMA4_STATEMENTS, _norm_statements("variance_epsilon")): NormForm(True, False, "variance_epsilon"),
+    (_LLAMA4_STATEMENTS, _norm_statements("eps")): NormForm(True, False, "eps"),
 }
-"""The RMSNorm forwards ``lowp_ops.rms_norm`` computes (their statements as ``ast.unparse`` writes them),
-each with its ``round_normalized``: the rows rounded to the input's dtype before the weight (Llama and
-most models) or the weight product in fp32, rounded once (OLMo 2 / 3, GPT-OSS). A norm with another
-forward (Gemma's ``1 + weight``, say) is left alone: the module's code, not its name, decides."""
+"""The RMSNorm forwards ``lowp_ops.rms_norm`` computes, keyed by the statements of the class's ``forward``
+and ``_norm`` (None without one) as ``ast.unparse`` writes them: Llama's and Llama 4's round the rows to
+the input's dtype before the weight (``round_normalized``); OLMo 2's (and GPT-OSS's) multiply in fp32 and
+round once; Gemma 1-3's, Qwen 3.5's and Qwen3-Next's multiply by ``1 + weight`` formed in fp32, rounded
+once. A norm with another forward (Gemma 4's, a weightless one) is left alone: the module's code, not
+its name, decides."""
+
+
+def norm_form(cls: type) -> NormForm | None:
+    """The :class:`NormForm` of an RMSNorm class's forward, or None when it is not one we compute."""
+    norm = getattr(cls, "_norm", None)
+    key = (forward_statements(cls), _forward_statements(norm) if callable(norm) else None)
+    return RMS_NORM_FORWARDS.get(key)
+
 
 _GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
 SWIGLU_FORWARDS = {
@@ -328,7 +368,7 @@ def apply_lowp_ops(
     _patch_head_and_loss(model, {"grad_format": grad_format, **loss_options})
     if rms_norm:
         for module in norm_modules:
-            module._lowp_round_normalized = RMS_NORM_FORWARDS[forward_statements(type(module))]
+            module._lowp_norm_form = norm_form(type(module))
             module._lowp_eager_only = rms_norm == "eager"
             module.forward = _bound(_rms_norm_forward, module)
     for module in mlp_modules:
@@ -735,32 +775,39 @@ def _forward_statements(forward) -> tuple[str, ...] | None:
 
 def _rms_norm_modules(model: nn.Module) -> list[nn.Module]:
     """The RMSNorm modules whose forward is one of ``RMS_NORM_FORWARDS``, with a 1-D ``weight`` and a
-    float ``variance_epsilon``."""
-    return [
-        module
-        for module in model.modules()
-        if isinstance(getattr(module, "weight", None), torch.Tensor)
-        and module.weight.dim() == 1
-        and isinstance(getattr(module, "variance_epsilon", None), float)
-        and forward_statements(type(module)) in RMS_NORM_FORWARDS
-    ]
+    float epsilon."""
+    modules = []
+    for module in model.modules():
+        form = norm_form(type(module))
+        weight = getattr(module, "weight", None)
+        if (
+            form is not None
+            and isinstance(weight, torch.Tensor)
+            and weight.dim() == 1
+            and isinstance(getattr(module, form.eps, None), float)
+        ):
+            modules.append(module)
+    return modules
 
 
 def _rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """The patched RMSNorm: :func:`lowp_ops.rms_norm`, or the module's own forward for an input whose
-    dtype differs from the weight's (transformers then promotes; the op keeps one dtype), for rows wider
-    than the kernels take (``MAX_HIDDEN``), for DTensor operands (tensor / sequence parallelism: the
-    ops take plain tensors) and, with ``rms_norm="eager"``, under ``torch.compile``."""
+    """The patched RMSNorm: :func:`lowp_ops.rms_norm` with the module's :class:`NormForm`, or the module's
+    own forward for an input whose dtype differs from a weight that multiplies it as is (transformers
+    then promotes; the op returns x's dtype), for rows wider than the kernels take (``MAX_HIDDEN``), for
+    DTensor operands (tensor / sequence parallelism: the ops take plain tensors) and, with
+    ``rms_norm="eager"``, under ``torch.compile``."""
+    form = self._lowp_norm_form
     if (
         (self._lowp_eager_only and torch.compiler.is_compiling())
-        or hidden_states.dtype != self.weight.dtype
+        or (hidden_states.dtype != self.weight.dtype and not form.unit_offset)
         or hidden_states.shape[-1] > MAX_HIDDEN
         or isinstance(self.weight, DTensor)
         or isinstance(hidden_states, DTensor)
     ):
         return type(self).forward(self, hidden_states)
+    weight = 1.0 + self.weight.float() if form.unit_offset else self.weight
     return lowp_rms_norm(
-        hidden_states, self.weight, self.variance_epsilon, round_normalized=self._lowp_round_normalized
+        hidden_states, weight, getattr(self, form.eps), round_normalized=form.round_normalized
     )
 
 

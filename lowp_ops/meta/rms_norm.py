@@ -21,7 +21,10 @@ def check_rms_norm_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
         weight.dim() == 1 and weight.shape[0] == x.shape[1],
         lambda: f"weight must have shape ({x.shape[1]},), got {tuple(weight.shape)}",
     )
-    require(weight.dtype == x.dtype, lambda: f"weight must have x's dtype {x.dtype}, got {weight.dtype}")
+    require(
+        weight.dtype in (x.dtype, torch.float32),
+        lambda: f"weight must have x's dtype {x.dtype} or be float32, got {weight.dtype}",
+    )
     require(weight.device == x.device, lambda: f"weight must be on {x.device}, got {weight.device}")
     require(
         0 < x.shape[1] <= MAX_HIDDEN, lambda: f"x's hidden size must be 1 to {MAX_HIDDEN}, got {x.shape[1]}"
@@ -39,7 +42,7 @@ def rms_norm_fwd_outputs(
 def rms_norm_bwd_outputs(
     grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, round_normalized: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dx (rows, hidden) in x's dtype, dweight (hidden,) in weight's dtype)``."""
+    """``(dx (rows, hidden) in x's dtype, dweight (hidden,) in weight's dtype: x's or fp32)``."""
     check_rms_norm_inputs(x, weight)
     require(grad.shape == x.shape, lambda: f"grad must have shape {tuple(x.shape)}, got {tuple(grad.shape)}")
     require(
