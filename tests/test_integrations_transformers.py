@@ -1152,6 +1152,18 @@ def test_patched_llama_saves_less_for_the_backward():
     assert loss_only - patched >= 0.9 * (norm_saving + mlp_saving), (stock, loss_only, patched)
 
 
+def test_patched_gemma_norms_save_less_for_the_backward():
+    """Gemma's ``1 + weight`` norm, differentiated by autograd, keeps the fp32 input and the fp32
+    normalized rows (8 bytes per element); lowp keeps the bf16 input and the fp32 1/rms per row: 6 bytes
+    fewer per element in each of Gemma 2's nine hidden-size norms (4 a layer, the final one)."""
+    config = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2}
+    ids, labels = batch(length=32)
+    without = apply_lowp_ops(tiny_model("gemma2", torch.bfloat16, **config), rms_norm=False)
+    patched = apply_lowp_ops(tiny_model("gemma2", torch.bfloat16, **config))
+    saving = saved_bytes(without, ids, labels) - saved_bytes(patched, ids, labels)
+    assert saving >= 0.9 * 9 * ids.numel() * config["hidden_size"] * 6, saving
+
+
 def test_recomputed_activation_gives_the_gradients_of_the_plain_path():
     """The MLP whose down projection recomputes swiglu(c) in the backward, against the same MLP through
     ``down_proj``'s own call (a forward hook makes the patch take that path): equal bits."""
