@@ -1055,9 +1055,8 @@ def saved_bytes(model, ids, labels) -> int:
 
 NO_RMS_NORMS = {"cohere", "cohere2", "cohere2_moe", "starcoder2"}
 """Families with LayerNorms."""
-NORMS_LEFT_ALONE = {"gemma4", "gemma4_text"}
-"""Families whose RMSNorms lowp_ops.rms_norm does not compute as written (Gemma 4's ``torch.pow(.., -0.5)``
-and weightless norms)."""
+NORMS_LEFT_ALONE: set[str] = set()
+"""Families whose RMSNorms with a weight lowp_ops.rms_norm does not compute as written (none now)."""
 MLPS_LEFT_ALONE = {
     *("gemma", "gemma2", "gemma3", "gemma3_text", "gemma4", "gemma4_text"),
     *("apertus", "starcoder2"),

@@ -235,6 +235,18 @@ _UNIT_OFFSET_STATEMENTS = (
     "return output.type_as(x)",
 )
 _LLAMA4_STATEMENTS = ("output = self._norm(x.float()).type_as(x)", "return output * self.weight")
+_GEMMA4_STATEMENTS = (
+    "normed_output = self._norm(hidden_states.float())",
+    "if self.with_scale:\n    normed_output = normed_output * self.weight.float()",
+    "return normed_output.type_as(hidden_states)",
+)
+
+
+def _gemma4_norm_statements(eps: str) -> tuple[str, str]:
+    return (
+        f"mean_squared = hidden_states.pow(2).mean(-1, keepdim=True) + self.{eps}",
+        "return hidden_states * torch.pow(mean_squared, -0.5)",
+    )
 
 
 def _norm_statements(eps: str) -> tuple[str]:
@@ -251,13 +263,18 @@ RMS_NORM_FORWARDS = {
     (_UNIT_OFFSET_STATEMENTS, _norm_statements("eps")): NormForm(False, True, "eps"),
     (_LLAMA4_STATEMENTS, _norm_statements("variance_epsilon")): NormForm(True, False, "variance_epsilon"),
     (_LLAMA4_STATEMENTS, _norm_statements("eps")): NormForm(True, False, "eps"),
+    (_GEMMA4_STATEMENTS, _gemma4_norm_statements("variance_epsilon")): NormForm(
+        False, False, "variance_epsilon"
+    ),
+    (_GEMMA4_STATEMENTS, _gemma4_norm_statements("eps")): NormForm(False, False, "eps"),
 }
 """The RMSNorm forwards ``lowp_ops.rms_norm`` computes, keyed by the statements of the class's ``forward``
 and ``_norm`` (None without one) as ``ast.unparse`` writes them: Llama's and Llama 4's round the rows to
 the input's dtype before the weight (``round_normalized``); OLMo 2's (and GPT-OSS's) multiply in fp32 and
-round once; Gemma 1-3's, Qwen 3.5's and Qwen3-Next's multiply by ``1 + weight`` formed in fp32, rounded
-once. A norm with another forward (Gemma 4's, a weightless one) is left alone: the module's code, not
-its name, decides."""
+round once, as Gemma 4's (the weight's only in modules that have one; ``torch.pow(.., -0.5)`` against the
+op's correctly rounded ``1 / sqrt``: a last-bit difference at most); Gemma 1-3's, Qwen 3.5's and
+Qwen3-Next's multiply by ``1 + weight`` formed in fp32, rounded once. A norm with another forward is left
+alone: the module's code, not its name, decides."""
 
 
 def norm_form(cls: type) -> NormForm | None:
