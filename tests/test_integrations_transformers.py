@@ -221,6 +221,45 @@ VISION_LANGUAGE.update(
         "vision_config": QWEN3_VISION,
     },
 )
+LLAMA_TEXT = {**COMMON, "model_type": "llama"}
+SMALL_IMAGES = {**VISION, "image_size": 28, "patch_size": 14}
+VISION_LANGUAGE.update(
+    llava_next={
+        "image_token_id": VOCAB - 1,
+        "text_config": LLAMA_TEXT,
+        "vision_config": {**SMALL_IMAGES, "model_type": "clip_vision_model"},
+        "image_grid_pinpoints": [[28, 28]],
+    },
+    idefics3={
+        "image_token_id": VOCAB - 1,
+        "text_config": LLAMA_TEXT,
+        "vision_config": SMALL_IMAGES,
+        "scale_factor": 2,
+    },
+    smolvlm={
+        "image_token_id": VOCAB - 1,
+        "text_config": LLAMA_TEXT,
+        "vision_config": SMALL_IMAGES,
+        "scale_factor": 2,
+    },
+    internvl={
+        "image_token_id": VOCAB - 1,
+        "text_config": {**COMMON, "model_type": "qwen2"},
+        "vision_config": {**VISION, "image_size": [28, 28], "patch_size": [14, 14]},
+    },
+)
+IMAGE_TESTED = {
+    "llava",
+    "mistral3",
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "qwen3_5",
+    "qwen3_5_moe",
+}
+"""Vision-language models run with images here; the others' vision towers hold no module lowp patches
+(``test_untested_vision_towers_are_left_alone``), so text batches exercise every patch."""
 
 
 AMPLIFYING = {"apertus", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}
@@ -313,7 +352,7 @@ def image_batch(model_type):
     return ids, labels, images
 
 
-@pytest.mark.parametrize("model_type", sorted(VISION_LANGUAGE))
+@pytest.mark.parametrize("model_type", sorted(IMAGE_TESTED))
 def test_vision_language_models_with_images(model_type):
     """Images through the vision tower (some of whose norms are patched too: Qwen2.5-VL's are Llama's)
     into the language model: the patched model's loss and gradients are the unpatched one's."""
@@ -321,6 +360,15 @@ def test_vision_language_models_with_images(model_type):
     patched = apply_lowp_ops(copy.deepcopy(ref))
     ids, labels, images = image_batch(model_type)
     assert_same_training_signal(ref, patched, ids, labels, rtol=fp32_rtol(model_type), **images)
+
+
+@pytest.mark.parametrize("model_type", sorted(set(VISION_LANGUAGE) - IMAGE_TESTED))
+def test_untested_vision_towers_are_left_alone(model_type):
+    model = apply_lowp_ops(tiny_model(model_type))
+    language_model = model.get_decoder()
+    inside = {id(module) for module in language_model.modules()}
+    patched = [name for name, m in model.named_modules() if "forward" in vars(m) and id(m) not in inside]
+    assert sorted(patched) == ["", "lm_head"]
 
 
 def test_tied_embeddings_router_aux_loss_and_mxfp8_gradient():

@@ -180,9 +180,12 @@ LM_HEAD_MODEL_TYPES = frozenset(
         "granitemoe",
         "granitemoeshared",
         "hunyuan_v1_dense",
+        "idefics3",
+        "internvl",
         "llama",
         "llama4_text",
         "llava",
+        "llava_next",
         "ministral",
         "ministral3",
         "mistral",
@@ -206,6 +209,7 @@ LM_HEAD_MODEL_TYPES = frozenset(
         "qwen3_vl",
         "qwen3_vl_moe",
         "smollm3",
+        "smolvlm",
         "starcoder2",
     }
 )
