@@ -248,7 +248,20 @@ VISION_LANGUAGE.update(
         "vision_config": {**VISION, "image_size": [28, 28], "patch_size": [14, 14]},
     },
 )
+VISION_LANGUAGE["glm4v"] = {
+    "image_token_id": VOCAB - 1,
+    "video_token_id": VOCAB - 2,
+    "image_start_token_id": VOCAB - 3,
+    "text_config": {  # head_dim 16: half of it rotary (partial_rotary_factor), in M-RoPE sections 2, 1, 1
+        **COMMON,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "rope_parameters": {"rope_type": "default", "mrope_section": [2, 1, 1], "partial_rotary_factor": 0.5},
+    },
+    "vision_config": {**QWEN_VISION, "image_size": 28},
+}
 IMAGE_TESTED = {
+    "glm4v",
     "llava",
     "mistral3",
     "qwen2_vl",
@@ -332,7 +345,8 @@ def image_batch(model_type):
     ids, labels = batch()
     gen = torch.Generator().manual_seed(7)
     tokens = 1
-    if model_type.startswith("qwen"):  # 2 x 2 patches per image, merged 2 x 2 into one token
+    grid_images = model_type.startswith("qwen") or model_type == "glm4v"
+    if grid_images:  # 2 x 2 patches per image, merged 2 x 2 into one token
         patch = VISION_LANGUAGE[model_type]["vision_config"]["patch_size"]
         images = {
             "pixel_values": torch.randn(2 * 4, 3 * 2 * patch * patch, generator=gen),
@@ -347,7 +361,7 @@ def image_batch(model_type):
         tokens, images = 4, {"pixel_values": torch.randn(2, 3, 28, 28, generator=gen)}
     ids[:, 2 : 2 + tokens] = VOCAB - 1
     labels[:, 2 : 2 + tokens] = -100
-    if model_type.startswith("qwen"):
+    if grid_images:
         images["mm_token_type_ids"] = (ids == VOCAB - 1).long()  # M-RoPE's image positions
     return ids, labels, images
 

@@ -175,6 +175,7 @@ LM_HEAD_MODEL_TYPES = frozenset(
         "gemma4_text",
         "glm4",
         "glm4_moe",
+        "glm4v",
         "gpt_oss",
         "granite",
         "granitemoe",
