@@ -1194,6 +1194,18 @@ def test_norms_and_mlps_with_other_forwards_are_left_alone():
     assert "forward" in vars(layer.post_attention_layernorm) and "forward" in vars(model.model.layers[1].mlp)
 
 
+def test_forwards_without_readable_source_match_nothing():
+    """A forward whose statements cannot be read (a builtin, a lambda) is no known form: fail closed."""
+
+    class LambdaForward(torch.nn.Module):
+        forward = lambda self, x: x  # noqa: E731
+
+    assert integration.forward_statements(LambdaForward) is None
+    assert integration._forward_statements(len) is None
+    assert integration.norm_form(LambdaForward) is None
+    assert integration.forward_statements(torch.nn.Linear) == ("return F.linear(input, self.weight, self.bias)",)
+
+
 @pytest.mark.parametrize("model_type", sorted(LM_HEAD_MODEL_TYPES))
 def test_bf16_norms_round_as_the_models_own(model_type):
     """Each patched norm against its class's forward in bf16: equal, or one ulp off where the fp32 sum

@@ -786,10 +786,12 @@ def forward_statements(cls: type) -> tuple[str, ...] | None:
 @functools.cache
 def _forward_statements(forward) -> tuple[str, ...] | None:
     try:
-        source = textwrap.dedent(inspect.getsource(forward))
-    except (OSError, TypeError):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):  # no source, a builtin, a lambda's line
         return None
-    body = ast.parse(source).body[0].body
+    if not tree.body or not isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    body = tree.body[0].body
     if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
         body = body[1:]
     return tuple(ast.unparse(statement) for statement in body)
