@@ -1198,12 +1198,13 @@ def test_forwards_without_readable_source_match_nothing():
     """A forward whose statements cannot be read (a builtin, a lambda) is no known form: fail closed."""
 
     class LambdaForward(torch.nn.Module):
-        forward = lambda self, x: x  # noqa: E731
+        forward = lambda self, x: x
 
     assert integration.forward_statements(LambdaForward) is None
     assert integration._forward_statements(len) is None
     assert integration.norm_form(LambdaForward) is None
-    assert integration.forward_statements(torch.nn.Linear) == ("return F.linear(input, self.weight, self.bias)",)
+    linear = integration.forward_statements(torch.nn.Linear)
+    assert linear == ("return F.linear(input, self.weight, self.bias)",)
 
 
 @pytest.mark.parametrize("model_type", sorted(LM_HEAD_MODEL_TYPES))
