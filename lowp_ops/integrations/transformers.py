@@ -43,11 +43,12 @@ parameters stay the model's own (no copies), so optimizers, ``state_dict`` and c
   input and the normalized rows too). The rounding of the module's formula is kept (``round_normalized``:
   Llama's ``weight * hidden.to(dtype)``, OLMo 2's and GPT-OSS's ``(weight * hidden).to(dtype)``; Gemma's,
   Qwen 3.5's and Qwen3-Next's ``1 + weight`` is formed in fp32 and passed as the op's fp32 weight); an input
-  whose dtype is not the weight's (e.g. fp32 activations, bf16 weights), rows wider than 16384 and DTensor
-  operands run the module's own forward. With ``"eager"``, so does a norm that ``torch.compile`` traces:
-  Inductor fuses it into the code around it, where a lowp call costs a custom-op dispatch and Python
-  launches per norm (H200, batch 1 x 4096 tokens, compiled decoder layers: Qwen3-MoE 41.7 k -> 55.1 k
-  tokens/s, Llama 53.6 k -> 55.4 k, the Llama's peak memory +0.03 GiB; README, transformers models).
+  whose dtype is not that of a weight multiplying it as is (e.g. fp32 activations, bf16 weights), rows wider
+  than 16384 and DTensor operands run the module's own forward. With ``"eager"``, so does a norm that
+  ``torch.compile`` traces: Inductor fuses it into the code around it, where a lowp call costs a custom-op
+  dispatch and Python launches per norm (H200, batch 1 x 4096 tokens, compiled decoder layers: Qwen3-MoE
+  41.7 k -> 55.1 k tokens/s, Llama 53.6 k -> 55.4 k, the Llama's peak memory +0.03 GiB; README, transformers
+  models).
 - **Dense SwiGLU MLPs** (``mlp=True``, the default): every MLP whose forward is ``down(silu(gate(x)) *
   up(x))`` and nothing else (``SWIGLU_FORWARDS``: ``gate_proj`` / ``up_proj`` / ``down_proj``, or a fused
   ``gate_up_proj`` as Phi-3's and GLM-4's; a dropout after it, say, leaves it alone; the MoE models' dense
