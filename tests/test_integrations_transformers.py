@@ -22,8 +22,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, default_data_collator
 from transformers.trainer_utils import RemoveColumnsCollator  # noqa: E402
 
 import lowp_ops  # noqa: E402
-from lowp_ops.integrations import transformers as integration  # noqa: E402
 from lowp_ops.integrations.transformers import LM_HEAD_MODEL_TYPES, apply_lowp_ops  # noqa: E402
+from lowp_ops.integrations.transformers import attention as lowp_attention  # noqa: E402
+from lowp_ops.integrations.transformers import experts as lowp_experts  # noqa: E402
+from lowp_ops.integrations.transformers import forms as lowp_forms  # noqa: E402
+from lowp_ops.integrations.transformers import head as lowp_head  # noqa: E402
+from lowp_ops.integrations.transformers import layers as lowp_layers  # noqa: E402
 
 VOCAB = 96
 COMMON = {
@@ -429,7 +433,7 @@ def test_a_whole_patched_model_saves_and_loads(model_type, tmp_path):
     loaded = torch.load(tmp_path / "model.pt", weights_only=False)
     ids, labels = batch()
     assert torch.equal(loaded(input_ids=ids, labels=labels).loss, model(input_ids=ids, labels=labels).loss)
-    assert loaded.lm_head.forward.func is integration._hidden_passthrough
+    assert loaded.lm_head.forward.func is lowp_head._hidden_passthrough
     assert inspect.signature(loaded.forward) == inspect.signature(model.forward)
 
 
@@ -468,9 +472,9 @@ def test_mixed_precision_computes_as_the_models_own_autocast(model_type, options
     ref = tiny_model(model_type)
     patched = apply_lowp_ops(copy.deepcopy(ref), **options)
     dtypes = []
-    loss_of = integration.linear_cross_entropy
+    loss_of = lowp_head.linear_cross_entropy
     monkeypatch.setattr(
-        integration,
+        lowp_head,
         "linear_cross_entropy",
         lambda h, w, *a, **k: dtypes.append((h.dtype, w.dtype)) or loss_of(h, w, *a, **k),
     )
@@ -503,7 +507,7 @@ def test_wrapped_models_have_their_transformers_model_patched():
         inner = copy.deepcopy(ref)
         wrapped = wrap(inner)
         assert apply_lowp_ops(wrapped) is wrapped
-        assert inner.lm_head.forward.func is integration._hidden_passthrough
+        assert inner.lm_head.forward.func is lowp_head._hidden_passthrough
         torch.testing.assert_close(wrapped(input_ids=ids, labels=labels).loss, want, rtol=2e-6, atol=0)
     forwarding = ForwardingWrapper(copy.deepcopy(ref))
     with pytest.raises(ValueError, match=r"lm_head must be an nn\.Linear child of the model"):
@@ -630,11 +634,11 @@ def test_generate_uses_the_patched_head(model_type):
 
 
 def logit_step_value(model):
-    transform = integration.LOGIT_TRANSFORMS[model.config.model_type]
+    transform = lowp_head.LOGIT_TRANSFORMS[model.config.model_type]
     return getattr(transform.holder(model), transform.name)
 
 
-@pytest.mark.parametrize("model_type", sorted(integration.LOGIT_TRANSFORMS))
+@pytest.mark.parametrize("model_type", sorted(lowp_head.LOGIT_TRANSFORMS))
 def test_logit_step_is_back_after_each_forward(model_type):
     """The class forward runs with the step switched off; afterwards, an exception included, the model
     has its own value again (so save_pretrained and the unpatched class see it)."""
@@ -649,7 +653,7 @@ def test_logit_step_is_back_after_each_forward(model_type):
     assert model._lowp_logit_step.running == 0
 
 
-@pytest.mark.parametrize("model_type", sorted(integration.LOGIT_TRANSFORMS))
+@pytest.mark.parametrize("model_type", sorted(lowp_head.LOGIT_TRANSFORMS))
 def test_bf16_logit_steps_are_as_close_to_fp32_as_the_models_own(model_type):
     """In bf16 the model rounds its logits and each step to bf16, the fused loss soft-caps in fp32 and
     scales the hidden states: its loss and gradients are as close to the fp32 model's as the model's own
@@ -745,7 +749,7 @@ def sharpen_routers(model, factor=30.0):
     model's router logits are near ties, which one last-bit difference upstream flips (measured: 1 of 24
     tokens routed elsewhere in DeepSeek-V2, its experts' gradients then 33% apart), a trained one's are
     not."""
-    experts = {module.gate_up_proj.shape[0] for module in integration._experts_modules(model)}
+    experts = {module.gate_up_proj.shape[0] for module in lowp_experts._experts_modules(model)}
     with torch.no_grad():
         for name, param in model.named_parameters():
             owner = name.rsplit(".", 1)[0]
@@ -762,7 +766,7 @@ def sharpen_routers(model, factor=30.0):
 def test_bf16_experts_match_the_models_own(model_type):
     ref = sharpen_routers(tiny_model(model_type, torch.bfloat16))
     patched = apply_lowp_ops(copy.deepcopy(ref), experts="bf16")
-    experts = integration._experts_modules(patched)
+    experts = lowp_experts._experts_modules(patched)
     assert experts and all("forward" in vars(module) for module in experts)
     assert_same_training_signal(ref, patched, *batch(), rtol=3e-2)
 
@@ -780,7 +784,7 @@ def test_expert_weights_stay_the_models_parameters():
 def expert_rows_alone(module, recipe, hidden, top_k_index, top_k_weights):
     """The oracle of the padded layout: each expert's (token, choice) rows, zero-padded on their own to
     the recipe's alignment, through grouped_swiglu_mlp with that expert's weights only."""
-    alignment = integration.ROW_ALIGNMENT[recipe]
+    alignment = lowp_experts.ROW_ALIGNMENT[recipe]
     out = hidden.new_zeros(top_k_index.numel(), hidden.shape[1])
     for expert in range(module.gate_up_proj.shape[0]):
         choices = (top_k_index.reshape(-1) == expert).nonzero().squeeze(1)
@@ -842,7 +846,7 @@ def test_each_familys_experts_equal_their_own_forward(model_type):
     bf16 weights and inputs; its grouped GEMMs take no float64): bf16 rounding apart, the same weighted
     sum of the chosen experts."""
     model = tiny_model(model_type, torch.bfloat16)
-    experts = integration._experts_modules(model)[0]
+    experts = lowp_experts._experts_modules(model)[0]
     oracle = copy.deepcopy(experts).float()
     apply_lowp_ops(model, experts="bf16")
     assert "forward" in vars(experts)
@@ -892,7 +896,7 @@ NOT_PLAIN_ATTENTION = {"gemma2", "gemma3", "gemma3_text", "gemma4", "gemma4_text
 def test_eager_attention_softmax_through_lowp(model_type, monkeypatch):
     ref = tiny_model(model_type, attn_implementation="eager")
     patched = apply_lowp_ops(copy.deepcopy(ref), softmax=True)
-    assert patched.config._attn_implementation == integration.ATTENTION_NAME
+    assert patched.config._attn_implementation == lowp_attention.ATTENTION_NAME
     assert ref.config._attn_implementation == "eager"
     calls = []
 
@@ -900,7 +904,7 @@ def test_eager_attention_softmax_through_lowp(model_type, monkeypatch):
         calls.append(args[0].shape)
         return lowp_ops.softmax(*args, **kwargs)
 
-    monkeypatch.setattr(integration, "lowp_softmax", counting_softmax)
+    monkeypatch.setattr(lowp_attention, "lowp_softmax", counting_softmax)
     ids, labels = batch()
     mask = torch.ones_like(ids)
     mask[1, :4] = 0  # left padding
@@ -985,8 +989,8 @@ def test_rms_norm_eager_leaves_compiled_norms_to_inductor(rms_norm, compiled_nor
     norm = model.model.norm
     x = torch.randn(4, norm.weight.shape[0]).bfloat16()
     calls = []
-    lowp_norm = integration.lowp_rms_norm
-    monkeypatch.setattr(integration, "lowp_rms_norm", lambda *a, **k: calls.append(1) or lowp_norm(*a, **k))
+    lowp_norm = lowp_layers.lowp_rms_norm
+    monkeypatch.setattr(lowp_layers, "lowp_rms_norm", lambda *a, **k: calls.append(1) or lowp_norm(*a, **k))
     norm(x)
     assert calls, "the eager call did not run lowp_ops.rms_norm"
     monkeypatch.undo()
@@ -1155,7 +1159,7 @@ def test_every_rms_norm_and_dense_mlp_is_patched(model_type):
     ]
     assert norms or model_type in NO_RMS_NORMS
     assert all(("forward" in vars(m)) != (model_type in NORMS_LEFT_ALONE) for m in norms)
-    assert all(m.forward.func is integration._rms_norm_forward for m in norms if "forward" in vars(m))
+    assert all(m.forward.func is lowp_layers._rms_norm_forward for m in norms if "forward" in vars(m))
     dense = [
         m
         for name, m in model.named_modules()
@@ -1165,7 +1169,7 @@ def test_every_rms_norm_and_dense_mlp_is_patched(model_type):
         and "visual" not in name
     ]
     assert all(("forward" in vars(m)) != (model_type in MLPS_LEFT_ALONE) for m in dense)
-    assert all(m.forward.func is integration._dense_swiglu_forward for m in dense if "forward" in vars(m))
+    assert all(m.forward.func is lowp_layers._dense_swiglu_forward for m in dense if "forward" in vars(m))
     if model_type in ("llama", "phi3", "qwen2_moe", "deepseek_v3", "gemma", "granite", "cohere", "glm4"):
         assert dense, "the dense or shared-expert MLPs were not found"
     untouched = apply_lowp_ops(tiny_model(model_type), rms_norm=False, mlp=False)
@@ -1200,10 +1204,10 @@ def test_forwards_without_readable_source_match_nothing():
     class LambdaForward(torch.nn.Module):
         forward = lambda self, x: x
 
-    assert integration.forward_statements(LambdaForward) is None
-    assert integration._forward_statements(len) is None
-    assert integration.norm_form(LambdaForward) is None
-    linear = integration.forward_statements(torch.nn.Linear)
+    assert lowp_forms.forward_statements(LambdaForward) is None
+    assert lowp_forms._forward_statements(len) is None
+    assert lowp_forms.norm_form(LambdaForward) is None
+    linear = lowp_forms.forward_statements(torch.nn.Linear)
     assert linear == ("return F.linear(input, self.weight, self.bias)",)
 
 
@@ -1214,7 +1218,7 @@ def test_bf16_norms_round_as_the_models_own(model_type):
     about a quarter of the elements differ."""
     model = apply_lowp_ops(tiny_model(model_type, torch.bfloat16))
     gen = torch.Generator().manual_seed(1)
-    for module in integration._rms_norm_modules(model):
+    for module in lowp_layers._rms_norm_modules(model):
         with torch.no_grad():
             module.weight.copy_(1 + 0.3 * torch.randn(module.weight.shape, generator=gen))
         x = (torch.randn(64, module.weight.shape[0], generator=gen) * 3).bfloat16()
@@ -1275,7 +1279,7 @@ def test_compiled_mlp_saves_gate_and_up_not_the_activation():
     projection still saves [gate | up] and the weight, not the (tokens, F) activation."""
     c = torch.randn(64, 96, dtype=torch.bfloat16, requires_grad=True)
     weight = torch.randn(32, 48, dtype=torch.bfloat16, requires_grad=True)
-    saved = shapes_saved_by_compiled_forward(integration.SwiGLUThenLinear.apply, c, weight)
+    saved = shapes_saved_by_compiled_forward(lowp_layers.SwiGLUThenLinear.apply, c, weight)
     assert (64, 48) not in saved and (64, 96) in saved, saved
 
 
@@ -1289,8 +1293,8 @@ def test_loss_chunks_bound_the_logits(monkeypatch):
         seen.append(kwargs["chunk_size"])
         return lowp_ops.linear_cross_entropy(*args, **kwargs)
 
-    monkeypatch.setattr(integration, "linear_cross_entropy", spy)
-    monkeypatch.setattr(integration, "LOSS_CHUNK_LOGITS", 2**10 * VOCAB)
+    monkeypatch.setattr(lowp_head, "linear_cross_entropy", spy)
+    monkeypatch.setattr(lowp_head, "LOSS_CHUNK_LOGITS", 2**10 * VOCAB)
     ids, labels = batch(rows=8, length=256)  # 2048 tokens, hidden 32
     apply_lowp_ops(tiny_model("llama"))(input_ids=ids, labels=labels)
     apply_lowp_ops(tiny_model("llama"))(input_ids=ids[:, :4], labels=labels[:, :4])  # 32 tokens
