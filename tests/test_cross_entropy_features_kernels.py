@@ -87,6 +87,19 @@ def test_interp_fwd_bwd_with_features_match_reference(z, cap, ls, weighted):
 
 
 @pytest.mark.interp
+@pytest.mark.parametrize("cap", [0.05, 1.0, 30.0, 1e3, 1e5, 1e8, 1e30])
+def test_interp_softcap_matches_float64_at_any_cap(cap):
+    # Large caps put x / c where 1 - exp(-2|y|) cancels: the interpreter's tanh must not lose it.
+    from lowp_ops.kernels import cross_entropy as ce_kernels
+
+    logits, target, _, _ = inputs(16, 96, "cpu", dtype=torch.float32)
+    loss, _ = ce_kernels.launch_cross_entropy_fwd(logits, target, 0.0, IGNORE, None, 0.0, cap)
+    capped = torch.tanh(logits.double() / cap) * cap
+    want = torch.nn.functional.cross_entropy(capped, target, ignore_index=IGNORE, reduction="none")
+    torch.testing.assert_close(loss.double(), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.interp
 def test_interp_softcap_keeps_leading_masked_blocks_masked():
     # block=64: the first two forward blocks of every row are all -inf.
     check_fwd_bwd(9, 300, "cpu", 1e-2, 3.0, 0.0, False, masked_cols=130, block=64)
