@@ -31,7 +31,8 @@ def tanh_fp32(y):
         e = tl.exp(-2.0 * tl.abs(y))
         t = (1.0 - e) / (1.0 + e)
         y2 = y * y
-        series = y * (1.0 + y2 * (-1.0 / 3.0 + y2 * (2.0 / 15.0 + y2 * (-17.0 / 315.0 + y2 * (62.0 / 2835.0)))))
+        odd = -17.0 / 315.0 + y2 * (62.0 / 2835.0)
+        series = y * (1.0 + y2 * (-1.0 / 3.0 + y2 * (2.0 / 15.0 + y2 * odd)))
         result = tl.where(tl.abs(y) < 0.1, series, tl.where(y < 0, -t, t))
     else:
         result = libdevice.tanh(y)
