@@ -358,11 +358,19 @@ def test_quantize_plans_follow_given_amaxes_strides_options_and_bad_arguments(su
     sizes = torch.tensor([16, 16], device=kernel_device)
     with pytest.raises(ValueError, match=r"amax_columnwise must be float32 of shape \(2,\)"):
         kernels.launch_nvfp4_group_quantize(on_device, sizes, True, True, True, None, sizes.float()[:1])
-    if kernel_device == "cpu":  # split-size values are read on the host for CPU tensors
+    if kernel_device == "cpu":  # split-size and amax values are read on the host for CPU tensors
         with pytest.raises(ValueError, match="split_sizes must sum to the row count 32"):
             kernels.launch_nvfp4_group_quantize(
                 on_device, sizes * torch.tensor([1, 0]), True, True, True, None, None
             )
+        # A negative given amax after a call that made the specialization's plan.
+        amax, amaxes = torch.tensor([4.0]), torch.tensor([4.0, 4.0])
+        kernels.launch_nvfp4_quantize(on_device, True, True, True, amax, amax, False)
+        with pytest.raises(ValueError, match="amax_rowwise must be >= 0"):
+            kernels.launch_nvfp4_quantize(on_device, True, True, True, -amax, amax, False)
+        kernels.launch_nvfp4_group_quantize(on_device, sizes, True, True, True, amaxes, amaxes)
+        with pytest.raises(ValueError, match="amax_columnwise must be >= 0"):
+            kernels.launch_nvfp4_group_quantize(on_device, sizes, True, True, True, amaxes, -amaxes)
 
 
 GROUPED_SPLITS = {

@@ -35,6 +35,7 @@ from ..formats import ceil_div, next_power_of_2
 from ..meta.mxfp8 import flat_2d_dims
 from ..meta.nvfp4 import (
     allocate_outputs,
+    check_given_amax_values,
     check_group_quantize_args,
     check_group_split_values,
     check_quantize_args,
@@ -713,7 +714,9 @@ def launch_nvfp4_quantize(
     key = ("quantize", x.shape, x.stride(), x.dtype, x.device, rowwise, columnwise, rht, block_2d, config)
     key += (tensor_key(amax_rowwise), tensor_key(amax_columnwise), tensor_key(sr_seed))
     args = (x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d, sr_seed, config)
-    return _PLANS.get(key, _quantize_plan, *args)(x, amax_rowwise, amax_columnwise, sr_seed)
+    plan = _PLANS.get(key, _quantize_plan, *args)
+    check_given_amax_values(amax_rowwise, amax_columnwise)  # values: every call, where read on the host
+    return plan(x, amax_rowwise, amax_columnwise, sr_seed)
 
 
 def _quantize_plan(x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, block_2d, sr_seed, config):
@@ -774,8 +777,10 @@ def launch_nvfp4_group_quantize(
     key += (tensor_key(amax_rowwise), tensor_key(amax_columnwise), tensor_key(sr_seed))
     args = (x, split_sizes, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, sr_seed, block_2d)
     plan = _PLANS.get(key, _group_quantize_plan, *args, config, split_full_tiles)
-    # The values of the split sizes, where they are checked on the host (meta.split_sizes): every call.
+    # The values of the split sizes and amaxes, where they are checked on the host (meta.split_sizes):
+    # every call.
     check_group_split_values(split_sizes, x.shape[0], columnwise, rht, block_2d)
+    check_given_amax_values(amax_rowwise, amax_columnwise)
     return plan(x, split_sizes, amax_rowwise, amax_columnwise, sr_seed)
 
 

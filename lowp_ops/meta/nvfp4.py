@@ -50,6 +50,14 @@ def _check_given_amax_values(amax: torch.Tensor, name: str) -> None:
         require(not bool((amax < 0).any()), lambda: f"{name} must be >= 0, got {amax.tolist()}")
 
 
+def check_given_amax_values(amax_rowwise: torch.Tensor | None, amax_columnwise: torch.Tensor | None) -> None:
+    """The value check of :func:`_check_given_amax_values` for each given amax: every call (a launcher's
+    plan checks the rest of its arguments once per specialization, and values vary between calls)."""
+    for amax, name in ((amax_rowwise, "amax_rowwise"), (amax_columnwise, "amax_columnwise")):
+        if amax is not None:
+            _check_given_amax_values(amax, name)
+
+
 def check_quantize_args(
     x: torch.Tensor,
     rowwise: bool,
