@@ -85,7 +85,8 @@ def linear_cross_entropy(
             dgrad GEMM reads the row-wise copy (blocks along V), the wgrad GEMM the column-wise one
             (blocks along tokens): docs/cross_entropy.md#lm-head-schedules.
         other_operand: for the MXFP8 GEMMs: ``"bf16"`` keeps weight / hidden as given; ``"mxfp8"``
-            quantizes them to E4M3 with blocks along K as TransformerEngine's MXFP8 recipe does.
+            quantizes them to E4M3 with blocks along K as TransformerEngine's MXFP8 recipe does (an
+            MXFP8 ``grad_format`` only: with ``grad_format=None`` it raises).
         chunk_size: tokens per chunk (None: the largest multiple of 256 with at most 2^28 logits).
             Peak extra memory beyond the gradients, on CUDA: ``chunk·V·b`` (bf16 gradient, written over
             its logits chunk) or ``chunk·V·(b + 2.06)`` bytes (MXFP8; on sm90 plus ``2·chunk·V`` unless
@@ -143,6 +144,14 @@ def linear_cross_entropy(
         lambda: f"grad_format must be one of {list(PUBLIC_GRAD_FORMATS)}, got {grad_format!r}",
     )
     check_other_operand(other_operand)
+    require(
+        grad_format is not None or other_operand == "bf16",
+        lambda: (
+            f"other_operand={other_operand!r} quantizes the operands of the MXFP8 GEMMs, which only a "
+            "grad_format of 'mxfp8_e4m3' or 'mxfp8_e5m2' runs; with grad_format=None pass "
+            "other_operand='bf16'"
+        ),
+    )
     if chunk_size is not None:
         check_int(chunk_size, "chunk_size")
         require(chunk_size > 0, lambda: f"chunk_size must be positive (None: automatic), got {chunk_size}")

@@ -344,6 +344,11 @@ BAD_CALLS = {
     "process_group": (dict(process_group=object()), NotImplementedError, "process_group"),
     "grad_format": (dict(grad_format="mxfp4"), ValueError, "grad_format must be one of"),
     "other_operand": (dict(other_operand="fp8"), ValueError, "other_operand must be one of"),
+    "other_operand without MXFP8 GEMMs": (
+        dict(other_operand="mxfp8"),
+        ValueError,
+        "other_operand='mxfp8' quantizes the operands of the MXFP8 GEMMs",
+    ),
     "chunk_size": (dict(chunk_size=0), ValueError, "chunk_size must be positive"),
     "negative chunk_size": (
         dict(chunk_size=-1),
