@@ -12,12 +12,14 @@ Each is trained with
   fused linear cross entropy); ``liger-loss``: Liger with only its fused linear cross entropy (lowp's scope);
 - ``lowp``: ``apply_lowp_ops(model)`` (LM head + loss through ``linear_cross_entropy``, every RMSNorm
   through ``rms_norm``, the dense SwiGLU MLPs through ``swiglu``; on the MoE also ``experts="bf16"``;
-  on Gemma the LM head and loss only: its norms and GeGLU MLPs stay transformers');
+  on Gemma the LM head and loss and the ``1 + weight`` RMSNorms: its GeGLU MLPs stay transformers');
   opt-in ``lowp-mxfp8`` (``grad_format="mxfp8_e4m3"``, MoE experts ``"mxfp8"``)
   and ``lowp-nvfp4`` (MoE experts ``"nvfp4"``); ``lowp-no-rms-norm``: ``lowp`` with the RMSNorms left to
   transformers (``rms_norm=False``); ``lowp-rms-norm-kernel``: ``lowp`` with the RMSNorms through
   ``rms_norm`` also when compiled (``rms_norm=True``; the default ``"eager"`` leaves compiled norms to
-  Inductor); ``lowp-no-mlp``: ``lowp`` with the dense MLPs left to transformers (``mlp=False``),
+  Inductor); ``lowp-no-mlp``: ``lowp`` with the dense MLPs left to transformers (``mlp=False``);
+  ``lowp-small-chunks``: ``lowp`` with the loss's chunks of at most 2^26 logits however few tokens
+  that is (no ``MIN_LOSS_CHUNK_TOKENS`` floor),
 
 eager and compiled (default regional: ``layer.compile()`` on every decoder layer; ``--compile-scope
 model``: ``model.compile()``, the whole model; no CUDA graphs). A step is forward with ``labels`` (the
@@ -68,6 +70,7 @@ IMPLS = (
     "lowp-no-rms-norm",
     "lowp-rms-norm-kernel",
     "lowp-no-mlp",
+    "lowp-small-chunks",
 )
 DEFAULT_IMPLS = ("stock", "liger", "liger-loss", "lowp")
 PRIORITY = (("liger", "lowp"), ("stock",), ("liger-loss",))
@@ -95,7 +98,11 @@ LOWP_OPTIONS = {
     "lowp-no-rms-norm": {"grad_format": None, "experts": "bf16", "rms_norm": False},
     "lowp-rms-norm-kernel": {"grad_format": None, "experts": "bf16", "rms_norm": True},
     "lowp-no-mlp": {"grad_format": None, "experts": "bf16", "mlp": False},
+    "lowp-small-chunks": {"grad_format": None, "experts": "bf16"},
 }
+SMALL_CHUNK_IMPLS = ("lowp-small-chunks",)
+"""``lowp`` with the loss in chunks of at most 2^26 logits however few tokens that is (no 1024-token
+floor: ``MIN_LOSS_CHUNK_TOKENS`` 256), to measure what the floor saves."""
 QUANTIZED_IMPLS = ("lowp-mxfp8", "lowp-nvfp4")
 LOSS_RTOL = {"bf16": 0.02, "quantized": 0.05}
 """Relative agreement of a case's first and final loss with stock's (bf16 numerics, a few AdamW steps)."""
@@ -323,6 +330,10 @@ def apply_lowp(model, model_name: str, impl: str) -> None:
     from lowp_ops.integrations.transformers import apply_lowp_ops
 
     options = dict(LOWP_OPTIONS[impl])
+    if impl in SMALL_CHUNK_IMPLS:  # each case runs in its own process: the change stays in it
+        from lowp_ops.integrations.transformers import head
+
+        head.MIN_LOSS_CHUNK_TOKENS = 256
     if model_name != "qwen3moe":
         options.pop("experts")
         if impl == "lowp-nvfp4":

@@ -1284,8 +1284,9 @@ def test_compiled_mlp_saves_gate_and_up_not_the_activation():
 
 
 def test_loss_chunks_bound_the_logits(monkeypatch):
-    """More tokens than the hidden size: chunks of at most LOSS_CHUNK_LOGITS logits (at least 256 tokens);
-    at most H tokens: no chunk size (the unchunked in-gradient schedule); a given chunk_size wins."""
+    """More tokens than the hidden size: chunks of at most LOSS_CHUNK_LOGITS logits, but at least
+    MIN_LOSS_CHUNK_TOKENS tokens within MAX_LOSS_CHUNK_LOGITS (at least 256 tokens); at most H tokens: no
+    chunk size (the unchunked in-gradient schedule); a given chunk_size wins."""
     seen = []
 
     @functools.wraps(lowp_ops.linear_cross_entropy)
@@ -1300,6 +1301,22 @@ def test_loss_chunks_bound_the_logits(monkeypatch):
     apply_lowp_ops(tiny_model("llama"))(input_ids=ids[:, :4], labels=labels[:, :4])  # 32 tokens
     apply_lowp_ops(tiny_model("llama"), chunk_size=512)(input_ids=ids, labels=labels)
     assert seen == [1024, None, 512]
+
+
+@pytest.mark.parametrize(
+    ("vocab", "hidden", "tokens", "chunk"),
+    [
+        (32000, 4096, 8192, 2048),  # 2^26 logits hold 2048 tokens
+        (128256, 2048, 4096, 1024),  # 2^26 logits: 512 tokens; raised to 1024 (2^27 logits)
+        (262144, 1152, 4096, 1024),  # 256 -> 1024 tokens, exactly 2^28 logits
+        (400000, 1024, 4096, 512),  # 1024 tokens would pass 2^28 logits: 671 -> 512
+        (2**21, 1024, 4096, 256),  # at least 256 tokens
+        (262144, 8192, 4096, None),  # at most H tokens: the in-gradient schedule
+    ],
+)
+def test_loss_chunk_size_weighs_memory_against_weight_gradient_passes(vocab, hidden, tokens, chunk):
+    weight, states = torch.empty(vocab, hidden, device="meta"), torch.empty(tokens, hidden, device="meta")
+    assert lowp_head.loss_chunk_size(states, weight) == chunk
 
 
 def dtensor_inputs_run_the_modules_own_forward(rank, world, case, group):

@@ -73,7 +73,14 @@ as the model's own operations."""
 
 
 LOSS_CHUNK_LOGITS = 2**26
-"""Most logits elements of one chunk of the loss (the package docstring says why)."""
+"""Logits elements of one chunk of the loss, unless that is fewer than ``MIN_LOSS_CHUNK_TOKENS`` tokens
+(the package docstring says why)."""
+MIN_LOSS_CHUNK_TOKENS = 1024
+"""Fewest tokens of a chunk, within ``linear_cross_entropy``'s own 2^28 logits: each chunk after the
+first adds one read and write of the bf16 weight gradient (4 V H bytes, its ``addmm_``), about
+``0.67 (FLOP/s) / (bytes/s) / chunk`` of the head's three GEMMs' time: 43% at 256 tokens, 11% at 1024 on
+an H200 (989 TFLOP/s dense bf16 at the power cap's ~700, 4.3 TB/s)."""
+MAX_LOSS_CHUNK_LOGITS = 2**28
 
 
 def _patched_forward_signature(cls: type) -> inspect.Signature:
@@ -153,11 +160,15 @@ def _loss_with_logit_step(
 def loss_chunk_size(hidden: torch.Tensor, weight: torch.Tensor) -> int | None:
     """Tokens per chunk of the loss: None (``linear_cross_entropy``'s automatic choice: the logits inside
     ``weight``'s gradient, unchunked, or one chunk below 2^25 logits) for at most H tokens; else the
-    largest multiple of 256 whose logits hold at most ``LOSS_CHUNK_LOGITS`` elements (at least 256)."""
+    largest multiple of 256 whose logits hold at most ``LOSS_CHUNK_LOGITS`` elements, raised to
+    ``MIN_LOSS_CHUNK_TOKENS`` where the chunk's logits stay within ``MAX_LOSS_CHUNK_LOGITS`` (at least
+    256)."""
     vocab, width = weight.shape
     if hidden.numel() // width <= width:
         return None
-    return max(256, LOSS_CHUNK_LOGITS // vocab // 256 * 256)
+    by_memory = LOSS_CHUNK_LOGITS // vocab // 256 * 256
+    by_traffic = min(MIN_LOSS_CHUNK_TOKENS, MAX_LOSS_CHUNK_LOGITS // vocab // 256 * 256)
+    return max(256, by_memory, by_traffic)
 
 
 def _forward_with_optional_logits(
