@@ -239,6 +239,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default 4096, tiny 64)")
     parser.add_argument("--batch", type=int, default=None, help="sequences per step (default 1, tiny 2)")
     parser.add_argument("--tiny", action="store_true", help="tiny configs: a CPU smoke run")
+    parser.add_argument(
+        "--chunk-size",
+        type=int,
+        default=None,
+        help="lowp impls: the loss's tokens per chunk (default: automatic)",
+    )
     parser.add_argument("--case-timeout", type=float, default=None, help="seconds per case (default 150)")
     parser.add_argument(
         "--budget-seconds", type=float, default=None, help="whole run (default 225); later cases skipped"
@@ -280,6 +286,8 @@ def child_command(args: argparse.Namespace, case: tuple[str, str, str]) -> list[
         ("--compile-scope", args.compile_scope),
     ):
         command += [flag, str(value)]
+    if args.chunk_size is not None:
+        command += ["--chunk-size", str(args.chunk_size)]
     return command + (["--tiny"] if args.tiny else [])
 
 
@@ -290,9 +298,10 @@ class SkipCase(Exception):
     """The case cannot run here (reason in the message); not a failure."""
 
 
-def build_model(model_name: str, impl: str, tiny: bool, device):
+def build_model(model_name: str, impl: str, tiny: bool, device, chunk_size: int | None = None):
     """The model of ``model_name`` with ``impl`` applied, on ``device`` in bf16, weights from WEIGHT_SEED.
-    Liger patches the transformers module before the model is built (its documented order)."""
+    Liger patches the transformers module before the model is built (its documented order).
+    ``chunk_size``: the lowp loss's tokens per chunk (None: automatic)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -305,7 +314,7 @@ def build_model(model_name: str, impl: str, tiny: bool, device):
         )
     init_weights(model, WEIGHT_SEED)
     if impl in LOWP_OPTIONS:
-        apply_lowp(model, model_name, impl)
+        apply_lowp(model, model_name, impl, chunk_size)
     return model.train()
 
 
@@ -325,11 +334,13 @@ def apply_liger(model_name: str, impl: str, device) -> None:
     patch(cross_entropy=False, **flags)
 
 
-def apply_lowp(model, model_name: str, impl: str) -> None:
-    """``apply_lowp_ops`` with the options of ``impl`` (experts only on the MoE model)."""
+def apply_lowp(model, model_name: str, impl: str, chunk_size: int | None = None) -> None:
+    """``apply_lowp_ops`` with the options of ``impl`` (experts only on the MoE model) and ``chunk_size``."""
     from lowp_ops.integrations.transformers import apply_lowp_ops
 
     options = dict(LOWP_OPTIONS[impl])
+    if chunk_size is not None:
+        options["chunk_size"] = chunk_size
     if impl in SMALL_CHUNK_IMPLS:  # each case runs in its own process: the change stays in it
         from lowp_ops.integrations.transformers import head
 
@@ -467,7 +478,7 @@ def run_case(args: argparse.Namespace) -> dict:
         result["gpu"] = torch.cuda.get_device_name(0)
     start = time.perf_counter()
     try:
-        model = build_model(model_name, impl, args.tiny, device)
+        model = build_model(model_name, impl, args.tiny, device, chunk_size=args.chunk_size)
     except SkipCase as reason:
         return {**result, "status": "skipped", "reason": str(reason)}
     result["params"] = sum(p.numel() for p in model.parameters())
@@ -712,6 +723,7 @@ def report(args: argparse.Namespace, results: list[dict], wall_s: float) -> dict
             "tiny": args.tiny,
             "budget_seconds": args.budget_seconds,
             "case_timeout": args.case_timeout,
+            "lowp_chunk_size": args.chunk_size,
             "wall_s": wall_s,
         },
         "shapes": {model: configs[model] for model in args.models},
@@ -754,7 +766,8 @@ def main() -> None:
         f"bench_transformers: models {args.models}, impls {args.impls}, modes {args.modes}; "
         f"compiled = torch.compile of {compile_note} ({args.compile_scope}), no CUDA graphs; "
         f"batch {args.batch} x seq {args.seq}, {args.warmup} warm-up + {args.steps} timed steps, "
-        f"AdamW lr {LEARNING_RATE}; budget {args.budget_seconds:.0f} s, {args.case_timeout:.0f} s per case",
+        f"AdamW lr {LEARNING_RATE}; budget {args.budget_seconds:.0f} s, {args.case_timeout:.0f} s per case"
+        + ("" if args.chunk_size is None else f"; lowp loss chunks of {args.chunk_size} tokens"),
         flush=True,
     )
     start = time.perf_counter()
