@@ -18,9 +18,10 @@ parameters stay the model's own (no copies), so optimizers, ``state_dict`` and c
   hidden size are chunked so that a chunk's logits hold at most ``LOSS_CHUNK_LOGITS`` elements (128 MiB
   in bf16) but a chunk has at least ``MIN_LOSS_CHUNK_TOKENS`` (1024) tokens where that stays within
   2^28 logits (``linear_cross_entropy``'s own default, 512 MiB): fewer, larger chunks accumulate the
-  weight gradient in fewer passes (each pass reads and writes it: at 256000-262144 classes 256-token
-  chunks made the head's GEMMs ~40% slower), smaller ones add less to the whole model's peak memory (a
-  ~1.5 B Llama at 4096 tokens: 13.10 GiB with 2048-token chunks, 12.86 GiB with 512; benchmarks/RESULTS.md).
+  weight gradient in fewer passes (each pass reads and writes it: at Gemma's 256000-262144 classes the
+  head and loss took 28-32% longer in 256-token chunks than in 1024-token ones), smaller ones add less to
+  the whole model's peak memory (a ~1.5 B Llama at 4096 tokens: 13.10 GiB with 2048-token chunks,
+  12.86 GiB with 512; benchmarks/RESULTS.md).
 - **Logit steps** (``LOGIT_TRANSFORMS``: Gemma 2 / 3 / 4's final-logit soft-capping, Granite's
   ``logits_scaling``, Cohere's ``logit_scale``). The class's forward would apply its step to the hidden
   states the head hands through, so the patched forward runs it with the step switched off (the config's
@@ -160,7 +161,7 @@ LM_HEAD_MODEL_TYPES = frozenset(
     }
 )
 """Causal LMs whose forward hands ``lm_head``'s output straight to ``loss_function``, or through one of
-``LOGIT_TRANSFORMS``; each one is a test in tests/test_integrations_transformers.py."""
+``LOGIT_TRANSFORMS``; each one is a test in tests/test_transformers_head.py."""
 
 
 _OWN_LOSS_ARGUMENTS = ("hidden", "weight", "target", "grad_format", "reduction", "ignore_index")
