@@ -127,7 +127,10 @@ def test_fp32_probs_get_the_fp32_gradient_and_bf16_probs_its_single_rounding():
     [
         (lambda: lowp_ops.swiglu(torch.ones(4, 7), torch.ones(4)), "even, non-zero last dim"),
         (lambda: lowp_ops.swiglu(torch.ones(2, 4, 8), torch.ones(2)), "c must be 2-D"),
-        (lambda: lowp_ops.swiglu(torch.ones(4, 8, dtype=torch.int32), torch.ones(4)), "c must be floating"),
+        (
+            lambda: lowp_ops.swiglu(torch.ones(4, 8, dtype=torch.int32), torch.ones(4)),
+            "c must be bfloat16, float16 or float32",
+        ),
         (
             lambda: lowp_ops.swiglu(torch.ones(4, 8), torch.ones(4, dtype=torch.float16)),
             "float32 or bfloat16",

@@ -164,7 +164,7 @@ def test_wrapped_models_have_their_transformers_model_patched():
         assert inner.lm_head.forward.func is lowp_head._hidden_passthrough
         torch.testing.assert_close(wrapped(input_ids=ids, labels=labels).loss, want, rtol=2e-6, atol=0)
     forwarding = ForwardingWrapper(copy.deepcopy(ref))
-    with pytest.raises(ValueError, match=r"lm_head must be an nn\.Linear child of the model"):
+    with pytest.raises(ValueError, match=r"ForwardingWrapper has no lm_head child module"):
         apply_lowp_ops(forwarding)
 
 
@@ -218,6 +218,65 @@ def test_head_replaced_after_patching_is_named():
     for kwargs in ({"labels": labels}, {}):
         with pytest.raises(RuntimeError, match="lm_head was replaced after apply_lowp_ops"):
             model(input_ids=ids, **kwargs)
+
+
+def test_a_loss_other_than_the_causal_lm_loss_is_refused_or_named():
+    """A loss set on the model before patching (``loss_function``, or a ``loss_type`` of another loss)
+    would be replaced by the patch's causal-LM loss: refused, the model untouched; one set after
+    patching would be fed hidden states: the patched forward says so."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    ids, labels = batch()
+
+    def doubled(logits, labels, vocab_size, **kwargs):
+        return 2 * ForCausalLMLoss(logits, labels, vocab_size, **kwargs)
+
+    model = tiny_model("llama")
+    model.loss_function = doubled
+    with pytest.raises(ValueError, match=r"model\.loss_function was set to"):
+        apply_lowp_ops(model)
+    assert model.forward.__func__ is type(model).forward  # left untouched
+    model = tiny_model("llama")
+    model.loss_type = "ForMaskedLM"
+    with pytest.raises(ValueError, match=r"model\.loss_type 'ForMaskedLM' selects ForMaskedLMLoss"):
+        apply_lowp_ops(model)
+    explicit = tiny_model("llama")
+    explicit.loss_function = ForCausalLMLoss  # the causal-LM loss itself, set explicitly: patched
+    want = explicit(input_ids=ids, labels=labels).loss
+    torch.testing.assert_close(
+        apply_lowp_ops(explicit)(input_ids=ids, labels=labels).loss, want, rtol=2e-6, atol=0
+    )
+    patched = apply_lowp_ops(tiny_model("llama"))
+    patched.loss_function = doubled
+    with pytest.raises(RuntimeError, match="loss_function was replaced after apply_lowp_ops"):
+        patched(input_ids=ids, labels=labels)
+    assert patched(input_ids=ids).logits.shape[-1] == VOCAB  # no labels, no loss: logits as before
+
+
+def test_wrappers_and_float64_are_named():
+    """A DDP-style ``.module`` wrapper, a head that is not a plain ``nn.Linear`` (an adapter's), and a
+    model converted to float64 after patching: errors that say what to do."""
+
+    class ModuleWrapper(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    with pytest.raises(ValueError, match=r"holding one in `\.module`"):
+        apply_lowp_ops(ModuleWrapper(tiny_model("llama")))
+
+    class AdaptedLinear(torch.nn.Linear):
+        pass
+
+    model = tiny_model("llama")
+    head = model.lm_head
+    model.lm_head = AdaptedLinear(head.in_features, head.out_features, bias=False)
+    with pytest.raises(ValueError, match=r"got test_transformers_head\..*AdaptedLinear .*not supported"):
+        apply_lowp_ops(model)
+    model = apply_lowp_ops(tiny_model("llama")).double()
+    ids, labels = batch()
+    with pytest.raises(TypeError, match="the model is float64"):
+        model(input_ids=ids, labels=labels)
 
 
 def test_gradient_accumulation_with_num_items_in_batch():

@@ -42,7 +42,7 @@ def _explain_glu_inputs(c: torch.Tensor, probs: torch.Tensor, interleave: int, d
     require(c.dim() == 2, lambda: f"c must be 2-D (tokens, 2 * ffn), got {c.dim()}-D")
     require(
         c.dtype in (torch.bfloat16, torch.float16, torch.float32),
-        lambda: f"c must be floating, got {c.dtype}",
+        lambda: f"c must be bfloat16, float16 or float32, got {c.dtype}",
     )
     require(
         c.shape[1] > 0 and c.shape[1] % 2 == 0,

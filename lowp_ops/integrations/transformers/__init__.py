@@ -81,6 +81,9 @@ except ImportError as error:  # pragma: no cover - exercised only without transf
         "lowp_ops.integrations.transformers needs transformers>=5,<6: pip install 'lowp_ops[transformers]'"
     ) from error
 
+from transformers import PretrainedConfig
+from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+
 from ... import linear_cross_entropy
 from ...meta.checks import check_bool, require
 from .attention import _eager_attention_allowed, _select_lowp_attention
@@ -204,6 +207,7 @@ def apply_lowp_ops(
     """
     wrapper, model = model, _transformers_model(model)
     _check_causal_lm(model)
+    _check_the_models_loss_is_causal_lm(model)
     _check_loss_options(grad_format, loss_options)
     _check_softcap_option(model, loss_options)
     require(
@@ -273,6 +277,12 @@ def _check_causal_lm(model: nn.Module) -> None:
         transformers.__version__.split(".")[0] == "5",
         lambda: f"apply_lowp_ops supports transformers 5.x, found {transformers.__version__}",
     )
+    inner = getattr(model, "module", None)
+    if not hasattr(model, "config") and isinstance(getattr(inner, "config", None), PretrainedConfig):
+        raise ValueError(
+            f"apply_lowp_ops takes the transformers model, got a {type(model).__name__} holding one in "
+            "`.module` (DistributedDataParallel, DataParallel): patch the model before wrapping it"
+        )
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in LM_HEAD_MODEL_TYPES:
         raise NotImplementedError(
@@ -282,14 +292,45 @@ def _check_causal_lm(model: nn.Module) -> None:
         )
     head = model._modules.get("lm_head")
     require(
-        isinstance(head, nn.Linear),
+        head is not None,
         lambda: (
-            f"model.lm_head must be an nn.Linear child of the model, got {type(head).__name__} "
-            f"({type(model).__name__}; patch the transformers model before wrapping it, e.g. in DDP)"
+            f"{type(model).__name__} has no lm_head child module (a wrapper that forwards attributes to the "
+            "model inside it?): pass the transformers model itself, patched before wrapping it"
+        ),
+    )
+    require(
+        type(head) is nn.Linear,
+        lambda: (
+            f"model.lm_head must be a plain torch.nn.Linear child of the model, got "
+            f"{type(head).__module__}.{type(head).__qualname__} ({type(model).__name__}): the fused loss "
+            "reads lm_head.weight itself, so a wrapped or adapted head (PEFT's LoRA or modules_to_save on "
+            "lm_head) is not supported; adapters on other modules are"
         ),
     )
     if head.bias is not None:
         raise NotImplementedError("apply_lowp_ops: an lm_head with a bias is not supported")
+
+
+def _check_the_models_loss_is_causal_lm(model: nn.Module) -> None:
+    """Refuses a model whose loss is not transformers' causal-LM loss (a ``loss_function`` set on the
+    instance, or a ``loss_type`` of another loss): the patch computes that loss, and would drop another."""
+    custom = vars(model).get("_loss_function")
+    if (
+        custom is not None
+        and custom is not ForCausalLMLoss
+        and getattr(custom, "func", None) is not _causal_lm_loss
+    ):
+        raise ValueError(
+            f"apply_lowp_ops: model.loss_function was set to {custom!r}; the patch computes transformers' "
+            "causal-LM loss (ForCausalLMLoss) with linear_cross_entropy and would drop it (its options: "
+            "loss_options=...)"
+        )
+    loss_type = getattr(model, "loss_type", None)
+    if custom is None and LOSS_MAPPING.get(loss_type, ForCausalLMLoss) is not ForCausalLMLoss:
+        raise ValueError(
+            f"apply_lowp_ops: model.loss_type {loss_type!r} selects {LOSS_MAPPING[loss_type].__name__}, not "
+            "the causal-LM loss (ForCausalLMLoss) the patch computes"
+        )
 
 
 def _check_loss_options(grad_format: str | None, loss_options: dict) -> None:

@@ -184,8 +184,20 @@ def _forward_with_optional_logits(
     or the logits are computed too)."""
     if getattr(self.lm_head.forward, "func", None) is not _hidden_passthrough:
         raise RuntimeError(
-            "model.lm_head was replaced after apply_lowp_ops (resize_token_embeddings replaces it): apply "
-            "lowp_ops to the model after resizing its embeddings"
+            "model.lm_head was replaced after apply_lowp_ops (resize_token_embeddings replaces it, PEFT "
+            "wraps it when it adapts lm_head): apply lowp_ops after resizing the embeddings; an adapted "
+            "lm_head is not supported"
+        )
+    loss_function = getattr(self, "_loss_function", None)  # set on the instance by the patch
+    if kwargs.get("labels") is not None and getattr(loss_function, "func", None) is not _causal_lm_loss:
+        raise RuntimeError(
+            "model.loss_function was replaced after apply_lowp_ops: the patched lm_head hands it the final "
+            "hidden states, not logits; set a custom loss on an unpatched model"
+        )
+    if self.lm_head.weight.dtype == torch.float64:
+        raise TypeError(
+            "the model is float64 (converted after apply_lowp_ops): lowp_ops' kernels take float32, "
+            "bfloat16 or float16; run float64 checks on an unpatched copy of the model"
         )
     return_dict = kwargs.pop("return_dict", None)
     if return_logits is None:
