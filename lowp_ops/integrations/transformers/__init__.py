@@ -303,8 +303,9 @@ def _check_causal_lm(model: nn.Module) -> None:
         lambda: (
             f"model.lm_head must be a plain torch.nn.Linear child of the model, got "
             f"{type(head).__module__}.{type(head).__qualname__} ({type(model).__name__}): the fused loss "
-            "reads lm_head.weight itself, so a wrapped or adapted head (PEFT's LoRA or modules_to_save on "
-            "lm_head) is not supported; adapters on other modules are"
+            "reads lm_head.weight itself; patch before fully_shard(lm_head) or other wrappers of the head; "
+            "an adapted head (PEFT's LoRA or modules_to_save on lm_head) is not supported, adapters on "
+            "other modules are"
         ),
     )
     if head.bias is not None:
