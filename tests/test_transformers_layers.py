@@ -186,8 +186,8 @@ def test_compiled_mlp_saves_gate_and_up_not_the_activation():
 
 def test_loss_chunks_bound_the_logits(monkeypatch):
     """More tokens than the hidden size: chunks of at most LOSS_CHUNK_LOGITS logits, but at least
-    MIN_LOSS_CHUNK_TOKENS tokens within MAX_LOSS_CHUNK_LOGITS (at least 256 tokens); at most H tokens: no
-    chunk size (the unchunked in-gradient schedule); a given chunk_size wins."""
+    MIN_LOSS_CHUNK_TOKENS tokens within linear_cross_entropy's default chunk (at least 256 tokens); at
+    most H tokens: no chunk size (the unchunked in-gradient schedule); a given chunk_size wins."""
     seen = []
 
     @functools.wraps(lowp_ops.linear_cross_entropy)

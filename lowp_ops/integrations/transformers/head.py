@@ -14,6 +14,7 @@ from torch import nn
 
 from ... import linear_cross_entropy
 from ...meta.checks import require
+from ...meta.linear_cross_entropy import CHUNK_MULTIPLE, default_chunk_size
 from .layers import DTensor, _as_autocast_would
 
 
@@ -76,12 +77,12 @@ LOSS_CHUNK_LOGITS = 2**26
 """Logits elements of one chunk of the loss, unless that is fewer than ``MIN_LOSS_CHUNK_TOKENS`` tokens
 (the package docstring says why)."""
 MIN_LOSS_CHUNK_TOKENS = 1024
-"""Fewest tokens of a chunk, within ``linear_cross_entropy``'s own 2^28 logits: each chunk after the
+"""Fewest tokens of a chunk, within ``linear_cross_entropy``'s own default chunk (2^28 logits,
+``meta.linear_cross_entropy.default_chunk_size``): each chunk after the
 first adds one read and write of the bf16 weight gradient (4 V H bytes, its ``addmm_``), and small chunks
 make thin GEMMs. H200, 4096 tokens, fwd+bwd of the head and loss (``benchmarks/probe_loss_chunks.py``,
 benchmarks/RESULTS.md): Gemma 3's (H 1152, V 262144) 17.3 ms in 256-token chunks, 13.5 ms in 1024,
 12.6 ms unchunked; Gemma 2's (H 2304, V 256000) 32.3 / 24.5 / 23.3 ms."""
-MAX_LOSS_CHUNK_LOGITS = 2**28
 
 
 def _patched_forward_signature(cls: type) -> inspect.Signature:
@@ -162,14 +163,12 @@ def loss_chunk_size(hidden: torch.Tensor, weight: torch.Tensor) -> int | None:
     """Tokens per chunk of the loss: None (``linear_cross_entropy``'s automatic choice: the logits inside
     ``weight``'s gradient, unchunked, or one chunk below 2^25 logits) for at most H tokens; else the
     largest multiple of 256 whose logits hold at most ``LOSS_CHUNK_LOGITS`` elements, raised to
-    ``MIN_LOSS_CHUNK_TOKENS`` where the chunk's logits stay within ``MAX_LOSS_CHUNK_LOGITS`` (at least
-    256)."""
+    ``MIN_LOSS_CHUNK_TOKENS`` within ``linear_cross_entropy``'s default chunk (at least 256)."""
     vocab, width = weight.shape
     if hidden.numel() // width <= width:
         return None
-    by_memory = LOSS_CHUNK_LOGITS // vocab // 256 * 256
-    by_traffic = min(MIN_LOSS_CHUNK_TOKENS, MAX_LOSS_CHUNK_LOGITS // vocab // 256 * 256)
-    return max(256, by_memory, by_traffic)
+    by_memory = LOSS_CHUNK_LOGITS // vocab // CHUNK_MULTIPLE * CHUNK_MULTIPLE
+    return max(by_memory, min(MIN_LOSS_CHUNK_TOKENS, default_chunk_size(vocab)))
 
 
 def _forward_with_optional_logits(
