@@ -6,9 +6,13 @@ switched off and back; one compiled graph; bad arguments and replaced forwards r
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import inspect
+import pickle
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -37,6 +41,7 @@ from transformers_models import (
 from lowp_ops.integrations.transformers import LM_HEAD_MODEL_TYPES, apply_lowp_ops
 from lowp_ops.integrations.transformers import head as lowp_head
 from lowp_ops.integrations.transformers import layers as lowp_layers
+from lowp_ops.integrations.transformers.binding import bound_function
 
 # ----------------------------------------------------------------------------------- LM head + loss
 
@@ -111,8 +116,55 @@ def test_a_whole_patched_model_saves_and_loads(model_type, tmp_path):
     loaded = torch.load(tmp_path / "model.pt", weights_only=False)
     ids, labels = batch()
     assert torch.equal(loaded(input_ids=ids, labels=labels).loss, model(input_ids=ids, labels=labels).loss)
-    assert loaded.lm_head.forward.func is lowp_head._hidden_passthrough
+    assert bound_function(loaded.lm_head.forward) is lowp_head._hidden_passthrough
     assert inspect.signature(loaded.forward) == inspect.signature(model.forward)
+
+
+LOAD_IN_A_FRESH_PROCESS = """
+import inspect, sys, torch
+from lowp_ops.integrations.transformers.binding import bound_function
+model = torch.load(sys.argv[1], weights_only=False)
+ids, labels = torch.load(sys.argv[2])
+patched = [bound_function(module.forward) for module in model.modules() if "forward" in vars(module)]
+print(float(model(input_ids=ids, labels=labels).loss))
+print(len(patched), sum(function is None for function in patched))
+print(list(inspect.signature(model.forward).parameters))
+"""
+
+
+def test_a_saved_patched_model_loads_patched_in_a_fresh_process(tmp_path):
+    """Loading needs no earlier apply_lowp_ops in the loading process: the forwards come back bound to
+    lowp's functions (pickled by reference), with the loss and the forward's signature of the saved model."""
+    model = apply_lowp_ops(tiny_model("gemma2"), rms_norm=True)
+    ids, labels = batch()
+    torch.save(model, tmp_path / "model.pt")
+    torch.save((ids, labels), tmp_path / "batch.pt")
+    paths = [str(tmp_path / "model.pt"), str(tmp_path / "batch.pt")]
+    run = subprocess.run(
+        [sys.executable, "-c", LOAD_IN_A_FRESH_PROCESS, *paths], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr
+    loss, counts, names = run.stdout.splitlines()[-3:]
+    assert float(loss) == float(model(input_ids=ids, labels=labels).loss)
+    patched = [module for module in model.modules() if "forward" in vars(module)]
+    assert counts == f"{len(patched)} 0" and len(patched) > 3
+    assert names == str(list(inspect.signature(model.forward).parameters))
+
+
+def test_copies_run_their_own_modules_and_other_methods_pickle_as_before():
+    """copy.deepcopy of a patched model binds each patched forward to the copy's module (training the
+    copy leaves the original alone); bound methods that are not lowp's pickle as Python's own reducer
+    does (``getattr(obj, name)``) once lowp's reducer is registered."""
+    model = apply_lowp_ops(tiny_model("llama"), rms_norm=True)
+    twin = copy.deepcopy(model)
+    pairs = [(a, b) for a, b in zip(model.modules(), twin.modules(), strict=True) if "forward" in vars(a)]
+    assert len(pairs) > 3
+    assert all(vars(b)["forward"].__self__ is b and bound_function(vars(b)["forward"]) for _, b in pairs)
+    ids, labels = batch()
+    twin(input_ids=ids, labels=labels).loss.backward()
+    assert all(p.grad is None for p in model.parameters())
+    counter = collections.Counter("abca")
+    assert pickle.loads(pickle.dumps(counter.most_common))() == counter.most_common()
 
 
 @pytest.mark.parametrize(
@@ -161,7 +213,7 @@ def test_wrapped_models_have_their_transformers_model_patched():
         inner = copy.deepcopy(ref)
         wrapped = wrap(inner)
         assert apply_lowp_ops(wrapped) is wrapped
-        assert inner.lm_head.forward.func is lowp_head._hidden_passthrough
+        assert bound_function(inner.lm_head.forward) is lowp_head._hidden_passthrough
         torch.testing.assert_close(wrapped(input_ids=ids, labels=labels).loss, want, rtol=2e-6, atol=0)
     forwarding = ForwardingWrapper(copy.deepcopy(ref))
     with pytest.raises(ValueError, match=r"ForwardingWrapper has no lm_head child module"):

@@ -15,6 +15,7 @@ pytest.importorskip(
     "transformers", minversion="5", reason="needs transformers>=5,<6 (pip install 'lowp_ops[transformers]')"
 )
 from partition_checks import shapes_saved_by_compiled_forward
+from torch._dynamo.utils import counters
 from transformers_models import VOCAB, batch, loss_and_grads, tiny_model
 
 import lowp_ops
@@ -22,6 +23,7 @@ from lowp_ops.integrations.transformers import LM_HEAD_MODEL_TYPES, apply_lowp_o
 from lowp_ops.integrations.transformers import forms as lowp_forms
 from lowp_ops.integrations.transformers import head as lowp_head
 from lowp_ops.integrations.transformers import layers as lowp_layers
+from lowp_ops.integrations.transformers.binding import bound_function
 
 
 def saved_bytes(model, ids, labels) -> int:
@@ -60,7 +62,8 @@ def test_every_rms_norm_and_dense_mlp_is_patched(model_type):
     ]
     assert norms or model_type in NO_RMS_NORMS
     assert all(("forward" in vars(m)) != (model_type in NORMS_LEFT_ALONE) for m in norms)
-    assert all(m.forward.func is lowp_layers._rms_norm_forward for m in norms if "forward" in vars(m))
+    patched_norms = [m for m in norms if "forward" in vars(m)]
+    assert all(bound_function(m.forward) is lowp_layers._rms_norm_forward for m in patched_norms)
     dense = [
         m
         for name, m in model.named_modules()
@@ -70,7 +73,8 @@ def test_every_rms_norm_and_dense_mlp_is_patched(model_type):
         and "visual" not in name
     ]
     assert all(("forward" in vars(m)) != (model_type in MLPS_LEFT_ALONE) for m in dense)
-    assert all(m.forward.func is lowp_layers._dense_swiglu_forward for m in dense if "forward" in vars(m))
+    patched_mlps = [m for m in dense if "forward" in vars(m)]
+    assert all(bound_function(m.forward) is lowp_layers._dense_swiglu_forward for m in patched_mlps)
     if model_type in ("llama", "phi3", "qwen2_moe", "deepseek_v3", "gemma", "granite", "cohere", "glm4"):
         assert dense, "the dense or shared-expert MLPs were not found"
     untouched = apply_lowp_ops(tiny_model(model_type), rms_norm=False, mlp=False)
@@ -242,3 +246,43 @@ def test_dtensor_inputs_run_the_modules_own_forward(tmp_path):
         1, str(tmp_path), "test_transformers_layers", "dtensor_inputs_run_the_modules_own_forward", [0]
     )
     process_groups.assert_all_passed(results, [0])
+
+
+@pytest.mark.parametrize(
+    ("model_type", "options"), [("llama", {"rms_norm": True}), ("qwen3_moe", {"experts": "bf16"})]
+)
+def test_regional_compilation_is_one_graph_for_every_layer(model_type, options):
+    """``layer.compile()`` on every decoder layer (transformers' regional compilation): the layers share
+    one graph. Patched forwards stored as ``functools.partial`` were guarded by identity, one graph per
+    layer, and past Dynamo's recompile limit (8) the remaining layers ran uncompiled."""
+    dtype = torch.bfloat16 if "experts" in options else torch.float32
+    ref = tiny_model(model_type, dtype=dtype, num_hidden_layers=4)
+    eager = apply_lowp_ops(copy.deepcopy(ref), **options)
+    model = apply_lowp_ops(copy.deepcopy(ref), **options)
+    for layer in model.model.layers:
+        layer.compile(backend="aot_eager")
+    ids, labels = batch()
+    counters.clear()
+    loss = model(input_ids=ids, labels=labels, use_cache=False).loss
+    loss.backward()
+    assert counters["stats"]["unique_graphs"] == 1
+    assert counters["frames"]["total"] == 1 and not counters["graph_break"]
+    want = eager(input_ids=ids, labels=labels, use_cache=False).loss
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=0)
+
+
+def test_a_second_patched_model_reuses_the_compiled_graph():
+    """Two patched models of one class, each compiled whole: the second runs the first one's graph (as
+    unpatched models do), not a recompilation keyed to its own forwards."""
+    ids, labels = batch()
+    counters.clear()
+    losses = []
+    for seed in (0, 1):
+        model = apply_lowp_ops(tiny_model("llama", seed=seed))
+        model.compile(backend="aot_eager")
+        losses.append(model(input_ids=ids, labels=labels, use_cache=False).loss)
+        eager = apply_lowp_ops(tiny_model("llama", seed=seed))
+        want = eager(input_ids=ids, labels=labels, use_cache=False).loss
+        torch.testing.assert_close(losses[-1], want, rtol=1e-6, atol=0)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not torch.equal(losses[0], losses[1])

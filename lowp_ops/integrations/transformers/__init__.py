@@ -68,7 +68,6 @@ parameters stay the model's own (no copies), so optimizers, ``state_dict`` and c
 
 from __future__ import annotations
 
-import functools
 import inspect
 
 import torch
@@ -87,6 +86,7 @@ from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 from ... import linear_cross_entropy
 from ...meta.checks import check_bool, require
 from .attention import _eager_attention_allowed, _select_lowp_attention
+from .binding import bind, bound_function
 from .experts import EXPERT_RECIPES, _grouped_experts_forward, _supported_experts
 from .forms import norm_form
 from .head import (
@@ -94,7 +94,6 @@ from .head import (
     _causal_lm_loss,
     _forward_with_optional_logits,
     _hidden_passthrough,
-    _patched_forward_signature,
     _StepSwitch,
 )
 from .layers import _dense_swiglu_forward, _dense_swiglu_modules, _rms_norm_forward, _rms_norm_modules
@@ -230,12 +229,12 @@ def apply_lowp_ops(
         for module in norm_modules:
             module._lowp_norm_form = norm_form(type(module))
             module._lowp_eager_only = rms_norm == "eager"
-            module.forward = _bound(_rms_norm_forward, module)
+            module.forward = bind(_rms_norm_forward, module)
     for module in mlp_modules:
-        module.forward = _bound(_dense_swiglu_forward, module)
+        module.forward = bind(_dense_swiglu_forward, module)
     for module in expert_modules:
         module._lowp_recipe = experts
-        module.forward = _bound(_grouped_experts_forward, module)
+        module.forward = bind(_grouped_experts_forward, module)
     if use_lowp_attention:
         _select_lowp_attention(model)
     return wrapper
@@ -253,23 +252,14 @@ def _transformers_model(model: nn.Module) -> nn.Module:
             return model
 
 
-def _bound(function, module: nn.Module) -> functools.partial:
-    """``function`` bound to ``module`` as an instance attribute: a ``functools.partial``, which pickles
-    by reference to the module-level function (``torch.save`` of a whole patched model loads back; a
-    bound method pickles as ``getattr(module, name)``, which the module does not have), and which
-    ``copy.deepcopy`` binds to the copy."""
-    return functools.partial(function, module)
-
-
 def _patch_head_and_loss(model: nn.Module, loss_options: dict) -> None:
-    """Instance attributes only (:func:`_bound`), so the class and other instances stay as they are."""
+    """Instance attributes only (:func:`binding.bind`), so the class and other instances stay as they are."""
     model._lowp_ops_loss = loss_options
     if model.config.model_type in LOGIT_TRANSFORMS:
         model._lowp_logit_step = _StepSwitch()
-    model.lm_head.forward = _bound(_hidden_passthrough, model.lm_head)
-    model.loss_function = _bound(_causal_lm_loss, model)
-    model.forward = _bound(_forward_with_optional_logits, model)
-    model.forward.__signature__ = _patched_forward_signature(type(model))
+    model.lm_head.forward = bind(_hidden_passthrough, model.lm_head)
+    model.loss_function = bind(_causal_lm_loss, model)
+    model.forward = bind(_forward_with_optional_logits, model)
 
 
 def _check_causal_lm(model: nn.Module) -> None:
@@ -316,11 +306,7 @@ def _check_the_models_loss_is_causal_lm(model: nn.Module) -> None:
     """Refuses a model whose loss is not transformers' causal-LM loss (a ``loss_function`` set on the
     instance, or a ``loss_type`` of another loss): the patch computes that loss, and would drop another."""
     custom = vars(model).get("_loss_function")
-    if (
-        custom is not None
-        and custom is not ForCausalLMLoss
-        and getattr(custom, "func", None) is not _causal_lm_loss
-    ):
+    if custom is not None and custom is not ForCausalLMLoss and bound_function(custom) is not _causal_lm_loss:
         raise ValueError(
             f"apply_lowp_ops: model.loss_function was set to {custom!r}; the patch computes transformers' "
             "causal-LM loss (ForCausalLMLoss) with linear_cross_entropy and would drop it (its options: "
@@ -365,7 +351,7 @@ def _check_forwards_are_the_classes(model: nn.Module, modules: list[nn.Module]) 
     names = {id(module): name for name, module in model.named_modules()}
     for module in modules:
         forward = vars(module).get("forward")
-        if forward is not None and getattr(forward, "func", None) not in ours:
+        if forward is not None and bound_function(forward) not in ours:
             name = names.get(id(module)) or type(module).__name__
             raise ValueError(
                 f"apply_lowp_ops: {name}.forward was replaced on the instance ({forward!r}), which lowp_ops' "

@@ -15,6 +15,7 @@ from torch import nn
 from ... import linear_cross_entropy
 from ...meta.checks import require
 from ...meta.linear_cross_entropy import CHUNK_MULTIPLE, default_chunk_size
+from .binding import bound_function
 from .layers import DTensor, _as_autocast_would
 
 
@@ -86,11 +87,11 @@ benchmarks/RESULTS.md): Gemma 3's (H 1152, V 262144) 17.3 ms in 256-token chunks
 
 
 def _patched_forward_signature(cls: type) -> inspect.Signature:
-    """The class forward's parameters (less ``self``) and ``return_logits``, for the readers of
+    """The class forward's parameters and ``return_logits``, for the readers of
     ``inspect.signature(model.forward)``: transformers' Trainer passes a batch only the columns it
     names there (a bare ``**kwargs`` loses ``input_ids`` and ``labels``)."""
     signature = inspect.signature(cls.forward)
-    parameters = list(signature.parameters.values())[1:]
+    parameters = list(signature.parameters.values())
     return_logits = inspect.Parameter("return_logits", inspect.Parameter.KEYWORD_ONLY, default=None)
     at = len(parameters) - (bool(parameters) and parameters[-1].kind is inspect.Parameter.VAR_KEYWORD)
     return signature.replace(parameters=[*parameters[:at], return_logits, *parameters[at:]])
@@ -181,14 +182,14 @@ def _forward_with_optional_logits(
     """The class's forward with the head's output (hidden states) turned back into logits when wanted
     (default: unless training with ``labels``; pass ``labels`` by keyword, as transformers' Trainer does,
     or the logits are computed too)."""
-    if getattr(self.lm_head.forward, "func", None) is not _hidden_passthrough:
+    if bound_function(self.lm_head.forward) is not _hidden_passthrough:
         raise RuntimeError(
             "model.lm_head was replaced after apply_lowp_ops (resize_token_embeddings replaces it, PEFT "
             "wraps it when it adapts lm_head): apply lowp_ops after resizing the embeddings; an adapted "
             "lm_head is not supported"
         )
     loss_function = getattr(self, "_loss_function", None)  # set on the instance by the patch
-    if kwargs.get("labels") is not None and getattr(loss_function, "func", None) is not _causal_lm_loss:
+    if kwargs.get("labels") is not None and bound_function(loss_function) is not _causal_lm_loss:
         raise RuntimeError(
             "model.loss_function was replaced after apply_lowp_ops: the patched lm_head hands it the final "
             "hidden states, not logits; set a custom loss on an unpatched model"
@@ -237,6 +238,10 @@ class _StepSwitch:
 
 
 _STEP_SWITCH_LOCK = threading.Lock()
+
+
+# The patched forward bound to a model shows its class's parameters (binding.bind).
+_forward_with_optional_logits.signature_of = _patched_forward_signature
 
 
 def _with_switch_lock(function, model: nn.Module, transform: LogitTransform):
