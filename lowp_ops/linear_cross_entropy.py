@@ -129,10 +129,13 @@ def linear_cross_entropy(
     When a gradient is needed and the loss is reduced (``mean``/``sum``), the forward also computes the
     gradients (three GEMMs per chunk, like Liger's fused linear cross entropy; or the in-gradient schedule
     above) and the backward only scales them by the upstream gradient, in fp32.
-    With ``reduction="none"`` the forward keeps ``hidden``, ``weight``, ``target`` and the per-row
-    log-sum-exp, and the backward recomputes each chunk's logits (four GEMMs per chunk). No host
-    synchronization either way. With ``return_z_loss`` / ``return_lse``: ``(loss, z_loss, lse)`` holding
-    only the requested extras.
+    With ``reduction="none"``, and for fp16 inputs whatever the reduction, the forward keeps ``hidden``,
+    ``weight``, ``target`` and the per-row log-sum-exp, and the backward recomputes each chunk's logits
+    (four GEMMs per chunk) with the upstream gradient folded into the logits' gradient before the GEMMs,
+    as in torch's graph: fp16 gradients formed for an upstream gradient of 1 would overflow (a ``sum``
+    loss's weight gradient past 65504) or round to subnormals (a ``mean`` loss's ``p / N``) whatever loss
+    scale (``torch.amp.GradScaler``) multiplies them afterwards. No host synchronization either way.
+    With ``return_z_loss`` / ``return_lse``: ``(loss, z_loss, lse)`` holding only the requested extras.
     """
     _check_process_group(process_group, reduce_hidden_grad)
     check_hidden_weight_target(hidden, weight, target)
@@ -212,7 +215,9 @@ def _loss_and_stats(
         return reduce_row_losses(loss_rows, target, reduction, ignore_index, ce_weight), stats
     need_dhidden, need_dweight = hidden.requires_grad, weight.requires_grad
     # No rows: the mean is NaN as in torch, which the reduction kernel gives and the fused schedule does not.
-    fused = reduction != "none" and target_rows.shape[0] > 0
+    # fp16: gradients formed for an upstream gradient of 1 overflow (sums past 65504) or lose their low
+    # bits (subnormals) where a loss scale folded in first, as torch's graph does, keeps them.
+    fused = reduction != "none" and target_rows.shape[0] > 0 and hidden.dtype != torch.float16
     if torch.is_grad_enabled() and (need_dhidden or need_dweight) and fused:
         loss, _, _, stats = library.linear_cross_entropy_fwd_bwd(
             hidden_rows,

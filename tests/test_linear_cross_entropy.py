@@ -110,6 +110,53 @@ def test_bf16_gradient_equals_cross_entropy_of_linear(reduction, dtype):
         torch.testing.assert_close(got, expected, **tolerance)
 
 
+def _fp16_grads_and_float64(hidden, weight, target, scale, reduction, **kwargs):
+    """(ours, torch's fp16 graph, float64) gradients of ``scale * loss``: ours and torch's as fp16."""
+    grads = []
+    for loss_of in (
+        lambda h, w: lowp_ops.linear_cross_entropy(h, w, target, reduction=reduction, **kwargs),
+        lambda h, w: F.cross_entropy(F.linear(h, w).float(), target, reduction=reduction),
+        lambda h, w: F.cross_entropy(F.linear(h.double(), w.double()), target, reduction=reduction),
+    ):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        (loss_of(h, w) * scale).backward()
+        grads.append((h.grad, w.grad))
+    return grads
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1024])
+def test_fp16_sum_loss_weight_gradient_past_65504_stays_finite(chunk_size):
+    """transformers' gradient accumulation sums the loss (``reduction="sum"``, then ``/
+    num_items_in_batch``): a frequent target's weight-gradient row sums past fp16's 65504 before the
+    division. Formed for an upstream gradient of 1 in the forward it was inf (torch's graph divides
+    first); fp16 now recomputes in the backward with the upstream gradient folded in."""
+    gen = torch.Generator().manual_seed(0)
+    tokens = 4096
+    hidden = (torch.rand(tokens, 8, generator=gen) * 4 + 18).half()
+    weight = (torch.randn(16, 8, generator=gen) * 0.01).half()
+    target = torch.zeros(tokens, dtype=torch.long)
+    ours, theirs, exact = _fp16_grads_and_float64(
+        hidden, weight, target, 1 / tokens, "sum", chunk_size=chunk_size
+    )
+    assert torch.isfinite(theirs[1]).all()
+    for got, want, reference in zip(ours, theirs, exact, strict=True):
+        assert torch.isfinite(got).all()
+        assert relative_error(got, reference) <= 1.5 * relative_error(want, reference) + 1e-3
+
+
+def test_fp16_gradients_keep_a_loss_scale():
+    """``torch.amp.GradScaler`` multiplies an fp16 loss by 2^16 so that gradients stay clear of fp16's
+    subnormals. Formed for an upstream gradient of 1 in the forward, a mean loss's ``p / N`` rounded to
+    subnormals first (1.6e-3 relative error against float64 where torch's graph had 2.5e-4)."""
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2048, 64, generator=gen).half()
+    weight = (torch.randn(2048, 64, generator=gen) * 0.05).half()
+    target = torch.randint(0, 2048, (2048,), generator=gen)
+    ours, theirs, exact = _fp16_grads_and_float64(hidden, weight, target, 2.0**16, "mean")
+    for got, want, reference in zip(ours, theirs, exact, strict=True):
+        assert relative_error(got, reference) <= 1.2 * relative_error(want, reference)
+
+
 def recorded_payloads(steps, h, w, target, row_weight, fp8_dtype, chunk_size, recompute):
     """Run the op's schedule with ``steps`` and return each chunk's MXFP8 dlogits payload."""
     seen = []
