@@ -217,8 +217,9 @@ def cross_entropy(
     the gradient afterwards: their version counter moves, so autograd refuses a backward through any op
     that saved them. Its bytes equal the
     default path's gradient when ``grad_loss`` is 1 (and when it is a power of two, barring overflow and
-    subnormals; otherwise the product is rounded once more). Not with ``process_group``. Without a
-    gradient to compute the logits stay untouched.
+    subnormals; otherwise the product is rounded once more). Not with ``process_group``, nor with fp16
+    logits (raises: a loss scale applied after the fp16 rounding cannot bring back what rounded to
+    subnormals). Without a gradient to compute the logits stay untouched.
 
     Returns the loss, or with ``return_z_loss`` / ``return_lse`` the tuple ``(loss, z_loss, lse)`` holding
     only the requested extras, in that order.
@@ -275,6 +276,16 @@ def _overwrites(overwrite_logits, input: torch.Tensor, classes_last: bool, proce
     require(
         not (input.is_leaf and input.requires_grad),
         lambda: "overwrite_logits=True needs logits computed in the graph (not a leaf that requires grad)",
+    )
+    # The gradient for grad_loss = 1, rounded to fp16 before a loss scale multiplies it, loses it to
+    # subnormals (or overflows for a sum): the default path folds grad_loss in first.
+    require(
+        input.dtype != torch.float16,
+        lambda: (
+            "overwrite_logits=True takes bf16 or fp32 logits: in fp16 the gradient written for grad_loss = 1 "
+            "and multiplied by a loss scale afterwards (torch.amp.GradScaler) rounds to subnormals; use the "
+            "default path (overwrite_logits=False) for fp16 logits"
+        ),
     )
     return input.requires_grad and torch.is_grad_enabled()
 

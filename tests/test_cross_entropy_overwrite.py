@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -185,6 +186,7 @@ def test_without_a_gradient_the_logits_stay_untouched():
         ("classes in dim 1, contiguous", ValueError, "contiguous logits with classes in the last dim"),
         ("process group", ValueError, "process_group"),
         ("not a bool", TypeError, "overwrite_logits must be a bool"),
+        ("fp16", ValueError, "bf16 or fp32 logits"),
     ],
 )
 def test_bad_overwrite_arguments_raise(case, error, match):
@@ -202,10 +204,36 @@ def test_bad_overwrite_arguments_raise(case, error, match):
         x, target = (leaf * 1).view(2, 40, 4), target.view(2, 4)
     elif case == "process group":
         kwargs["process_group"] = object()
+    elif case == "fp16":
+        x = leaf.half() * 1
     else:
         kwargs["overwrite_logits"] = 1
     with pytest.raises(error, match=match):
         lowp_ops.cross_entropy(x, target, **kwargs)
+
+
+def test_fp16_logits_are_refused_where_a_loss_scale_would_be_lost():
+    """fp16 logits raise. Why: the gradient written for grad_loss = 1 rounds ``p / N`` to fp16 before a
+    loss scale (``torch.amp.GradScaler``'s 2^16) multiplies it, where the default path scales first: the
+    unscaled loss's fp16 gradient scaled afterwards is over 10x further from float64 than the scaled
+    loss's (measured here on the default path's own gradients)."""
+    gen = torch.Generator().manual_seed(0)
+    target = torch.randint(0, 2048, (4096,), generator=gen)
+    half = torch.randn(4096, 2048, generator=gen).half().requires_grad_()
+    (lowp_ops.cross_entropy(half, target) * 2.0**16).backward()
+    scaled_first = half.grad.double()
+    exact = half.detach().double().requires_grad_()
+    (F.cross_entropy(exact, target) * 2.0**16).backward()
+    half.grad = None
+    lowp_ops.cross_entropy(half, target).backward()
+    scaled_after = half.grad.double() * 2.0**16
+
+    def error(got):
+        return float((got - exact.grad).norm() / exact.grad.norm())
+
+    assert error(scaled_after) > 10 * error(scaled_first)
+    with pytest.raises(ValueError, match="bf16 or fp32 logits"):
+        lowp_ops.cross_entropy(half * 1, target, overwrite_logits=True)
 
 
 def test_scale_grad_rows_reference_leaves_rows_of_factor_one_alone():
