@@ -55,7 +55,8 @@ def grouped_swiglu_mlp(
             (row-wise ``bf16(amax)``, column-wise ``4 x`` that) instead of an amax pass.
         glu_interleave_size: None or 32.
 
-    Returns y (T, H) bf16. H and F must be multiples of 8 (16-byte GEMM rows). Gradients flow to x,
+    Returns y (T, H) bf16. H and F must be multiples of 8 (16-byte GEMM rows); the nvfp4 recipe needs H
+    a multiple of 16 (its 16x16 weight blocks). Gradients flow to x,
     both weights and probs; fp32 probs get an fp32 gradient that was never rounded to bf16, bf16 probs
     get ``bf16(fp32 dprobs)``. The backward keeps x and ``c = FC1(x)`` (not the FC2 input, which it
     recomputes) and frees each at its last use, so it runs once: a second backward through the same

@@ -516,6 +516,29 @@ def test_bad_arguments_raise_naming_them(change, match):
         lowp_ops.grouped_swiglu_mlp(*args.values(), **kwargs)
 
 
+@pytest.mark.parametrize("checks", ["cpu", "off"])
+def test_nvfp4_hidden_size_not_a_multiple_of_16_raises_naming_it(checks):
+    """The NVFP4 recipe quantizes all experts' weights in one call over their stacked rows in 16x16
+    blocks. With H = 24 (a multiple of 8), FC2's (E, H, F) rows straddled experts: on CPU the error named
+    the caller's valid split sizes; with the host's split-size checks off (as for CUDA tensors) the stack's
+    last rows dequantized to zeros and the last expert's output columns 16-23 were exactly 0."""
+    from lowp_ops.meta.split_sizes import set_split_size_checks
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(48, 24, generator=gen).bfloat16()
+    fc1 = (torch.randn(3, 32, 24, generator=gen) / 4).bfloat16()
+    fc2 = (torch.randn(3, 24, 16, generator=gen) / 4).bfloat16()
+    split_sizes, probs = torch.tensor([16, 16, 16]), torch.rand(48, generator=gen)
+    previous = set_split_size_checks(checks)
+    try:
+        with pytest.raises(ValueError, match=r"fc2_weight \(E, N, K\) needs N a multiple of 16.*N=24"):
+            lowp_ops.grouped_swiglu_mlp(x, fc1, fc2, split_sizes, probs, recipe="nvfp4")
+    finally:
+        set_split_size_checks(previous)
+    # bf16 and mxfp8 take the shape.
+    assert lowp_ops.grouped_swiglu_mlp(x, fc1, fc2, split_sizes, probs, recipe="bf16").shape == (48, 24)
+
+
 def test_module_checks_its_options_when_built():
     with pytest.raises(ValueError, match="glu_interleave_size must be None or 32"):
         lowp_ops.nn.GroupedSwiGLUMLP(2, 32, 16, glu_interleave_size=16)

@@ -162,6 +162,18 @@ def test_fp32_experts_run_only_under_bf16_autocast():
         apply_lowp_ops(tiny_model("olmoe", dtype=torch.float16), experts="bf16")
 
 
+def test_nvfp4_experts_need_a_hidden_size_that_is_a_multiple_of_16():
+    """The NVFP4 recipe's 16x16 weight blocks: hidden 24 is refused before anything is patched (bf16
+    takes it)."""
+    model = tiny_model("qwen3_moe", torch.bfloat16, hidden_size=24)
+    with pytest.raises(
+        NotImplementedError, match="experts='nvfp4' needs a hidden size that is a multiple of 16"
+    ):
+        apply_lowp_ops(model, experts="nvfp4")
+    assert "forward" not in vars(model) and "forward" not in vars(model.lm_head)
+    apply_lowp_ops(model, experts="bf16")
+
+
 def test_experts_on_a_dense_model_are_refused():
     with pytest.raises(ValueError, match="no fused MoE experts"):
         apply_lowp_ops(tiny_model("llama", torch.bfloat16), experts="bf16")

@@ -115,8 +115,22 @@ def check_grouped_linear(
     )
     check_split_sizes(split_sizes, weight.shape[0], x.device)
     check_recipe(recipe)
+    check_nvfp4_out_features(weight, recipe, weight_name)
     multiple = NVFP4_SPLIT_MULTIPLE if recipe == "nvfp4" else 1
     check_split_size_values(split_sizes, x.shape[0], multiple=multiple, why="the nvfp4 recipe")
+
+
+def check_nvfp4_out_features(weight: torch.Tensor, recipe: str, weight_name: str = "weight") -> None:
+    """The NVFP4 recipe quantizes all experts' weights (E, N, K) in one call over their stacked rows, in
+    16x16 blocks: N must be a multiple of 16, or a block would span two experts (and the rows past the
+    last whole block of the stack were left zero)."""
+    require(
+        recipe != "nvfp4" or weight.shape[1] % NVFP4_SPLIT_MULTIPLE == 0,
+        lambda: (
+            f"{weight_name} (E, N, K) needs N a multiple of {NVFP4_SPLIT_MULTIPLE} for recipe='nvfp4' (16x16 "
+            f"blocks of each expert's weight), got N={weight.shape[1]}"
+        ),
+    )
 
 
 def grouped_linear_output(
@@ -256,6 +270,7 @@ def check_grouped_swiglu_mlp(
             f"got {tuple(fc2_weight.shape)}"
         ),
     )
+    check_nvfp4_out_features(fc2_weight, recipe, "fc2_weight")
     require(
         not fc1_dy_amax_from_dglu or recipe == "nvfp4",
         lambda: f"fc1_dy_amax_from_dglu needs recipe='nvfp4' (it feeds the NVFP4 amaxes), got {recipe!r}",

@@ -217,7 +217,7 @@ def apply_lowp_ops(
     check_bool(mlp, "mlp")
     if not (isinstance(rms_norm, bool) or rms_norm == "eager"):
         raise ValueError(f"rms_norm must be True, False or 'eager', got {rms_norm!r}")
-    expert_modules = _supported_experts(model) if experts is not None else []
+    expert_modules = _supported_experts(model, experts) if experts is not None else []
     use_lowp_attention = softmax and _eager_attention_allowed(model)
     norm_modules = _rms_norm_modules(model) if rms_norm else []
     mlp_modules = _dense_swiglu_modules(model) if mlp else []

@@ -58,12 +58,17 @@ def _has_own_gate(module: nn.Module) -> bool:
     return gate is not None and getattr(gate, "__name__", "") != "_default_apply_gate"
 
 
-def _supported_experts(model: nn.Module) -> list[nn.Module]:
+def _supported_experts(model: nn.Module, recipe: str = "bf16") -> list[nn.Module]:
     modules = _experts_modules(model)
     if not modules:
         raise ValueError(f"experts= was given but {type(model).__name__} has no fused MoE experts module")
     for module in modules:
         reason = _unsupported_reason(module)
+        hidden = module.down_proj.shape[1]
+        if reason is None and recipe == "nvfp4" and hidden % 16 != 0:
+            reason = (
+                f"experts='nvfp4' needs a hidden size that is a multiple of 16 (16x16 blocks), got {hidden}"
+            )
         if reason is not None:
             raise NotImplementedError(
                 f"apply_lowp_ops(experts=...): {type(module).__name__} is not the SwiGLU expert layout of "
