@@ -546,6 +546,16 @@ def test_module_checks_its_options_when_built():
         lowp_ops.nn.GroupedSwiGLUMLP(2, 32, 16, recipe="nvfp4", fc1_dy_amax_from_dglu="yes")
     with pytest.raises(ValueError, match=r"dtype must be torch\.bfloat16"):
         lowp_ops.nn.GroupedSwiGLUMLP(2, 32, 16, dtype=torch.float32)
+    # Shapes the first call would refuse (or, for ffn=0, a ZeroDivisionError in the initialization).
+    for args, kwargs, match in (
+        ((2, 32, 0), {}, "ffn must be positive"),
+        ((0, 32, 16), {}, "num_experts must be positive"),
+        ((2, 12, 16), {}, "multiples of 8"),
+        ((2, 24, 16), {"recipe": "nvfp4"}, "hidden of 16 for recipe='nvfp4'"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            lowp_ops.nn.GroupedSwiGLUMLP(*args, **kwargs)
+    assert lowp_ops.nn.GroupedSwiGLUMLP(2, 24, 16).fc2_weight.shape == (2, 24, 16)
 
 
 _A, _B = torch.zeros(8, 16, dtype=torch.bfloat16), torch.zeros(2, 16, 4, dtype=torch.bfloat16)
