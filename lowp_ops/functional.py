@@ -537,6 +537,7 @@ def swiglu(
     require_tensor(c, "c")
     if probs is None:
         probs = c.new_ones(c.shape[:1], dtype=torch.float32)
+    require_tensor(probs, "probs")
     return library.swiglu_fwd(c, probs, _interleave(glu_interleave_size))
 
 

@@ -66,6 +66,7 @@ def grouped_swiglu_mlp(
     check_mlp_options(recipe, fc1_dy_amax_from_dglu, glu_interleave_size)
     for value, name in ((x, "x"), (fc1_weight, "fc1_weight"), (fc2_weight, "fc2_weight"), (probs, "probs")):
         require_tensor(value, name)
+    require(x.dim() == 2, lambda: f"x must be 2-D (tokens, hidden), got {x.dim()}-D {tuple(x.shape)}")
     require(
         tuple(probs.shape) in ((x.shape[0],), (x.shape[0], 1)),
         lambda: f"probs must have shape ({x.shape[0]},) or ({x.shape[0]}, 1), got {tuple(probs.shape)}",

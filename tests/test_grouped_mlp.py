@@ -498,6 +498,7 @@ def test_compiled_forward_backward_does_not_recompile_over_token_counts_and_spli
         ({"fc2_weight": torch.zeros(2, 32, 16, dtype=torch.bfloat16).to("meta")}, "fc2_weight must be on"),
         ({"probs": torch.ones(8, device="meta")}, "probs must be on"),
         ({"probs": torch.ones(2, 4)}, r"probs must have shape \(8,\) or \(8, 1\)"),
+        ({"x": torch.zeros(2, 4, 32, dtype=torch.bfloat16)}, r"x must be 2-D \(tokens, hidden\), got 3-D"),
     ],
 )
 def test_bad_arguments_raise_naming_them(change, match):

@@ -161,6 +161,11 @@ def test_bad_arguments_raise_naming_them(call, match):
         call()
 
 
+def test_probs_that_are_not_a_tensor_raise_naming_them():
+    with pytest.raises(TypeError, match="probs must be a Tensor, got list"):
+        lowp_ops.swiglu(torch.ones(4, 8), [1.0, 1.0, 1.0, 1.0])
+
+
 @pytest.mark.parametrize("interleave", [0, 32])
 def test_opcheck(interleave):
     c, probs, grad = make(8, 64, seed=6)
