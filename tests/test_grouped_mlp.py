@@ -540,6 +540,24 @@ def test_nvfp4_hidden_size_not_a_multiple_of_16_raises_naming_it(checks):
     assert lowp_ops.grouped_swiglu_mlp(x, fc1, fc2, split_sizes, probs, recipe="bf16").shape == (48, 24)
 
 
+def test_nvfp4_token_count_not_divisible_by_16_raises_before_the_forward():
+    """40 tokens with split sizes [16, 16] (the last 8 rows in no expert, CUDA's rule): the forward ran
+    and the backward raised; refused at the call now."""
+    from lowp_ops.meta.split_sizes import set_split_size_checks
+
+    inputs = make_inputs([16, 16], 32, 16, seed=0)
+    x = torch.cat([inputs["x"], inputs["x"][:8]])
+    probs = torch.cat([inputs["probs"], inputs["probs"][:8]])
+    previous = set_split_size_checks("off")
+    try:
+        with pytest.raises(ValueError, match=r"token count .* divisible by 16, got 40"):
+            lowp_ops.grouped_swiglu_mlp(
+                x, inputs["fc1_weight"], inputs["fc2_weight"], inputs["split_sizes"], probs, recipe="nvfp4"
+            )
+    finally:
+        set_split_size_checks(previous)
+
+
 def test_module_checks_its_options_when_built():
     with pytest.raises(ValueError, match="glu_interleave_size must be None or 32"):
         lowp_ops.nn.GroupedSwiGLUMLP(2, 32, 16, glu_interleave_size=16)

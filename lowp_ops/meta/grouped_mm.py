@@ -116,6 +116,11 @@ def check_grouped_linear(
     check_split_sizes(split_sizes, weight.shape[0], x.device)
     check_recipe(recipe)
     check_nvfp4_out_features(weight, recipe, weight_name)
+    # The backward quantizes x column-wise in 16-token blocks: refused here, not after the forward ran.
+    require(
+        recipe != "nvfp4" or x.shape[0] % NVFP4_SPLIT_MULTIPLE == 0,
+        lambda: f"recipe='nvfp4' needs a token count (x's rows) divisible by 16, got {x.shape[0]}",
+    )
     multiple = NVFP4_SPLIT_MULTIPLE if recipe == "nvfp4" else 1
     check_split_size_values(split_sizes, x.shape[0], multiple=multiple, why="the nvfp4 recipe")
 
