@@ -754,6 +754,8 @@ def test_tiny_lm_learns_with_mxfp8_gradient():
 @pytest.mark.parametrize("grad_format", GRAD_FORMATS)
 @pytest.mark.parametrize("other_operand", ["bf16", "mxfp8"])
 def test_gpu_loss_and_grads_match_float64(grad_format, other_operand):
+    if grad_format is None and other_operand == "mxfp8":
+        pytest.skip("other_operand only applies to the MXFP8 GEMMs (with grad_format=None it raises)")
     h, w, target = make_inputs(n_rows=1000, hidden=256, vocab=5000, device="cuda")
     grad_loss = torch.tensor(1.0, device="cuda")
     want = float64_loss_and_grads(h.cpu(), w.cpu(), target.cpu(), grad_loss.cpu(), "mean", 0.1)
