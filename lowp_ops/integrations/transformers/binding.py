@@ -9,7 +9,8 @@ past Dynamo's recompile limit (8), the remaining layers run uncompiled.
 
 A bound method pickles as ``getattr(module, function.__name__)``, which the module does not have: the
 first :func:`bind` registers a pickle reducer for bound methods (``copyreg``) that reduces lowp's to
-:func:`_rebind` and every other method as before (through the reducer registered earlier, if any).
+:func:`bind` of the function and the module, and every other method as before (through the reducer
+registered earlier, if any).
 """
 
 from __future__ import annotations
@@ -63,11 +64,6 @@ def _class_copy(function: Callable, cls: type, signature_of: Callable[[type], in
     return copy
 
 
-def _rebind(function: Callable, module: nn.Module) -> types.MethodType:
-    """What a pickled patched forward loads as: ``function`` (pickled by reference) bound again."""
-    return bind(function, module)
-
-
 def _register_reducer() -> None:
     global _reducer_registered
     if _reducer_registered:
@@ -77,7 +73,7 @@ def _register_reducer() -> None:
     def reduce_method(method: types.MethodType):
         function = bound_function(method)
         if function is not None:
-            return _rebind, (function, method.__self__)
+            return bind, (function, method.__self__)  # the function pickled by reference
         return earlier(method) if earlier is not None else method.__reduce__()
 
     copyreg.pickle(types.MethodType, reduce_method)
