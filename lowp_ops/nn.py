@@ -9,6 +9,7 @@ import torch
 from .functional import rms_norm
 from .losses import CrossEntropyLoss, LinearCrossEntropyLoss
 from .meta.checks import check_int, require
+from .meta.grouped_mm import NVFP4_SPLIT_MULTIPLE
 from .moe import check_mlp_options, grouped_swiglu_mlp
 
 __all__ = ["CrossEntropyLoss", "GroupedSwiGLUMLP", "LinearCrossEntropyLoss", "RMSNorm"]
@@ -40,7 +41,7 @@ class GroupedSwiGLUMLP(torch.nn.Module):
         for value, name in ((num_experts, "num_experts"), (hidden, "hidden"), (ffn, "ffn")):
             check_int(value, name)
             require(value > 0, lambda value=value, name=name: f"{name} must be positive, got {value}")
-        multiple = 16 if recipe == "nvfp4" else 8  # 16-byte GEMM rows; the nvfp4 recipe's 16x16 blocks
+        multiple = NVFP4_SPLIT_MULTIPLE if recipe == "nvfp4" else 8  # 16-byte GEMM rows; nvfp4 16x16 blocks
         require(
             hidden % multiple == 0 and ffn % 8 == 0,
             lambda: (

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from ... import grouped_swiglu_mlp
+from ...meta.grouped_mm import NVFP4_SPLIT_MULTIPLE
 from .layers import _as_autocast_would, _silu_classes
 
 EXPERT_RECIPES = ("bf16", "mxfp8", "nvfp4")
@@ -65,7 +66,7 @@ def _supported_experts(model: nn.Module, recipe: str = "bf16") -> list[nn.Module
     for module in modules:
         reason = _unsupported_reason(module)
         hidden = module.down_proj.shape[1]
-        if reason is None and recipe == "nvfp4" and hidden % 16 != 0:
+        if reason is None and recipe == "nvfp4" and hidden % NVFP4_SPLIT_MULTIPLE != 0:
             reason = (
                 f"experts='nvfp4' needs a hidden size that is a multiple of 16 (16x16 blocks), got {hidden}"
             )
