@@ -103,6 +103,8 @@ def spy_launchers(monkeypatch) -> list[str]:
                 monkeypatch.setattr(
                     module,
                     name,
-                    lambda *args, _launch=launcher, _name=name: calls.append(_name) or _launch(*args),
+                    lambda *args, _launch=launcher, _name=name, **kwargs: (
+                        calls.append(_name) or _launch(*args, **kwargs)
+                    ),
                 )
     return calls
