@@ -25,21 +25,23 @@ _aten = torch.ops.aten
 
 
 class _Recording:
-    """A dispatch mode that answers each op in ``ops`` with the matching entry of ``results``, running
-    nothing; any other op is an error (autograd's formulas are fixed: a change in them must not go
-    unnoticed)."""
+    """A dispatch mode that answers a chain of ops, in order, with ``results``, running nothing: op ``k``
+    is ``ops[k]`` called on ``first`` (``k = 0``) or on the previous answer. Other calls run as usual:
+    a saved-tensor hook (``save_on_cpu``, checkpointing) may call ops on the tensors autograd saves, which
+    are never the chain's. Every op of the chain must be answered (checked after)."""
 
-    __slots__ = ("ops", "position", "results")
+    __slots__ = ("ops", "position", "previous", "results")
 
-    def __init__(self, ops: tuple, results: tuple) -> None:
-        self.ops, self.results, self.position = ops, results, 0
+    def __init__(self, ops: tuple, results: tuple, first: torch.Tensor) -> None:
+        self.ops, self.results, self.position, self.previous = ops, results, 0, first
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         position = self.position
-        if position >= len(self.ops) or func is not self.ops[position]:
-            raise RuntimeError(f"lowp_ops.recorded: {func} called where {self.ops[position:]} were expected")
+        if position >= len(self.ops) or func is not self.ops[position] or args[0] is not self.previous:
+            return func(*args, **(kwargs or {}))  # the mode is off inside this call
         self.position = position + 1
-        return self.results[position]
+        self.previous = self.results[position]
+        return self.previous
 
 
 def available() -> bool:
@@ -50,7 +52,7 @@ def available() -> bool:
 
 
 def _record(program, args: tuple, ops: tuple, results: tuple, name: str) -> torch.Tensor:
-    recording = _Recording(ops, results)
+    recording = _Recording(ops, results, args[0])
     _push_on_torch_dispatch_stack(recording)
     try:
         out = program(*args)

@@ -493,6 +493,40 @@ def test_recorded_backward_of_rows_all_ignored_is_zero(reduction):
     assert torch.equal(bits(logits.grad), bits(torch.zeros_like(logits)))
 
 
+@pytest.mark.parametrize("wrap", ["saved_tensors_hooks", "checkpoint", "checkpoint_reentrant"])
+def test_recorded_backward_under_saved_tensor_hooks_and_checkpointing(wrap):
+    """Saved-tensor hooks that call the same aten ops as the recording (a ``mul`` on every saved tensor)
+    and activation checkpointing (which re-runs the forward in the backward) give the same bytes."""
+    logits = torch.randn(16, 100, dtype=torch.bfloat16)
+    target = torch.randint(0, 100, (16,))
+    target[3] = -100
+
+    def loss_of(x):
+        return lowp_ops.cross_entropy(x * 2, target, label_smoothing=0.1)
+
+    def grad_of(run):
+        leaf = logits.clone().requires_grad_()
+        run(leaf).backward(torch.tensor(0.7))
+        return leaf.grad
+
+    want = grad_of(loss_of)
+    if wrap == "saved_tensors_hooks":
+
+        def pack(t):
+            return t.clone() if t.dtype == torch.bool else (t * 1).to(t.dtype)
+
+        def run(x):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                return loss_of(x)
+    else:
+        reentrant = wrap == "checkpoint_reentrant"
+
+        def run(x):
+            return torch.utils.checkpoint.checkpoint(loss_of, x, use_reentrant=reentrant)
+
+    assert torch.equal(bits(grad_of(run)), bits(want))
+
+
 def test_recorded_backward_under_compile_and_no_grad_takes_the_op():
     """Traced calls (torch.compile) and calls without a gradient run the registered op; their results
     equal the eager recorded call's."""
