@@ -313,16 +313,22 @@ def kernel_backward(monkeypatch):
     monkeypatch.setattr(library, "RECORDED_BACKWARD_MAX_ELEMENTS", -1)
 
 
-@pytest.mark.parametrize("reduction", REDUCTIONS)
-def test_backward_saves_only_logits_target_and_row_stats(reduction, kernel_backward):
-    n_rows, n_cols = 15, 301
-    logits = torch.randn(3, 5, n_cols).to(torch.bfloat16).requires_grad_()
-    target = torch.randint(0, n_cols, (3, 5))
+def _saved_by_a_call(reduction: str, n_rows: int, n_cols: int) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """(bf16 logits (3, n_rows / 3, n_cols) that require grad, their loss, the tensors autograd saved)."""
+    logits = torch.randn(3, n_rows // 3, n_cols).to(torch.bfloat16).requires_grad_()
+    target = torch.randint(0, n_cols, (3, n_rows // 3))
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         loss = lowp_ops.cross_entropy(
             logits, target, reduction=reduction, label_smoothing=0.1, classes_last=True
         )
+    return logits, loss, saved
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_backward_saves_only_logits_target_and_row_stats(reduction, kernel_backward):
+    n_rows, n_cols = 15, 301
+    logits, loss, saved = _saved_by_a_call(reduction, n_rows, n_cols)
     big = [t for t in saved if t.numel() >= n_rows * n_cols]
     assert len(big) == 1, f"expected only the logits to be saved at full size, got {[t.shape for t in big]}"
     assert big[0].dtype == torch.bfloat16 and big[0].data_ptr() == logits.data_ptr(), "logits copied"
@@ -430,13 +436,7 @@ def test_recorded_backward_saves_the_fp32_term_and_not_the_logits(reduction):
     """Eager calls up to ``RECORDED_BACKWARD_MAX_ELEMENTS`` record C++ nodes: the one full-size tensor
     saved is the fp32 gradient term (the logits are not kept), and the backward has no Python node."""
     n_rows, n_cols = 15, 301
-    logits = torch.randn(3, 5, n_cols).to(torch.bfloat16).requires_grad_()
-    target = torch.randint(0, n_cols, (3, 5))
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        loss = lowp_ops.cross_entropy(
-            logits, target, reduction=reduction, label_smoothing=0.1, classes_last=True
-        )
+    logits, loss, saved = _saved_by_a_call(reduction, n_rows, n_cols)
     big = [t for t in saved if t.numel() >= n_rows * n_cols]
     assert [(t.dtype, tuple(t.shape)) for t in big] == [(torch.float32, (n_rows, n_cols))]
     assert not any(t.data_ptr() == logits.data_ptr() for t in saved), "logits saved"
