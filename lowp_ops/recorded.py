@@ -95,8 +95,8 @@ def _total_of(x, term, ignored):
     return _rows_of(x, term, ignored).sum()
 
 
-def _scaled_total_of(x, term, ignored, scale):
-    return _rows_of(x, term, ignored).sum() * scale
+def _scaled_total_of(x, term, ignored, scale_rows):
+    return torch.dot(_rows_of(x, term, ignored), scale_rows)
 
 
 _PRODUCT, _ROW_SUM, _MASK = _aten.mul.Tensor, _aten.sum.dim_IntList, _aten.masked_fill.Scalar
@@ -141,14 +141,14 @@ def scaled_total_times_term(
     name: str,
 ) -> torch.Tensor:
     """0-d ``total``, differentiable w.r.t. ``x`` with ``dx = cast(term * r[:, None])``, ``r`` the
-    upstream gradient times the 0-d fp32 ``scale`` (one fp32 product) broadcast to the rows, ``+0`` where
-    ``ignored``."""
+    upstream gradient times the 0-d fp32 ``scale`` (one fp32 product per row, ``dot``'s derivative),
+    ``+0`` where ``ignored``."""
     inner, rows = _row_values(x)
-    summed = _placeholder((), torch.float32, x.device)
+    scale_rows = scale.expand(x.shape[0])
     return _record(
         _scaled_total_of,
-        (x, term, ignored, scale),
-        (*_ROWS, _aten.sum.default, _PRODUCT),
-        (inner, rows, rows, summed, total),
+        (x, term, ignored, scale_rows),
+        (*_ROWS, _aten.dot.default),
+        (inner, rows, rows, total),
         name,
     )
