@@ -26,9 +26,10 @@ _aten = torch.ops.aten
 
 class _Recording:
     """A dispatch mode that answers a chain of ops, in order, with ``results``, running nothing: op ``k``
-    is ``ops[k]`` called on ``first`` (``k = 0``) or on the previous answer. Other calls run as usual:
-    a saved-tensor hook (``save_on_cpu``, checkpointing) may call ops on the tensors autograd saves, which
-    are never the chain's. Every op of the chain must be answered (checked after)."""
+    is ``ops[k]`` called with ``first`` (``k = 0``) or the previous answer among its arguments. Other
+    calls run as usual: a saved-tensor hook (``save_on_cpu``, checkpointing) may call ops on the tensors
+    autograd saves, which are never the chain's. Every op of the chain must be answered (checked
+    after)."""
 
     __slots__ = ("ops", "position", "previous", "results")
 
@@ -37,11 +38,16 @@ class _Recording:
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         position = self.position
-        if position >= len(self.ops) or func is not self.ops[position] or args[0] is not self.previous:
+        if position >= len(self.ops) or func is not self.ops[position] or not _holds(args, self.previous):
             return func(*args, **(kwargs or {}))  # the mode is off inside this call
         self.position = position + 1
         self.previous = self.results[position]
         return self.previous
+
+
+def _holds(args: tuple, tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` itself is one of ``args``."""
+    return any(arg is tensor for arg in args)
 
 
 def available() -> bool:
@@ -87,8 +93,13 @@ def _placeholder(shape: tuple, dtype: torch.dtype, device: torch.device) -> torc
     return torch.empty_strided(shape, (0,) * len(shape), dtype=dtype, device=device)
 
 
+# where's derivative masks in one kernel (masked_fill's clones, then fills); a tensor, not a Python 0.0,
+# which torch.where would turn into a scalar_tensor call first.
+_ZERO = torch.zeros(())
+
+
 def _rows_of(x, term, ignored):
-    return (x * term).sum(-1).masked_fill(ignored, 0.0)
+    return torch.where(ignored, _ZERO, (x * term).sum(-1))
 
 
 def _total_of(x, term, ignored):
@@ -99,7 +110,7 @@ def _scaled_total_of(x, term, ignored, scale_rows):
     return torch.dot(_rows_of(x, term, ignored), scale_rows)
 
 
-_PRODUCT, _ROW_SUM, _MASK = _aten.mul.Tensor, _aten.sum.dim_IntList, _aten.masked_fill.Scalar
+_PRODUCT, _ROW_SUM, _MASK = _aten.mul.Tensor, _aten.sum.dim_IntList, _aten.where.self
 _ROWS = (_PRODUCT, _ROW_SUM, _MASK)
 
 

@@ -275,10 +275,12 @@ def test_triton_launch_count_is_frozen(case):
 
 CUDA_KERNELS = {
     # every kernel on the GPU, aten's included; measured on the H200 (torch 2.11, triton 3.6)
-    # fwd, reduce, the root gradient's fill, grad-scale multiply, bwd, grad accumulation (8 measured on the
-    # H200 at commit 9d8cd5f with two more fills: the zero gradients of the non-differentiable outputs,
-    # which set_materialize_grads(False) no longer creates; CPU: tests/test_dispatch.py below)
-    "cross_entropy fwd+bwd": 6,
+    # The eager recorded backward (docs/dispatch.md#recorded-backward), fp32 logits: fwd, reduce, the
+    # ignored rows' mask, the gradient term; the root gradient's fill; in the backward the row factors
+    # (dot's derivative), the mask's 0 and where, the fp32 product; grad accumulation. Counted from the
+    # formulas: 6 measured on the H200 at commit 6e8e0d4 for the kernels' backward (fwd, reduce, fill,
+    # grad-scale multiply, bwd, accumulation), whose 2 backward kernels the recording's 6 replace.
+    "cross_entropy fwd+bwd": 10,
     # fwd, reduce, fused MXFP8 bwd (the Triton kernel at 96 classes: it writes the scales' padding, 5
     # kernels with the 2 fills that preceded it); the Gluon kernel (>= 128 classes) keeps the 2 fills
     "cross_entropy_with_mxfp8_grad": 3,
