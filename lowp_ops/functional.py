@@ -185,13 +185,10 @@ def cross_entropy(
 
     Returns a float32 loss (0-d for ``mean``/``sum``, the target's shape for ``none``). The forward keeps
     only per-row statistics; the backward recomputes the gradient from the saved logits (never
-    modified) in their dtype. Eager calls on logits of up to 2^24 elements without ``weight`` or
-    ``softcap`` keep the fp32 gradient term instead of the logits and record C++ backward nodes, with the
-    same bytes (docs/dispatch.md#recorded-backward; their gradient is not differentiable, a
-    ``.backward()`` through it raises). Masked-safe: ``-inf`` logits anywhere (also whole leading
-    blocks) are exact; an all ``-inf`` row gives NaN like PyTorch. Ignored rows give loss 0 and gradient
-    0 (also all ``-inf`` ones). A target outside ``[0, C)`` other than ``ignore_index`` gives a NaN loss
-    and NaN gradient row (checked on device, no host sync). The mean over no valid row is NaN, as torch.
+    modified) in their dtype. Masked-safe: ``-inf`` logits anywhere (also whole leading blocks) are exact;
+    an all ``-inf`` row gives NaN like PyTorch. Ignored rows give loss 0 and gradient 0 (also all ``-inf``
+    ones). A target outside ``[0, C)`` other than ``ignore_index`` gives a NaN loss and NaN gradient row
+    (checked on device, no host sync). The mean over no valid row is NaN, as torch.
 
     ``process_group``: vocabulary-parallel loss (:mod:`lowp_ops.distributed`). Each rank passes the logits
     of its equal-width vocabulary shard (rank order) and the same global targets; every rank returns the

@@ -16,7 +16,6 @@ from collections.abc import Callable
 
 import torch
 
-from . import recorded
 from .composite import grouped_linear as grouped_linear_impl
 from .meta import cross_entropy as ce_meta
 from .meta import grouped_mm as grouped_mm_meta
@@ -1036,83 +1035,7 @@ def cross_entropy_loss(
     args = (logits, target, label_smoothing, ignore_index, weight, z_loss, softcap)
     if overwrite_logits:
         return _CrossEntropyOverwrite.apply(*args, reduction)
-    if _records_backward(logits, target, weight, softcap):
-        return _cross_entropy_recorded(logits, target, label_smoothing, ignore_index, reduction, z_loss)
     if reduction == "none":
         return cross_entropy_fwd(*args)
     loss, _, stats = cross_entropy_reduced(*args[:4], reduction == "mean", *args[4:])
     return loss, stats
-
-
-# Logits of up to this many elements take the recorded backward eagerly. Its forward writes the fp32
-# gradient term (4 bytes an element, kept until the backward) and its backward moves 12 bytes an element
-# more than the kernel's: at 2^24 elements ~60 us of H200 time, below the ~150-400 us of host time a
-# Python backward node costs there; larger logits are GPU-bound and keep the kernels' backward.
-RECORDED_BACKWARD_MAX_ELEMENTS = 1 << 24
-
-
-def _records_backward(logits, target, weight, softcap) -> bool:
-    """Whether an eager call takes :func:`_cross_entropy_recorded`: a gradient is needed, nothing traces
-    the call, no class weights or soft-capping (their gradients are not one product of a saved term), and
-    the logits are at most :data:`RECORDED_BACKWARD_MAX_ELEMENTS` elements on a CUDA or CPU device."""
-    return (
-        weight is None
-        and softcap == 0.0
-        and logits.requires_grad
-        and torch.is_grad_enabled()
-        and logits.numel() <= RECORDED_BACKWARD_MAX_ELEMENTS
-        and (logits.is_cuda or logits.is_cpu)
-        and recorded.available()
-        and eager_call_allowed((logits, target))
-    )
-
-
-def _cross_entropy_recorded(logits, target, label_smoothing, ignore_index, reduction, z_loss):
-    """The eager cross entropy whose backward is C++ autograd nodes (:mod:`lowp_ops.recorded`): the
-    forward's kernels (``cross_entropy_fwd`` / ``cross_entropy_reduced``) and the fp32 gradient term for a
-    row factor of 1 (the backward kernel's values before its last product); the backward multiplies the
-    term by each row's factor ``grad_loss * grad_scale`` in fp32 and rounds once: the bytes of
-    ``cross_entropy_bwd``'s ``round(term * factor)``. An ignored row's factor is recorded as +0 (the
-    kernel writes +0 there whatever the factor: also for a negative or non-finite ``grad_loss`` and the
-    mean over no valid row, whose scale is inf)."""
-    plain = logits.detach()
-    ignored = target == ignore_index
-    if reduction == "none":
-        loss_rows, stats = cross_entropy_fwd(plain, target, label_smoothing, ignore_index, None, z_loss)
-        term = _gradient_term(plain, target, stats, label_smoothing, ignore_index, z_loss)
-        return recorded.rows_times_term(logits, term, ignored, loss_rows, "cross_entropy"), stats
-    mean = reduction == "mean"
-    loss, grad_scale, stats = cross_entropy_reduced(
-        plain, target, label_smoothing, ignore_index, mean, None, z_loss
-    )
-    term = _gradient_term(plain, target, stats, label_smoothing, ignore_index, z_loss)
-    if not mean:  # the sum's scale is 1: the factor is grad_loss itself
-        return recorded.total_times_term(logits, term, ignored, loss, "cross_entropy"), stats
-    return recorded.scaled_total_times_term(logits, term, ignored, grad_scale, loss, "cross_entropy"), stats
-
-
-_UNIT_ROW_FACTORS: dict[torch.device, torch.Tensor] = {}
-
-
-def _unit_row_factors(like: torch.Tensor, rows: int) -> torch.Tensor:
-    """fp32 ones (rows,) on ``like``'s device, a stride-0 view of one cached element (made outside any
-    CUDA-graph capture, so that it outlives one)."""
-    one = _UNIT_ROW_FACTORS.get(like.device)
-    if one is None:
-        one = torch.ones((1,), dtype=torch.float32, device=like.device)
-        if not (like.is_cuda and torch.cuda.is_current_stream_capturing()):
-            _UNIT_ROW_FACTORS[like.device] = one
-    return one.expand(rows)
-
-
-def _gradient_term(logits, target, stats, label_smoothing, ignore_index, z_loss) -> torch.Tensor:
-    """fp32 (N, V): ``cross_entropy_bwd``'s gradient for a row factor of 1, before its rounding to the
-    logits' dtype (the kernel's values, or the reference's on the CPU)."""
-    ones = _unit_row_factors(logits, logits.shape[0])
-    if logits.is_cuda or cpu_runs_triton():
-        return cross_entropy_bwd.launcher()(
-            logits, target, stats, ones, label_smoothing, ignore_index, 0, 0, None, z_loss, 0.0, fp32_out=True
-        )
-    return ce_ref.cross_entropy_grad_fp32(
-        logits, target, stats, ones, label_smoothing, ignore_index, 0, 0, None, z_loss
-    )

@@ -28,7 +28,6 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 import lowp_ops
-from lowp_ops import library
 from lowp_ops.reference.cross_entropy import cross_entropy_fwd as reference_fwd
 from lowp_ops.reference.cross_entropy import cross_entropy_grad_fp32 as reference_grad_fp32
 
@@ -306,29 +305,16 @@ def test_out_of_range_target_gives_nan_loss_and_nan_grad_row():
 # --------------------------------------------------------------------------- memory: what is saved
 
 
-@pytest.fixture
-def kernel_backward(monkeypatch):
-    """Eager calls take the kernels' backward (a Python node) at any size, as logits above
-    ``RECORDED_BACKWARD_MAX_ELEMENTS`` do."""
-    monkeypatch.setattr(library, "RECORDED_BACKWARD_MAX_ELEMENTS", -1)
-
-
-def _saved_by_a_call(reduction: str, n_rows: int, n_cols: int) -> tuple[torch.Tensor, torch.Tensor, list]:
-    """(bf16 logits (3, n_rows / 3, n_cols) that require grad, their loss, the tensors autograd saved)."""
-    logits = torch.randn(3, n_rows // 3, n_cols).to(torch.bfloat16).requires_grad_()
-    target = torch.randint(0, n_cols, (3, n_rows // 3))
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_backward_saves_only_logits_target_and_row_stats(reduction):
+    n_rows, n_cols = 15, 301
+    logits = torch.randn(3, 5, n_cols).to(torch.bfloat16).requires_grad_()
+    target = torch.randint(0, n_cols, (3, 5))
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         loss = lowp_ops.cross_entropy(
             logits, target, reduction=reduction, label_smoothing=0.1, classes_last=True
         )
-    return logits, loss, saved
-
-
-@pytest.mark.parametrize("reduction", REDUCTIONS)
-def test_backward_saves_only_logits_target_and_row_stats(reduction, kernel_backward):
-    n_rows, n_cols = 15, 301
-    logits, loss, saved = _saved_by_a_call(reduction, n_rows, n_cols)
     big = [t for t in saved if t.numel() >= n_rows * n_cols]
     assert len(big) == 1, f"expected only the logits to be saved at full size, got {[t.shape for t in big]}"
     assert big[0].dtype == torch.bfloat16 and big[0].data_ptr() == logits.data_ptr(), "logits copied"
@@ -431,123 +417,7 @@ def test_te_non_contiguous_transposed_input():
     torch.testing.assert_close(strided.grad, dense.grad)
 
 
-@pytest.mark.parametrize("reduction", REDUCTIONS)
-def test_recorded_backward_saves_the_fp32_term_and_not_the_logits(reduction):
-    """Eager calls up to ``RECORDED_BACKWARD_MAX_ELEMENTS`` record C++ nodes: the one full-size tensor
-    saved is the fp32 gradient term (the logits are not kept), and the backward has no Python node."""
-    n_rows, n_cols = 15, 301
-    logits, loss, saved = _saved_by_a_call(reduction, n_rows, n_cols)
-    big = [t for t in saved if t.numel() >= n_rows * n_cols]
-    assert [(t.dtype, tuple(t.shape)) for t in big] == [(torch.float32, (n_rows, n_cols))]
-    assert not any(t.data_ptr() == logits.data_ptr() for t in saved), "logits saved"
-    nodes, stack = [], [loss.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is not None:
-            nodes.append(type(node).__name__)
-            stack.extend(next_node for next_node, _ in node.next_functions)
-    assert not any(name.startswith("lowp_") or name.endswith("BackwardBackward") for name in nodes), nodes
-    assert "MulBackward0" in nodes
-    loss.sum().backward()
-
-
-def _loss_and_grad_of_schedule(case: Case, recorded: bool, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
-    with monkeypatch.context() as patch:
-        if not recorded:
-            patch.setattr(library, "RECORDED_BACKWARD_MAX_ELEMENTS", -1)
-        return loss_and_grad(case)
-
-
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param("cpu", marks=pytest.mark.interp, id="interp"),
-        pytest.param("cuda", marks=pytest.mark.gpu),
-    ],
-)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("reduction", REDUCTIONS)
-def test_recorded_backward_has_the_kernel_backwards_bytes(reduction, dtype, device, monkeypatch):
-    """The eager recorded backward against the kernels' backward (the traced path's): the same loss and
-    gradient bytes, with ignored rows, an all -inf ignored row, -inf masks, label smoothing, and upstream
-    gradients of both signs (an ignored row stays +0)."""
-    case = fixed_mxfp8_case(dtype=dtype, reduction=reduction)
-    logits, target = case.logits.to(device), case.target.to(device)
-    for grad_loss in (case.grad_loss, -case.grad_loss, case.grad_loss * 3.7):
-        this = Case(logits, target, grad_loss.to(device), case.label_smoothing, case.ignore_index, reduction)
-        want_loss, want_grad = _loss_and_grad_of_schedule(this, False, monkeypatch)
-        loss, grad = _loss_and_grad_of_schedule(this, True, monkeypatch)
-        assert torch.equal(bits(loss), bits(want_loss))
-        assert torch.equal(bits(grad), bits(want_grad))
-
-
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_recorded_backward_of_rows_all_ignored_is_zero(reduction):
-    """The mean over no valid row is NaN; its gradient is +0 everywhere, as the kernels' (whose scale, inf,
-    multiplies no row), also for a negative upstream gradient."""
-    logits = torch.randn(4, 10, dtype=torch.bfloat16, requires_grad=True)
-    loss = lowp_ops.cross_entropy(logits, torch.full((4,), -100), reduction=reduction)
-    assert loss.isnan() if reduction == "mean" else loss == 0
-    loss.backward(torch.tensor(-2.0))
-    assert torch.equal(bits(logits.grad), bits(torch.zeros_like(logits)))
-
-
-@pytest.mark.parametrize("wrap", ["saved_tensors_hooks", "checkpoint", "checkpoint_reentrant"])
-def test_recorded_backward_under_saved_tensor_hooks_and_checkpointing(wrap):
-    """Saved-tensor hooks that call the same aten ops as the recording (a ``mul`` on every saved tensor)
-    and activation checkpointing (which re-runs the forward in the backward) give the same bytes."""
-    logits = torch.randn(16, 100, dtype=torch.bfloat16)
-    target = torch.randint(0, 100, (16,))
-    target[3] = -100
-
-    def loss_of(x):
-        return lowp_ops.cross_entropy(x * 2, target, label_smoothing=0.1)
-
-    def grad_of(run):
-        leaf = logits.clone().requires_grad_()
-        run(leaf).backward(torch.tensor(0.7))
-        return leaf.grad
-
-    want = grad_of(loss_of)
-    if wrap == "saved_tensors_hooks":
-
-        def pack(t):
-            return t.clone() if t.dtype == torch.bool else (t * 1).to(t.dtype)
-
-        def run(x):
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                return loss_of(x)
-    else:
-        reentrant = wrap == "checkpoint_reentrant"
-
-        def run(x):
-            return torch.utils.checkpoint.checkpoint(loss_of, x, use_reentrant=reentrant)
-
-    assert torch.equal(bits(grad_of(run)), bits(want))
-
-
-def test_recorded_backward_under_compile_and_no_grad_takes_the_op():
-    """Traced calls (torch.compile) and calls without a gradient run the registered op; their results
-    equal the eager recorded call's."""
-    logits = torch.randn(8, 50, dtype=torch.bfloat16)
-    target = torch.randint(0, 50, (8,))
-    eager_in = logits.clone().requires_grad_()
-    eager = lowp_ops.cross_entropy(eager_in, target, label_smoothing=0.2)
-    eager.backward(torch.tensor(0.3))
-    compiled_in = logits.clone().requires_grad_()
-    compiled = torch.compile(
-        lambda x: lowp_ops.cross_entropy(x, target, label_smoothing=0.2), backend="aot_eager", fullgraph=True
-    )(compiled_in)
-    compiled.backward(torch.tensor(0.3))
-    assert torch.equal(bits(compiled), bits(eager)) and torch.equal(
-        bits(compiled_in.grad), bits(eager_in.grad)
-    )
-    with torch.no_grad():
-        assert torch.equal(bits(lowp_ops.cross_entropy(logits, target, label_smoothing=0.2)), bits(eager))
-
-
-def test_te_bfloat16_unreduced_external_grad_is_rounded_once(kernel_backward):
+def test_te_bfloat16_unreduced_external_grad_is_rounded_once():
     """bf16 zero logits, one ignored row, a per-token upstream gradient: the bf16 gradient is exactly
     bf16(fp32 gradient with the upstream gradient applied), i.e. rounded once
     (docs/cross_entropy.md#loss-and-gradient)."""

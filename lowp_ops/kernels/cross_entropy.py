@@ -570,29 +570,26 @@ def launch_cross_entropy_bwd(
     *,
     out: torch.Tensor | None = None,
     by_row: bool | None = None,
-    fp32_out: bool = False,
 ) -> torch.Tensor:
     """``lowp::cross_entropy_bwd``. ``out``: where to write dlogits; may be ``logits`` itself when it is
     contiguous (each program reads its block before writing it), which the LM-head loss uses. ``by_row``:
     force (True, contiguous logits only) or forbid the row-segment kernel; None:
-    :func:`aligned_row_programs` decides. ``fp32_out``: return the fp32 gradient before its rounding to
-    the logits' dtype (a new tensor; not with ``out``). From a plan per specialization
-    (:data:`_BWD_PLANS`)."""
+    :func:`aligned_row_programs` decides. From a plan per specialization (:data:`_BWD_PLANS`)."""
     out_key = None if out is None else (out is logits, out.shape, out.stride(), out.dtype, out.device)
     key = (
         logits.shape, logits.stride(), logits.dtype, logits.device, target.shape, target.stride(),
         target.dtype, stats.shape, stats.stride(), stats.dtype, grad_rows.shape, grad_rows.stride(),
         grad_rows.dtype, label_smoothing, ignore_index, vocab_start, vocab_total, tensor_key(weight), z_loss,
-        softcap, out_key, by_row, fp32_out,
+        softcap, out_key, by_row,
     )  # fmt: skip
     args = (logits, target, stats, grad_rows, label_smoothing, ignore_index, vocab_start, vocab_total, weight)
-    plan = _BWD_PLANS.get(key, _bwd_plan, *args, z_loss, softcap, out, by_row, fp32_out)
+    plan = _BWD_PLANS.get(key, _bwd_plan, *args, z_loss, softcap, out, by_row)
     return plan(logits, target, stats, grad_rows, weight, out)
 
 
 def _bwd_plan(
     logits, target, stats, grad_rows, label_smoothing, ignore_index, vocab_start, vocab_total, weight, z_loss,
-    softcap, out, by_row, fp32_out=False,
+    softcap, out, by_row,
 ):  # fmt: skip
     """:func:`launch_cross_entropy_bwd` for arguments of these layouts and values: a function of
     ``(logits, target, stats, grad_rows, weight, out)``."""
@@ -600,10 +597,6 @@ def _bwd_plan(
         logits, target, stats, grad_rows, label_smoothing, ignore_index, vocab_start, vocab_total, weight,
         z_loss, softcap, out,
     )  # fmt: skip
-    require(
-        not (fp32_out and out is not None), lambda: "fp32_out=True allocates its output: out must be None"
-    )
-    out_dtype = torch.float32 if fp32_out else logits.dtype
     aliased = out is not None and out is not logits
 
     def output(logits, out):
@@ -612,7 +605,7 @@ def _bwd_plan(
                 logits, target, stats, grad_rows, label_smoothing, ignore_index, vocab_start, vocab_total,
                 weight, z_loss, softcap, out,
             )  # fmt: skip
-        return logits.new_empty(logits.shape, dtype=out_dtype) if out is None else out
+        return logits.new_empty(logits.shape) if out is None else out
 
     rows, n_cols = logits.shape
     if rows == 0 or n_cols == 0:
