@@ -540,6 +540,23 @@ def test_nvfp4_hidden_size_not_a_multiple_of_16_raises_naming_it(checks):
     assert lowp_ops.grouped_swiglu_mlp(x, fc1, fc2, split_sizes, probs, recipe="bf16").shape == (48, 24)
 
 
+@pytest.mark.parametrize("suite", ["cpu", pytest.param("interp", marks=pytest.mark.interp)])
+@pytest.mark.parametrize("n", [24, 40, 64])
+def test_mxfp8_dgrad_weight_blocks_are_each_experts_own(n, suite):
+    """The MXFP8 recipe's dgrad weight is each expert's (N, K) through its own 32-row blocks along N, as
+    TE quantizes each expert's tensor: with N not a multiple of 32 the stacked (E * N, K) blocks spanned
+    two experts, and an expert 2^16 times larger than its neighbour flushed the neighbour's values."""
+    from lowp_ops import library
+    from lowp_ops.composite.grouped_linear import _mxfp8_dgrad_weight
+
+    weight = torch.randn(3, n, 16, generator=torch.Generator().manual_seed(n)).bfloat16()
+    weight[1] *= 2**16
+    want = torch.stack([library.mxfp8_round_trip(w, "e4m3", False, True)[1] for w in weight])
+    got = _mxfp8_dgrad_weight(weight)
+    assert got.shape == weight.shape and got.is_contiguous()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 def test_nvfp4_token_count_not_divisible_by_16_raises_before_the_forward():
     """40 tokens with split sizes [16, 16] (the last 8 rows in no expert, CUDA's rule): the forward ran
     and the backward raised; refused at the call now."""

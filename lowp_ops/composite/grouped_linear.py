@@ -13,9 +13,10 @@ noted.
 - ``bf16``: no quantization.
 - ``mxfp8`` (E4M3 everywhere, as TE's MXFP8BlockScaling): each GEMM operand quantized along its
   contraction dim: row-wise copies for x, w, dy in fprop/dgrad inputs, column-wise (32-row blocks) for w
-  in dgrad and for dy, x in wgrad. 32-blocks never straddle experts when the split sizes are multiples
-  of 32 (the column-wise ones run along tokens); then the whole-tensor quantization equals TE's
-  per-expert one. E4M3 x 2^k dequantizes exactly to bf16.
+  in dgrad and for dy, x in wgrad. w's dgrad blocks are each expert's own (``_mxfp8_dgrad_weight``); the
+  column-wise blocks of dy and x run along tokens and never straddle experts when the split sizes are
+  multiples of 32: then the whole-tensor quantization equals TE's per-expert one. E4M3 x 2^k
+  dequantizes exactly to bf16.
 - ``nvfp4``: TE's NVFP4 recipe (RHT on the wgrad operands, 16x16 weights, global scales applied to
   the GEMM outputs), see :mod:`lowp_ops.composite.grouped_nvfp4`.
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from ..formats import MXFP8_BLOCK_SIZE
 from ..meta.grouped_mm import (
     check_grouped_linear,
     check_grouped_linear_bwd,
@@ -62,6 +64,19 @@ def _mxfp8_both(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _flat(weight: torch.Tensor) -> torch.Tensor:
     return weight.reshape(-1, weight.shape[-1])
+
+
+def _mxfp8_dgrad_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The weights (E, N, K) through MXFP8 blocks of 32 along N within each expert (dgrad contracts over
+    N), as TE quantizes each expert's tensor. With N a multiple of 32 the column-wise blocks of the
+    stacked (E * N, K) rows are those blocks; otherwise a block would span two experts (one expert's
+    large weights flushing the other's), so each expert's rows go through the row-wise blocks of its
+    transpose (a partial last block per expert), at the cost of two copies."""
+    experts, n, k = weight.shape
+    if n % MXFP8_BLOCK_SIZE == 0:
+        return _mxfp8_dequantized(_flat(weight), "columnwise").view(weight.shape)
+    per_expert_rows = weight.transpose(1, 2).reshape(experts * k, n)
+    return _mxfp8_dequantized(per_expert_rows, "rowwise").view(experts, k, n).transpose(1, 2).contiguous()
 
 
 def linear_fprop(
@@ -123,7 +138,7 @@ def linear_backward(
     del x
     dweight = registry().grouped_mm(grad_col.t(), x_col, offs, True)
     del grad_col, x_col
-    w_col = _mxfp8_dequantized(_flat(weight), "columnwise").view(weight.shape)
+    w_col = _mxfp8_dgrad_weight(weight)
     return registry().grouped_mm(grad_row, w_col, dgrad_offs, True, extended), dweight
 
 
