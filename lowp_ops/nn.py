@@ -9,7 +9,7 @@ import torch
 from .functional import rms_norm
 from .losses import CrossEntropyLoss, LinearCrossEntropyLoss
 from .meta.checks import check_int, require
-from .meta.grouped_mm import NVFP4_SPLIT_MULTIPLE
+from .meta.grouped_mm import expert_sizes_problem
 from .moe import check_mlp_options, grouped_swiglu_mlp
 
 __all__ = ["CrossEntropyLoss", "GroupedSwiGLUMLP", "LinearCrossEntropyLoss", "RMSNorm"]
@@ -41,14 +41,8 @@ class GroupedSwiGLUMLP(torch.nn.Module):
         for value, name in ((num_experts, "num_experts"), (hidden, "hidden"), (ffn, "ffn")):
             check_int(value, name)
             require(value > 0, lambda value=value, name=name: f"{name} must be positive, got {value}")
-        multiple = NVFP4_SPLIT_MULTIPLE if recipe == "nvfp4" else 8  # 16-byte GEMM rows; nvfp4 16x16 blocks
-        require(
-            hidden % multiple == 0 and ffn % 8 == 0,
-            lambda: (
-                "hidden and ffn must be multiples of 8 (hidden of 16 for recipe='nvfp4'), got "
-                f"hidden={hidden}, ffn={ffn}"
-            ),
-        )
+        problem = expert_sizes_problem(hidden, ffn, recipe)
+        require(problem is None, lambda: problem)
         if dtype != torch.bfloat16:  # the grouped GEMMs take bf16 operands, whatever the recipe
             raise ValueError(
                 f"dtype must be torch.bfloat16 (the experts' grouped GEMMs take bf16), got {dtype}"

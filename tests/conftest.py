@@ -103,8 +103,6 @@ def spy_launchers(monkeypatch) -> list[str]:
                 monkeypatch.setattr(
                     module,
                     name,
-                    lambda *args, _launch=launcher, _name=name, **kwargs: (
-                        calls.append(_name) or _launch(*args, **kwargs)
-                    ),
+                    lambda *args, _launch=launcher, _name=name: calls.append(_name) or _launch(*args),
                 )
     return calls

@@ -125,6 +125,20 @@ def check_grouped_linear(
     check_split_size_values(split_sizes, x.shape[0], multiple=multiple, why="the nvfp4 recipe")
 
 
+def expert_sizes_problem(hidden: int, ffn: int, recipe: str) -> str | None:
+    """Why experts of ``hidden`` and ``ffn`` sizes cannot run ``recipe`` (None if they can): both are
+    multiples of ``GEMM_ALIGNMENT`` (16-byte GEMM rows), hidden of ``NVFP4_SPLIT_MULTIPLE`` for nvfp4 (FC2's
+    16x16 weight blocks, :func:`check_nvfp4_out_features`). For callers that refuse before any call: a
+    module's constructor, the transformers integration before it patches."""
+    multiple = NVFP4_SPLIT_MULTIPLE if recipe == "nvfp4" else GEMM_ALIGNMENT
+    if hidden % multiple == 0 and ffn % GEMM_ALIGNMENT == 0:
+        return None
+    return (
+        f"hidden and ffn must be multiples of {GEMM_ALIGNMENT} (hidden of {NVFP4_SPLIT_MULTIPLE} for "
+        f"recipe='nvfp4'), got hidden={hidden}, ffn={ffn}"
+    )
+
+
 def check_nvfp4_out_features(weight: torch.Tensor, recipe: str, weight_name: str = "weight") -> None:
     """The NVFP4 recipe quantizes all experts' weights (E, N, K) in one call over their stacked rows, in
     16x16 blocks: N must be a multiple of 16, or a block would span two experts (and the rows past the

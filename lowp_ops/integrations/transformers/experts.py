@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ... import grouped_swiglu_mlp
-from ...meta.grouped_mm import NVFP4_SPLIT_MULTIPLE
+from ...meta.grouped_mm import expert_sizes_problem
 from .layers import _as_autocast_would, _silu_classes
 
 EXPERT_RECIPES = ("bf16", "mxfp8", "nvfp4")
@@ -65,11 +65,9 @@ def _supported_experts(model: nn.Module, recipe: str = "bf16") -> list[nn.Module
         raise ValueError(f"experts= was given but {type(model).__name__} has no fused MoE experts module")
     for module in modules:
         reason = _unsupported_reason(module)
-        hidden = module.down_proj.shape[1]
-        if reason is None and recipe == "nvfp4" and hidden % NVFP4_SPLIT_MULTIPLE != 0:
-            reason = (
-                f"experts='nvfp4' needs a hidden size that is a multiple of 16 (16x16 blocks), got {hidden}"
-            )
+        if reason is None:
+            _, hidden, ffn = module.down_proj.shape
+            reason = expert_sizes_problem(hidden, ffn, recipe)
         if reason is not None:
             raise NotImplementedError(
                 f"apply_lowp_ops(experts=...): {type(module).__name__} is not the SwiGLU expert layout of "
