@@ -302,10 +302,11 @@ mxfp8_dequantize = _define(
     mxfp8_meta.mxfp8_dequantize_output,
 )
 
-# The MXFP8 recipe's GEMM operands on GPUs without MXFP8 GEMMs: quantize and dequantize in one pass.
+# The MXFP8 recipe's GEMM operands on GPUs without MXFP8 GEMMs: quantize and dequantize in one pass;
+# group_ends: column-wise blocks within each expert's rows.
 mxfp8_round_trip = _define(
     "mxfp8_round_trip",
-    "(Tensor x, str fp8_dtype, bool rowwise, bool columnwise) -> (Tensor, Tensor)",
+    "(Tensor x, str fp8_dtype, bool rowwise, bool columnwise, Tensor? group_ends=None) -> (Tensor, Tensor)",
     mxfp8_ref.mxfp8_round_trip,
     "mxfp8.launch_mxfp8_round_trip",
     mxfp8_meta.mxfp8_round_trip_outputs,

@@ -49,8 +49,8 @@ def grouped_swiglu_mlp(
         probs: (T,) or (T, 1) fp32 or bf16 router probabilities, multiplied after the activation, before
             FC2.
         recipe: ``"bf16"``, ``"mxfp8"`` or ``"nvfp4"`` (emulated with bf16 grouped GEMMs on Hopper; see
-            :mod:`lowp_ops.composite.grouped_linear`). MXFP8 wants split sizes that are multiples of 32,
-            NVFP4 of 16.
+            :mod:`lowp_ops.composite.grouped_linear`). MXFP8 takes any split sizes (its 32-blocks
+            restart at each expert), NVFP4 multiples of 16.
         fc1_dy_amax_from_dglu: nvfp4 only: the FC1 gradient's NVFP4 amaxes come from the dGLU epilogue
             (row-wise ``bf16(amax)``, column-wise ``4 x`` that) instead of an amax pass.
         glu_interleave_size: None or 32.

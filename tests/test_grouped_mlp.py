@@ -557,6 +557,31 @@ def test_mxfp8_dgrad_weight_blocks_are_each_experts_own(n, suite):
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
+@pytest.mark.parametrize("suite", ["cpu", pytest.param("interp", marks=pytest.mark.interp)])
+def test_mxfp8_wgrad_blocks_are_each_experts_own(suite):
+    """The MXFP8 recipe's weight gradient contracts each expert's column-wise copies of dy and x, whose
+    32-row blocks are that expert's tokens only (as TE quantizes each expert's tensor), for split sizes
+    that are not multiples of 32 and a tail of no expert: with blocks along the whole token dim, expert
+    1's tokens (2^16 larger) shared blocks with experts 0 and 2 and flushed their values."""
+    gen = torch.Generator().manual_seed(5)
+    sizes, tokens, n, k = [20, 45, 25], 100, 40, 32
+    x = torch.randn(tokens, k, generator=gen).bfloat16()
+    dy = torch.randn(tokens, n, generator=gen).bfloat16()
+    x[20:65] *= 2**16
+    dy[20:65] *= 2**16
+    weight = torch.randn(3, n, k, generator=gen).bfloat16()
+    _, dweight = grouped_linear.linear_backward(dy, x, weight, torch.tensor(sizes), "mxfp8")
+    starts = [0, 20, 65, 90]
+    for expert in range(3):
+        rows = slice(starts[expert], starts[expert + 1])
+        x_col = library.mxfp8_round_trip(x[rows], "e4m3", False, True)[1]
+        dy_col = library.mxfp8_round_trip(dy[rows], "e4m3", False, True)[1]
+        want = dy_col.double().t() @ x_col.double()
+        torch.testing.assert_close(
+            dweight[expert].double(), want, rtol=2**-7, atol=2**-7 * want.abs().max().item()
+        )
+
+
 def test_nvfp4_token_count_not_divisible_by_16_raises_before_the_forward():
     """40 tokens with split sizes [16, 16] (the last 8 rows in no expert, CUDA's rule): the forward ran
     and the backward raised; refused at the call now."""

@@ -9,6 +9,7 @@ never by calling the code under test.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import struct
 from fractions import Fraction
@@ -955,6 +956,34 @@ def test_round_trip_is_idempotent_and_within_half_an_fp8_step(fp8_dtype, dtype):
         assert ((values - original).abs() <= bound).all()
 
 
+@pytest.mark.parametrize(
+    "ends", [[20, 65, 65, 90], [32, 64], [0, 0], [90], [], [70, 10, 120], [-5, 33]], ids=str
+)
+def test_grouped_round_trip_blocks_each_group_as_its_own_tensor(ends):
+    """With ``group_ends`` the column-wise copy of each group of rows (the effective ends: running
+    maximum clamped to [0, rows], then the rows past the last end) is that group's own column-wise round
+    trip, bit for bit; the row-wise copy does not change. Groups 2^20 apart in magnitude: a 32-row block
+    shared by two groups flushes the smaller one's values (checked against the ungrouped copy)."""
+    rows = 100
+    gen = torch.Generator().manual_seed(len(ends))
+    x = torch.randn(rows, 48, generator=gen).bfloat16()
+    effective = [0]
+    for end in ends:
+        effective.append(min(max(end, effective[-1]), rows))
+    effective.append(rows)
+    groups = [(start, stop) for start, stop in itertools.pairwise(effective) if stop > start]
+    for group, (start, stop) in enumerate(groups):
+        x[start:stop] *= 2.0 ** (20 * (group % 2))
+    row, col = torch.ops.lowp.mxfp8_round_trip(x, "e4m3", True, True, torch.tensor(ends, dtype=torch.int32))
+    assert torch.equal(row, torch.ops.lowp.mxfp8_round_trip(x, "e4m3", True, False)[0])
+    for start, stop in groups:
+        own = torch.ops.lowp.mxfp8_round_trip(x[start:stop], "e4m3", False, True)[1]
+        assert torch.equal(col[start:stop].view(torch.int16), own.view(torch.int16)), (start, stop)
+    shared_blocks = any(start % 32 for start, _ in groups)
+    ungrouped = torch.ops.lowp.mxfp8_round_trip(x, "e4m3", False, True)[1]
+    assert torch.equal(col, ungrouped) != shared_blocks
+
+
 def test_round_trip_op_checks_its_arguments_and_passes_opcheck():
     x = torch.randn(40, 70)
     with pytest.raises(ValueError, match="at least one of rowwise and columnwise"):
@@ -964,3 +993,8 @@ def test_round_trip_op_checks_its_arguments_and_passes_opcheck():
     row, col = torch.ops.lowp.mxfp8_round_trip(x, "e4m3", True, False)
     assert row.shape == x.shape and col.numel() == 0
     torch.library.opcheck(torch.ops.lowp.mxfp8_round_trip.default, (x.bfloat16(), "e5m2", True, True))
+    ends = torch.tensor([7, 33], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.lowp.mxfp8_round_trip.default, (x, "e4m3", True, True, ends))
+    for wrong in (ends.long(), ends.view(1, 2)):
+        with pytest.raises(ValueError, match="group_ends must be"):
+            torch.ops.lowp.mxfp8_round_trip(x, "e4m3", False, True, wrong)

@@ -13,10 +13,11 @@ noted.
 - ``bf16``: no quantization.
 - ``mxfp8`` (E4M3 everywhere, as TE's MXFP8BlockScaling): each GEMM operand quantized along its
   contraction dim: row-wise copies for x, w, dy in fprop/dgrad inputs, column-wise (32-row blocks) for w
-  in dgrad and for dy, x in wgrad. w's dgrad blocks are each expert's own (``_mxfp8_dgrad_weight``); the
-  column-wise blocks of dy and x run along tokens and never straddle experts when the split sizes are
-  multiples of 32: then the whole-tensor quantization equals TE's per-expert one. E4M3 x 2^k
-  dequantizes exactly to bf16.
+  in dgrad and for dy, x in wgrad. Every block is one expert's, as when TE quantizes each expert's
+  tensor: w's dgrad blocks through ``_mxfp8_dgrad_weight``; the column-wise blocks of dy and x run
+  along tokens and restart at each expert's first row (``mxfp8_round_trip``'s ``group_ends``), an
+  expert's last block partial when its split size is not a multiple of 32. E4M3 x 2^k dequantizes
+  exactly to bf16.
 - ``nvfp4``: TE's NVFP4 recipe (RHT on the wgrad operands, 16x16 weights, global scales applied to
   the GEMM outputs), see :mod:`lowp_ops.composite.grouped_nvfp4`.
 
@@ -49,17 +50,18 @@ def group_ends(split_sizes: torch.Tensor, rows: int, with_extended: bool = False
     return registry().group_ends(split_sizes, rows, with_extended)
 
 
-def _mxfp8_dequantized(t: torch.Tensor, use: str) -> torch.Tensor:
+def _mxfp8_dequantized(t: torch.Tensor, use: str, ends: torch.Tensor | None = None) -> torch.Tensor:
     """``t`` (R, C) through MXFP8 E4M3 and back to bf16: 1x32 blocks along C (``rowwise``) or 32x1 along
-    R (``columnwise``), one kernel (``lowp::mxfp8_round_trip``)."""
+    R (``columnwise``; with ``ends``, the experts' group ends, blocks within each expert's rows), one
+    kernel (``lowp::mxfp8_round_trip``)."""
     rowwise = use == "rowwise"
-    row, col = registry().mxfp8_round_trip(t, "e4m3", rowwise, not rowwise)
+    row, col = registry().mxfp8_round_trip(t, "e4m3", rowwise, not rowwise, ends)
     return row if rowwise else col
 
 
-def _mxfp8_both(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row-wise and column-wise MXFP8 round trips of ``t`` from one read."""
-    return registry().mxfp8_round_trip(t, "e4m3", True, True)
+def _mxfp8_both(t: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise and column-wise (within each expert's rows) MXFP8 round trips of ``t`` from one read."""
+    return registry().mxfp8_round_trip(t, "e4m3", True, True, ends)
 
 
 def _flat(weight: torch.Tensor) -> torch.Tensor:
@@ -133,8 +135,8 @@ def linear_backward(
         dweight = registry().grouped_mm(grad.t(), x, offs, True)
         del x
         return registry().grouped_mm(grad, weight, dgrad_offs, True, extended), dweight
-    grad_row, grad_col = _mxfp8_both(grad)
-    x_col = _mxfp8_dequantized(x, "columnwise")
+    grad_row, grad_col = _mxfp8_both(grad, offs)
+    x_col = _mxfp8_dequantized(x, "columnwise", offs)
     del x
     dweight = registry().grouped_mm(grad_col.t(), x_col, offs, True)
     del grad_col, x_col
@@ -229,7 +231,7 @@ def grouped_swiglu_mlp_backward(
     rows of ``dc``."""
     c = activations.pop()
     offs, dgrad_offs = (ends, None) if recipe == "nvfp4" else (ends[0], ends[1])
-    # The forward's h, bit for bit (rows of no expert +0 as there: MXFP8's 32-row column blocks see them).
+    # The forward's h, bit for bit (rows of no expert +0 as there).
     h = registry().swiglu_fwd(c, fc1_probs(probs, recipe), interleave, None if recipe == "nvfp4" else offs)
     handed = [h]
     del h  # linear_backward holds the only reference and drops it after FC2's weight gradient

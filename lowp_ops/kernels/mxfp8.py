@@ -530,6 +530,32 @@ def mxfp8_dequantize_kernel(
     tl.store(out_ptrs, to_dtype_rne(out, out_ptr.dtype.element_ty), mask=in_bounds)
 
 
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def group_block_rows(row_block, ends_ptr, n_ends, rows, BLOCK_GROUPS: tl.constexpr):
+    """(first row, end row) of the ``row_block``-th 32-row block when each group of rows starts a new
+    block (``reference.mxfp8.group_block_rows``): the groups end at the running maximum of the ends
+    clamped to [0, rows], then at ``rows``; past the last block, an empty range."""
+    g = tl.arange(0, BLOCK_GROUPS)
+    # start of group g = end of group g - 1, read one index back (0 for the first, rows past the ends)
+    ends = tl.load(ends_ptr + g, mask=g < n_ends, other=rows)
+    starts = tl.load(ends_ptr + g - 1, mask=(g >= 1) & (g <= n_ends), other=0)
+    starts = tl.where(g > n_ends, rows, starts)
+    ends = tl.associative_scan(tl.minimum(tl.maximum(ends, 0), rows), 0, _maximum)
+    starts = tl.associative_scan(tl.minimum(tl.maximum(starts, 0), rows), 0, _maximum)
+    blocks = (ends - starts + 31) // 32
+    last_block = tl.cumsum(blocks, 0)  # one past each group's last block
+    group = tl.sum((last_block <= row_block).to(tl.int32), 0)
+    mine = g == group
+    first_block = tl.sum(tl.where(mine, last_block - blocks, 0), 0)
+    first_row = tl.sum(tl.where(mine, starts, 0), 0) + (row_block - first_block) * 32
+    return first_row, tl.sum(tl.where(mine, ends, 0), 0)
+
+
 @cached_launch
 @triton.jit
 def mxfp8_round_trip_kernel(
@@ -539,6 +565,8 @@ def mxfp8_round_trip_kernel(
     cols,
     row_out_ptr,
     col_out_ptr,
+    ends_ptr,
+    n_ends,
     BLOCK_COLS: tl.constexpr,
     FP8_MAX: tl.constexpr,
     MAX_RCP: tl.constexpr,
@@ -546,25 +574,32 @@ def mxfp8_round_trip_kernel(
     ROWWISE: tl.constexpr,
     COLWISE: tl.constexpr,
     EVEN: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
 ):
     """One program: a 32 x BLOCK_COLS tile read once, each requested copy quantized in registers as the
     quantize kernel does and multiplied back by its scale as the dequantize kernel does (neither the
-    FP8 data nor the scales touch memory), stored in the output's dtype."""
+    FP8 data nor the scales touch memory), stored in the output's dtype. BLOCK_GROUPS > 0: the tile's
+    rows are the ``row_block``-th block of :func:`group_block_rows` (the grid has a block more per
+    group), so that no column-wise block spans two groups."""
     row_block, col_tile = tile_coords(cols, BLOCK_COLS)
-    rows_idx = row_block * 32 + tl.arange(0, 32)
+    if BLOCK_GROUPS > 0:
+        first_row, row_end = group_block_rows(row_block, ends_ptr, n_ends, rows, BLOCK_GROUPS)
+    else:
+        first_row, row_end = row_block * 32, rows
+    rows_idx = first_row + tl.arange(0, 32)
     cols_idx = col_tile * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    x = load_tile_fp32(x_ptr, stride_row, rows_idx, cols_idx, rows, cols, EVEN, "")
+    x = load_tile_fp32(x_ptr, stride_row, rows_idx, cols_idx, row_end, cols, EVEN, "")
     if ROWWISE:
         code, data = quantize_rows(x, BLOCK_COLS, FP8_MAX, MAX_RCP, OUT_DTYPE)
         values = tl.reshape(fp8_to_fp32(data) * dequantize_multiplier(code)[:, :, None], [32, BLOCK_COLS])
         values = to_dtype_rne(values, row_out_ptr.dtype.element_ty)
-        store_tile(row_out_ptr, rows_idx, cols_idx, rows, cols, cols, values, EVEN)
+        store_tile(row_out_ptr, rows_idx, cols_idx, row_end, cols, cols, values, EVEN)
     if COLWISE:
         code, data = quantize_columns(x, FP8_MAX, MAX_RCP, OUT_DTYPE)
         values = to_dtype_rne(
             fp8_to_fp32(data) * dequantize_multiplier(code)[None, :], col_out_ptr.dtype.element_ty
         )
-        store_tile(col_out_ptr, rows_idx, cols_idx, rows, cols, cols, values, EVEN)
+        store_tile(col_out_ptr, rows_idx, cols_idx, row_end, cols, cols, values, EVEN)
 
 
 TRITON_FP8 = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
@@ -727,11 +762,12 @@ def launch_mxfp8_dequantize(
 
 
 def launch_mxfp8_round_trip(
-    x: torch.Tensor, fp8_dtype: str, rowwise: bool, columnwise: bool
+    x: torch.Tensor, fp8_dtype: str, rowwise: bool, columnwise: bool, group_ends: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``lowp::mxfp8_round_trip`` on a CUDA (or interpreted CPU) tensor: one read of x, one write per
-    copy (the quantize kernel's tiles and configuration)."""
-    row_out, col_out = mxfp8_round_trip_outputs(x, fp8_dtype, rowwise, columnwise)
+    copy (the quantize kernel's tiles and configuration). ``group_ends``: the column-wise blocks restart
+    at each group (``reference.mxfp8.group_block_rows``), one more tile row per group."""
+    row_out, col_out = mxfp8_round_trip_outputs(x, fp8_dtype, rowwise, columnwise, group_ends)
     rows, cols = flat_2d_dims(x.shape)
     if rows == 0 or cols == 0:
         return row_out, col_out
@@ -739,20 +775,26 @@ def launch_mxfp8_round_trip(
     if x2d.stride(1) != 1:
         x2d = x2d.contiguous()  # row-major tiles only, as launch_mxfp8_quantize
     block_cols, num_warps = quantize_config(cols, rowwise, columnwise)
-    mxfp8_round_trip_kernel[(ceil_div(rows, TILE_ROWS) * ceil_div(cols, block_cols),)](
+    grouped = columnwise and group_ends is not None
+    n_ends = group_ends.numel() if grouped else 0
+    row_blocks = ceil_div(rows, TILE_ROWS) + (n_ends + 1 if grouped else 0)
+    mxfp8_round_trip_kernel[(row_blocks * ceil_div(cols, block_cols),)](
         x2d,
         x2d.stride(0),
         rows,
         cols,
         row_out,
         col_out,
+        group_ends if grouped else x2d,
+        n_ends,
         BLOCK_COLS=block_cols,
         FP8_MAX=FP8_MAX[fp8_dtype],
         MAX_RCP=FP8_MAX_RCP[fp8_dtype],
         OUT_DTYPE=TRITON_FP8[fp8_dtype],
         ROWWISE=rowwise,
         COLWISE=columnwise,
-        EVEN=rows % TILE_ROWS == 0 and cols % block_cols == 0,
+        EVEN=not grouped and rows % TILE_ROWS == 0 and cols % block_cols == 0,
+        BLOCK_GROUPS=next_power_of_2(n_ends + 1) if grouped else 0,
         num_warps=num_warps,
     )
     return row_out, col_out

@@ -229,11 +229,32 @@ def mxfp8_dequantize_output(
     return out
 
 
+def check_group_ends(group_ends: torch.Tensor | None, x: torch.Tensor) -> None:
+    """``group_ends`` of ``lowp::mxfp8_round_trip``: None, or a 1-D int32 tensor on x's device."""
+    if group_ends is None:
+        return
+    require(
+        isinstance(group_ends, torch.Tensor), lambda: f"group_ends must be a tensor, got {type(group_ends)}"
+    )
+    require(
+        group_ends.dim() == 1 and group_ends.dtype == torch.int32,
+        lambda: (
+            f"group_ends must be a 1-D int32 tensor, got {group_ends.dtype} of shape"
+            f" {tuple(group_ends.shape)}"
+        ),
+    )
+    require(
+        group_ends.device == x.device,
+        lambda: f"group_ends must be on x's device ({x.device}), got {group_ends.device}",
+    )
+
+
 def mxfp8_round_trip_outputs(
-    x: torch.Tensor, fp8_dtype: str, rowwise: bool, columnwise: bool
+    x: torch.Tensor, fp8_dtype: str, rowwise: bool, columnwise: bool, group_ends: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(row_values, col_values)``: x's values through the row-wise (1x32 blocks) and the column-wise
     (32x1 blocks) MXFP8 copy and back, in x's shape (contiguous) and dtype; a copy not asked for is a
-    0-element tensor."""
+    0-element tensor. ``group_ends``: see ``reference.mxfp8.group_block_rows``."""
     check_quantize_args(x, fp8_dtype, rowwise, columnwise, "compact")
+    check_group_ends(group_ends, x)
     return tuple(x.new_empty(x.shape if wanted else (0,)) for wanted in (rowwise, columnwise))

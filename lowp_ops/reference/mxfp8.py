@@ -179,12 +179,44 @@ def mxfp8_dequantize(
     return out
 
 
+def group_block_rows(group_ends: torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:
+    """Where each of ``rows`` rows goes when every group's rows start a new 32-row block.
+
+    Groups: the rows ``[end[g-1], end[g])`` for the effective ends ``end`` = the running maximum of
+    ``group_ends`` clamped to ``[0, rows]`` (``end[-1] = 0``), then the rows past the last end as one
+    more group, so that every row is in exactly one group. Returns (int64 (rows,) slots, padded rows):
+    row r's row in a zero-padded buffer of ``padded rows`` rows (a multiple of 32, fixed by ``rows`` and
+    the number of groups) in which each group starts at a multiple of 32. On the device; no host read."""
+    device = group_ends.device
+    ends = torch.cummax(group_ends.long().clamp(0, rows), dim=0).values
+    ends = torch.cat([ends, ends.new_full((1,), rows)])
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    block_rows = (ends - starts + _BLOCK - 1) // _BLOCK * _BLOCK
+    first_slot = torch.cumsum(block_rows, 0) - block_rows
+    row = torch.arange(rows, device=device)
+    group = torch.searchsorted(ends, row, right=True)
+    padded_rows = (-(-rows // _BLOCK) + ends.numel()) * _BLOCK
+    return first_slot[group] + row - starts[group], padded_rows
+
+
 def mxfp8_round_trip(
-    x: torch.Tensor, fp8_dtype: str, rowwise: bool, columnwise: bool
+    x: torch.Tensor, fp8_dtype: str, rowwise: bool, columnwise: bool, group_ends: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of ``lowp::mxfp8_round_trip``: :func:`mxfp8_dequantize` of each copy of
-    :func:`mxfp8_quantize`, to x's dtype (shapes: ``meta.mxfp8.mxfp8_round_trip_outputs``)."""
-    row_out, col_out = mxfp8_round_trip_outputs(x, fp8_dtype, rowwise, columnwise)
+    :func:`mxfp8_quantize`, to x's dtype (shapes: ``meta.mxfp8.mxfp8_round_trip_outputs``).
+
+    ``group_ends`` (int32, E): the column-wise 32-row blocks restart at each group of rows
+    (:func:`group_block_rows`), as quantizing each group (an MoE expert's tokens) as its own tensor does;
+    a group's last block may be partial. The row-wise copy does not depend on it."""
+    row_out, col_out = mxfp8_round_trip_outputs(x, fp8_dtype, rowwise, columnwise, group_ends)
+    if columnwise and group_ends is not None:
+        rows, cols = flat_2d_dims(x.shape)
+        slots, padded_rows = group_block_rows(group_ends, rows)
+        padded = x.new_zeros(padded_rows, cols).index_copy_(0, slots, x.reshape(rows, cols))
+        col_out.copy_(mxfp8_round_trip(padded, fp8_dtype, False, True)[1][slots].view(x.shape))
+        if not rowwise:
+            return row_out, col_out
+        columnwise = False
     row_data, row_scale, col_data, col_scale = mxfp8_quantize(x, fp8_dtype, rowwise, columnwise, "compact")
     if rowwise:
         row_out.copy_(mxfp8_dequantize(row_data, row_scale, fp8_dtype, "rowwise", "compact", x.dtype))
