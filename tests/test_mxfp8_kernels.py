@@ -438,6 +438,22 @@ def test_grouped_round_trip_kernel_equals_the_reference(suite, kernel_device, da
 
 
 @pytest.mark.parametrize("suite", SUITES)
+@pytest.mark.parametrize("copies", sorted(COPIES))
+def test_grouped_round_trip_kernel_on_whole_tiles_equals_the_reference(suite, kernel_device, copies):
+    """Columns in whole tiles, groups of 32-row multiples and not: the kernel's unmasked tiles (32 rows
+    inside their group) and its masked ones give the reference's bits."""
+    rows, cols = (200, 256) if suite == "interp" else (3000, 1024)
+    x = make_input((rows, cols), torch.bfloat16, 11, 0, "contiguous", spread="extreme")
+    group_ends = torch.tensor([64, 70, 70, 133, rows // 2 + 32, rows - 5], dtype=torch.int32)
+    expected = reference.mxfp8_round_trip(x, "e4m3", *COPIES[copies], group_ends)
+    got = kernels.launch_mxfp8_round_trip(
+        x.to(kernel_device), "e4m3", *COPIES[copies], group_ends.to(kernel_device)
+    )
+    for g, e in zip(got, expected, strict=True):
+        assert_same_floats(g, e)
+
+
+@pytest.mark.parametrize("suite", SUITES)
 def test_dequantize_into_a_given_buffer_writes_it_whole_and_checks_it(suite, kernel_device):
     shape = (70, 97) if suite == "interp" else (3000, 2049)
     x = make_input(shape, torch.bfloat16, seed=3, n_special=2, layout="contiguous").to(kernel_device)

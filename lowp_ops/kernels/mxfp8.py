@@ -556,6 +556,40 @@ def group_block_rows(row_block, ends_ptr, n_ends, rows, BLOCK_GROUPS: tl.constex
     return first_row, tl.sum(tl.where(mine, ends, 0), 0)
 
 
+@triton.jit
+def round_trip_tile(
+    x_ptr,
+    stride_row,
+    rows_idx,
+    cols_idx,
+    row_end,
+    cols,
+    row_out_ptr,
+    col_out_ptr,
+    BLOCK_COLS: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MAX_RCP: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    ROWWISE: tl.constexpr,
+    COLWISE: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    """The rows ``rows_idx`` (below ``row_end``) x ``cols_idx`` of x read once, each requested copy
+    quantized in registers and multiplied back by its scale; EVEN: the tile is in bounds."""
+    x = load_tile_fp32(x_ptr, stride_row, rows_idx, cols_idx, row_end, cols, EVEN, "")
+    if ROWWISE:
+        code, data = quantize_rows(x, BLOCK_COLS, FP8_MAX, MAX_RCP, OUT_DTYPE)
+        values = tl.reshape(fp8_to_fp32(data) * dequantize_multiplier(code)[:, :, None], [32, BLOCK_COLS])
+        values = to_dtype_rne(values, row_out_ptr.dtype.element_ty)
+        store_tile(row_out_ptr, rows_idx, cols_idx, row_end, cols, cols, values, EVEN)
+    if COLWISE:
+        code, data = quantize_columns(x, FP8_MAX, MAX_RCP, OUT_DTYPE)
+        values = to_dtype_rne(
+            fp8_to_fp32(data) * dequantize_multiplier(code)[None, :], col_out_ptr.dtype.element_ty
+        )
+        store_tile(col_out_ptr, rows_idx, cols_idx, row_end, cols, cols, values, EVEN)
+
+
 @cached_launch
 @triton.jit
 def mxfp8_round_trip_kernel(
@@ -580,26 +614,29 @@ def mxfp8_round_trip_kernel(
     quantize kernel does and multiplied back by its scale as the dequantize kernel does (neither the
     FP8 data nor the scales touch memory), stored in the output's dtype. BLOCK_GROUPS > 0: the tile's
     rows are the ``row_block``-th block of :func:`group_block_rows` (the grid has a block more per
-    group), so that no column-wise block spans two groups."""
+    group), so that no column-wise block spans two groups; EVEN then says the columns are whole tiles,
+    and a tile of 32 rows in its group skips the masks (H200, T 16384 x 4096 bf16, row+col: 80.3% of
+    copy with masks on every tile, against 90.6% for the whole-tensor blocks)."""
     row_block, col_tile = tile_coords(cols, BLOCK_COLS)
+    cols_idx = col_tile * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     if BLOCK_GROUPS > 0:
         first_row, row_end = group_block_rows(row_block, ends_ptr, n_ends, rows, BLOCK_GROUPS)
+        rows_idx = first_row + tl.arange(0, 32)
+        if EVEN and first_row + 32 <= row_end:
+            round_trip_tile(
+                x_ptr, stride_row, rows_idx, cols_idx, row_end, cols, row_out_ptr, col_out_ptr,
+                BLOCK_COLS, FP8_MAX, MAX_RCP, OUT_DTYPE, ROWWISE, COLWISE, True,
+            )  # fmt: skip
+        else:
+            round_trip_tile(
+                x_ptr, stride_row, rows_idx, cols_idx, row_end, cols, row_out_ptr, col_out_ptr,
+                BLOCK_COLS, FP8_MAX, MAX_RCP, OUT_DTYPE, ROWWISE, COLWISE, False,
+            )  # fmt: skip
     else:
-        first_row, row_end = row_block * 32, rows
-    rows_idx = first_row + tl.arange(0, 32)
-    cols_idx = col_tile * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    x = load_tile_fp32(x_ptr, stride_row, rows_idx, cols_idx, row_end, cols, EVEN, "")
-    if ROWWISE:
-        code, data = quantize_rows(x, BLOCK_COLS, FP8_MAX, MAX_RCP, OUT_DTYPE)
-        values = tl.reshape(fp8_to_fp32(data) * dequantize_multiplier(code)[:, :, None], [32, BLOCK_COLS])
-        values = to_dtype_rne(values, row_out_ptr.dtype.element_ty)
-        store_tile(row_out_ptr, rows_idx, cols_idx, row_end, cols, cols, values, EVEN)
-    if COLWISE:
-        code, data = quantize_columns(x, FP8_MAX, MAX_RCP, OUT_DTYPE)
-        values = to_dtype_rne(
-            fp8_to_fp32(data) * dequantize_multiplier(code)[None, :], col_out_ptr.dtype.element_ty
-        )
-        store_tile(col_out_ptr, rows_idx, cols_idx, row_end, cols, cols, values, EVEN)
+        round_trip_tile(
+            x_ptr, stride_row, row_block * 32 + tl.arange(0, 32), cols_idx, rows, cols, row_out_ptr,
+            col_out_ptr, BLOCK_COLS, FP8_MAX, MAX_RCP, OUT_DTYPE, ROWWISE, COLWISE, EVEN,
+        )  # fmt: skip
 
 
 TRITON_FP8 = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
@@ -793,7 +830,7 @@ def launch_mxfp8_round_trip(
         OUT_DTYPE=TRITON_FP8[fp8_dtype],
         ROWWISE=rowwise,
         COLWISE=columnwise,
-        EVEN=not grouped and rows % TILE_ROWS == 0 and cols % block_cols == 0,
+        EVEN=(grouped or rows % TILE_ROWS == 0) and cols % block_cols == 0,
         BLOCK_GROUPS=next_power_of_2(n_ends + 1) if grouped else 0,
         num_warps=num_warps,
     )
