@@ -441,14 +441,13 @@ def test_grouped_round_trip_kernel_equals_the_reference(suite, kernel_device, da
 @pytest.mark.parametrize("copies", sorted(COPIES))
 def test_grouped_round_trip_kernel_on_whole_tiles_equals_the_reference(suite, kernel_device, copies):
     """Columns in whole tiles, groups of 32-row multiples and not: the kernel's unmasked tiles (32 rows
-    inside their group) and its masked ones give the reference's bits."""
+    inside their group) and its masked ones give the reference's bits; the ends as a strided view."""
     rows, cols = (200, 256) if suite == "interp" else (3000, 1024)
     x = make_input((rows, cols), torch.bfloat16, 11, 0, "contiguous", spread="extreme")
     group_ends = torch.tensor([64, 70, 70, 133, rows // 2 + 32, rows - 5], dtype=torch.int32)
     expected = reference.mxfp8_round_trip(x, "e4m3", *COPIES[copies], group_ends)
-    got = kernels.launch_mxfp8_round_trip(
-        x.to(kernel_device), "e4m3", *COPIES[copies], group_ends.to(kernel_device)
-    )
+    strided_ends = torch.stack([group_ends, group_ends.flip(0)], dim=1).to(kernel_device)[:, 0]
+    got = kernels.launch_mxfp8_round_trip(x.to(kernel_device), "e4m3", *COPIES[copies], strided_ends)
     for g, e in zip(got, expected, strict=True):
         assert_same_floats(g, e)
 

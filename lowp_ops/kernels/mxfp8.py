@@ -813,6 +813,8 @@ def launch_mxfp8_round_trip(
         x2d = x2d.contiguous()  # row-major tiles only, as launch_mxfp8_quantize
     block_cols, num_warps = quantize_config(cols, rowwise, columnwise)
     grouped = columnwise and group_ends is not None
+    if grouped and group_ends.stride(0) != 1:
+        group_ends = group_ends.contiguous()  # the kernel reads the ends at unit stride
     n_ends = group_ends.numel() if grouped else 0
     row_blocks = ceil_div(rows, TILE_ROWS) + (n_ends + 1 if grouped else 0)
     mxfp8_round_trip_kernel[(row_blocks * ceil_div(cols, block_cols),)](
