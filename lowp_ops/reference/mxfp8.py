@@ -210,13 +210,15 @@ def mxfp8_round_trip(
     a group's last block may be partial. The row-wise copy does not depend on it."""
     row_out, col_out = mxfp8_round_trip_outputs(x, fp8_dtype, rowwise, columnwise, group_ends)
     if columnwise and group_ends is not None:
+        # Both copies of the padded rows (row-wise blocks lie within a row: the padding changes none).
         rows, cols = flat_2d_dims(x.shape)
         slots, padded_rows = group_block_rows(group_ends, rows)
         padded = x.new_zeros(padded_rows, cols).index_copy_(0, slots, x.reshape(rows, cols))
-        col_out.copy_(mxfp8_round_trip(padded, fp8_dtype, False, True)[1][slots].view(x.shape))
-        if not rowwise:
-            return row_out, col_out
-        columnwise = False
+        copies = mxfp8_round_trip(padded, fp8_dtype, rowwise, True)
+        for out, values in zip((row_out, col_out), copies, strict=True):
+            if values.numel():
+                out.copy_(values[slots].view(x.shape))
+        return row_out, col_out
     row_data, row_scale, col_data, col_scale = mxfp8_quantize(x, fp8_dtype, rowwise, columnwise, "compact")
     if rowwise:
         row_out.copy_(mxfp8_dequantize(row_data, row_scale, fp8_dtype, "rowwise", "compact", x.dtype))
