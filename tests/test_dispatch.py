@@ -685,7 +685,8 @@ def test_a_bound_launch_runs_the_binary_with_the_arguments_of_the_unbound_launch
     bound = cached.bind((4,), BLOCK=32, num_warps=2)
     bound(x, 8, 0.5)
     bound(x, 8, 0.5)
-    assert len(compiled) == 1 and compiled[0] == ((4,), (x, 8, 0.5), {"BLOCK": 32, "num_warps": 2})
+    meta = {"BLOCK": 32, "num_warps": 2, "enable_fp_fusion": True}  # FMA contraction pinned (fp_fusion)
+    assert len(compiled) == 1 and compiled[0] == ((4,), (x, 8, 0.5), meta)
     header = (4, 1, 1, 7, "function", "packed", None, None, None)
     assert runs == [(*header, x, 8, 0.5, 32, True)]
     for _ in range(2):
@@ -700,6 +701,62 @@ def test_a_bound_launch_runs_the_binary_with_the_arguments_of_the_unbound_launch
     for n in (8, 9, 10, 16):
         coarse(x, n, 0.5)
     assert len(compiled) == 5 and [run[-4] for run in runs[2:]] == [8, 9, 10]
+
+
+def test_launches_pin_fp_fusion_unless_the_kernel_leaves_it_to_triton(monkeypatch):
+    """A kernel compiles with FMA contraction on (Triton's default up to 3.9, which Triton 3.10 turns
+    off) unless a launch passes its own ``enable_fp_fusion``; a kernel declared ``fp_fusion=None`` passes
+    no option, as Inductor launches it. Unbound and bound launches alike."""
+    import triton
+
+    from lowp_ops.kernels import launch
+
+    @triton.jit
+    def kernel(x_ptr):
+        pass
+
+    seen = []
+
+    def record(self, grid, args, meta, bound=None):
+        seen.append(meta)
+
+    monkeypatch.setattr(launch.CachedLaunch, "launch", record)
+    x = torch.zeros(4)
+    pinned, left = launch.cached_launch(kernel), launch.cached_launch(fp_fusion=None)(kernel)
+    pinned[(1,)](x, num_warps=1)
+    pinned[(1,)](x, enable_fp_fusion=False)
+    pinned.bind((1,))(x)
+    left[(1,)](x, num_warps=1)
+    left.bind((1,))(x)
+    assert seen == [
+        {"num_warps": 1, "enable_fp_fusion": True},
+        {"enable_fp_fusion": False},
+        {"enable_fp_fusion": True},
+        {"num_warps": 1},
+        {},
+    ]
+
+
+def test_only_kernels_that_compiled_graphs_launch_leave_fp_fusion_to_triton():
+    """Every kernel launched from Python pins its FMA contraction but those of the ``inline_kernels`` ops
+    (the softmax's), whose compiled launches Inductor compiles with Triton's default: their eager launch
+    must compile the same code. Pinning a softmax kernel, or unpinning another, fails this."""
+    import importlib
+    import pkgutil
+
+    import lowp_ops.kernels as kernels
+    from lowp_ops.kernels.launch import CachedLaunch
+
+    fusion = {}
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"lowp_ops.kernels.{info.name}")
+        for name, value in vars(module).items():
+            if isinstance(value, CachedLaunch):
+                fusion[name] = value.fp_fusion
+    assert len(fusion) >= 30
+    left = {name for name, value in fusion.items() if value is None}
+    assert left == {"softmax_fwd_kernel", "softmax_bwd_kernel"}
+    assert all(value is True for name, value in fusion.items() if name not in left)
 
 
 # ------------------------------------------------------------------------------------------ plan caches

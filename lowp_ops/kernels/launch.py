@@ -92,8 +92,9 @@ class CachedLaunch:
 
     launches = 0
 
-    def __init__(self, jit_function) -> None:
+    def __init__(self, jit_function, fp_fusion: bool | None = True) -> None:
         self.jit_function = jit_function
+        self.fp_fusion = fp_fusion  # the default of ``enable_fp_fusion`` (:func:`cached_launch`)
         self._binaries: dict = {}
         if INTERPRETING:  # an InterpretedFunction: every launch goes through Triton
             return
@@ -110,7 +111,15 @@ class CachedLaunch:
         return getattr(self.jit_function, name)
 
     def __getitem__(self, grid):
-        return lambda *args, **meta: self.launch(grid, args, meta)
+        fusion = self.fp_fusion
+        if fusion is None:
+            return lambda *args, **meta: self.launch(grid, args, meta)
+
+        def launch(*args, **meta):
+            meta.setdefault("enable_fp_fusion", fusion)
+            self.launch(grid, args, meta)
+
+        return launch
 
     def bind(self, grid, *, exact_ints: bool = True, **meta) -> BoundLaunch:
         """This kernel with ``grid`` and ``meta`` (constexprs and launch options only) fixed: calling the
@@ -119,6 +128,8 @@ class CachedLaunch:
         specialization). ``exact_ints``: key ints by value (faster; a binary entry per value), else as
         Triton does (for ints that vary between calls, such as a row count: no new entry, and no trip
         through Triton's launch path, per value)."""
+        if self.fp_fusion is not None:
+            meta.setdefault("enable_fp_fusion", self.fp_fusion)
         return BoundLaunch(self, grid, meta, exact_ints)
 
     def _meta_key(self, meta: dict) -> tuple:
@@ -261,10 +272,19 @@ def _active_hook(hook):
     return None if hook is None or getattr(hook, "calls", True) == [] else hook
 
 
-def cached_launch(jit_function) -> CachedLaunch:
+def cached_launch(jit_function=None, *, fp_fusion: bool | None = True):
     """Decorator over ``@triton.jit`` for kernels launched from Python (not for ``@triton.jit`` helpers
-    that other kernels call)."""
-    return CachedLaunch(jit_function)
+    that other kernels call): ``@cached_launch`` or ``@cached_launch(fp_fusion=None)``.
+
+    ``fp_fusion``: the ``enable_fp_fusion`` (FMA contraction) a launch compiles the kernel with unless it
+    passes its own. True, the default, is what every byte contract of the kernels was measured with:
+    Triton's default up to 3.9, which Triton 3.10 turns off (Triton 3.9 warns), so an unpinned kernel
+    would change its bytes with the Triton release. None leaves Triton's default, for the kernels that
+    compiled graphs launch themselves (``inline_kernels`` in ``library.py``): Inductor passes no such
+    option, and the eager launch must compile what Inductor does."""
+    if jit_function is None:
+        return lambda function: CachedLaunch(function, fp_fusion)
+    return CachedLaunch(jit_function, fp_fusion)
 
 
 def rows_with_unit_stride(x: torch.Tensor) -> torch.Tensor:

@@ -199,7 +199,7 @@ def softmax_values(shifted, log_sum, LOG: tl.constexpr, MASKED_ROWS_ZERO: tl.con
     return out
 
 
-@cached_launch
+@cached_launch(fp_fusion=None)  # compiled graphs launch it (inline_kernels)
 @triton.jit
 def softmax_fwd_kernel(
     x_ptr,
@@ -232,7 +232,7 @@ def softmax_fwd_kernel(
             tl.store(out_row_ptr + cols, to_dtype_rne(out, out_ptr.dtype.element_ty), mask=cols < n_cols)
 
 
-@cached_launch
+@cached_launch(fp_fusion=None)  # compiled graphs launch it (inline_kernels)
 @triton.jit
 def softmax_bwd_kernel(out_ptr, grad_ptr, dx_ptr, n_cols, BLOCK: tl.constexpr, LOG: tl.constexpr):
     """softmax: ``dx = y * (dy - Σ dy*y)``; log_softmax: ``dx = dy - exp(y) * Σ dy``. A row whose output
