@@ -115,11 +115,11 @@ class CachedLaunch:
         if fusion is None:
             return lambda *args, **meta: self.launch(grid, args, meta)
 
-        def launch(*args, **meta):
+        def pinned(*args, **meta):
             meta.setdefault("enable_fp_fusion", fusion)
             self.launch(grid, args, meta)
 
-        return launch
+        return pinned
 
     def bind(self, grid, *, exact_ints: bool = True, **meta) -> BoundLaunch:
         """This kernel with ``grid`` and ``meta`` (constexprs and launch options only) fixed: calling the
