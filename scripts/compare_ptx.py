@@ -200,7 +200,10 @@ def _compile_gluon_mxfp8_backward(out: Path, target) -> None:
         source = GluonASTSource(function, signature, {(names.index(n),): v for n, v in constants.items()})
         stem = out / f"cross_entropy_bwd_mxfp8_gluon_kernel-load_mod{load_mod}"
         try:
-            compiled = triton.compile(source, target=target, options={"num_warps": 2})
+            options = {"num_warps": 2}
+            if getattr(kernel, "fp_fusion", None) is not None:  # as its launches compile it
+                options["enable_fp_fusion"] = kernel.fp_fusion
+            compiled = triton.compile(source, target=target, options=options)
             stem.with_suffix(".ptx").write_text(compiled.asm["ptx"])
         except Exception as error:
             stem.with_suffix(".error").write_text(f"{type(error).__name__}: {error}")

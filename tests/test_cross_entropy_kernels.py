@@ -428,7 +428,7 @@ def spy_gluon_kernels(monkeypatch) -> list[tuple[int, tuple]]:
 def sm90_ptx(kernel, constexprs: dict, dtypes: dict, divisible: tuple[str, ...] = ()) -> str:
     """PTX of a Gluon kernel compiled for sm_90 on this machine (no GPU needed): pointers and the
     integers named in ``divisible`` multiples of 16, other run-time arguments i32 unless ``dtypes``
-    says otherwise, 2 warps."""
+    says otherwise, 2 warps, FMA contraction as the kernel's launches pin it."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental import gluon
@@ -442,7 +442,8 @@ def sm90_ptx(kernel, constexprs: dict, dtypes: dict, divisible: tuple[str, ...] 
         if signature[n].startswith("*") or n in divisible
     }
     source = gluon._runtime.GluonASTSource(kernel.jit_function, signature, values, attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2}).asm["ptx"]
+    options = {"num_warps": 2, "enable_fp_fusion": kernel.fp_fusion}  # as its launches compile it
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 
 @pytest.mark.parametrize(("load_mod", "even"), [(-1, False), (-1, True), (0, False), (1, False), (3, True)])
