@@ -49,11 +49,11 @@ _DEBUG_LINE = re.compile(r"^\s*(\.loc|\.file|\.section|\.b8|\.b16|\.b32|\.b64|//
 
 def record_calls() -> dict:
     """Under TRITON_INTERPRET=1: {key: kernel module, name, argument types, constexprs} of each distinct
-    specialization the calls launch."""
-    import torch
-
-    import lowp_ops
+    specialization the calls of ``public_calls.py`` launch."""
     from lowp_ops.kernels import launch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from public_calls import run_public_calls
 
     records: dict = {}
     launch_for_real = launch.CachedLaunch.launch
@@ -69,47 +69,10 @@ def record_calls() -> dict:
         return launch_for_real(self, grid, args, meta, bound)
 
     launch.CachedLaunch.launch = recording
-    torch.manual_seed(0)
-    bf16 = torch.bfloat16
-    x = torch.randn(64, 256, dtype=bf16)
-    for layout in ("compact", "swizzled"):
-        lowp_ops.mxfp8_dequantize(lowp_ops.mxfp8_quantize(x, scale_layout=layout))
-    logits = torch.randn(64, 300, dtype=bf16)
-    target = torch.randint(0, 300, (64,))
-    for reduction in ("mean", "none"):
-        leaf = logits.clone().requires_grad_()
-        loss = lowp_ops.cross_entropy(leaf, target, reduction=reduction, label_smoothing=0.1)
-        loss.sum().backward()
-        grad_loss = torch.rand(64) if reduction == "none" else torch.tensor(1.0)
-        lowp_ops.cross_entropy_with_mxfp8_grad(logits, target, grad_loss, reduction=reduction)
-    for function in (lowp_ops.softmax, lowp_ops.log_softmax):
-        leaf = x.clone().requires_grad_()
-        function(leaf, -1).float().sum().backward()
-    lowp_ops.logsumexp(x.float(), -1)
-    for weight_dtype in (bf16, torch.float32):  # fp32: Gemma's 1 + weight
-        for round_normalized in (True, False):
-            leaf = x.clone().requires_grad_()
-            weight = torch.rand(256, dtype=weight_dtype, requires_grad=True)
-            lowp_ops.rms_norm(leaf, weight, round_normalized=round_normalized).float().sum().backward()
-    given = x.abs().amax().float().reshape(1)
-    lowp_ops.nvfp4_quantize(x, columnwise=True, rht=True, amax_rowwise=given, amax_columnwise=given)
-    lowp_ops.nvfp4_dequantize(lowp_ops.nvfp4_quantize(x, columnwise=True, rht=True, stochastic_rounding=True))
-    splits = torch.tensor([16, 0, 32, 16])
-    lowp_ops.nvfp4_group_quantize(x, splits, columnwise=True, rht=True)
-    tokens, hidden, ffn, experts = 64, 64, 32, 4
-    for recipe in ("bf16", "mxfp8", "nvfp4"):
-        xt = torch.randn(tokens, hidden, dtype=bf16, requires_grad=True)
-        w1 = (torch.randn(experts, 2 * ffn, hidden) * 0.1).to(bf16).requires_grad_()
-        w2 = (torch.randn(experts, hidden, ffn) * 0.1).to(bf16).requires_grad_()
-        probs = torch.rand(tokens, requires_grad=True)
-        splits = torch.tensor([32, 0, 32, 0]) if recipe == "mxfp8" else torch.tensor([16, 0, 32, 16])
-        y = lowp_ops.grouped_swiglu_mlp(xt, w1, w2, splits, probs, recipe=recipe)
-        y.float().sum().backward()
-    head = (torch.randn(300, 64) * 0.1).to(bf16).requires_grad_()
-    hidden_states = torch.randn(64, 64, dtype=bf16, requires_grad=True)
-    lowp_ops.linear_cross_entropy(hidden_states, head, target).backward()
-    # The MXFP8 logits gradient feeds the MXFP8 GEMM kernels (dgrad and wgrad).
-    lowp_ops.linear_cross_entropy(hidden_states, head, target, grad_format="mxfp8_e4m3").backward()
+    try:
+        run_public_calls("cpu")
+    finally:
+        launch.CachedLaunch.launch = launch_for_real
     return records
 
 
