@@ -957,19 +957,20 @@ def test_round_trip_is_idempotent_and_within_half_an_fp8_step(fp8_dtype, dtype):
 
 
 @pytest.mark.parametrize(
-    "ends", [[20, 65, 65, 90], [32, 64], [0, 0], [90], [], [70, 10, 120], [-5, 33]], ids=str
+    "ends", [[20, 65, 65, 90], [32, 64], [0, 0], [90], [], [70, 10, 120], [-5, 33], [40, 101, 80]], ids=str
 )
 def test_grouped_round_trip_blocks_each_group_as_its_own_tensor(ends):
-    """With ``group_ends`` the column-wise copy of each group of rows (the effective ends: running
-    maximum clamped to [0, rows], then the rows past the last end) is that group's own column-wise round
-    trip, bit for bit; the row-wise copy does not change. Groups 2^20 apart in magnitude: a 32-row block
-    shared by two groups flushes the smaller one's values (checked against the ungrouped copy)."""
+    """With ``group_ends`` the column-wise copy of each group of rows (the effective ends of every grouped
+    op: an end outside [0, rows] is the last valid end before it; then the rows past the last end) is
+    that group's own column-wise round trip, bit for bit; the row-wise copy does not change. Groups 2^20
+    apart in magnitude: a 32-row block shared by two groups flushes the smaller one's values (checked
+    against the ungrouped copy)."""
     rows = 100
     gen = torch.Generator().manual_seed(len(ends))
     x = torch.randn(rows, 48, generator=gen).bfloat16()
     effective = [0]
     for end in ends:
-        effective.append(min(max(end, effective[-1]), rows))
+        effective.append(max(end, effective[-1]) if 0 <= end <= rows else effective[-1])
     effective.append(rows)
     groups = [(start, stop) for start, stop in itertools.pairwise(effective) if stop > start]
     for group, (start, stop) in enumerate(groups):

@@ -39,6 +39,7 @@ from ..meta.mxfp8 import (
 from .bf16_pairs import to_dtype_rne
 from .launch import INTERPRETING_CONSTEXPR as INTERPRETING
 from .launch import PlanCache, cached_launch
+from .split_sizes import valid_group_ends
 
 TILE_ROWS = MXFP8_BLOCK_SIZE
 SOFTWARE_FP8_CAST = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
@@ -531,22 +532,17 @@ def mxfp8_dequantize_kernel(
 
 
 @triton.jit
-def _maximum(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
 def group_block_rows(row_block, ends_ptr, n_ends, rows, BLOCK_GROUPS: tl.constexpr):
     """(first row, end row) of the ``row_block``-th 32-row block when each group of rows starts a new
-    block (``reference.mxfp8.group_block_rows``): the groups end at the running maximum of the ends
-    clamped to [0, rows], then at ``rows``; past the last block, an empty range."""
+    block (``reference.mxfp8.group_block_rows``): the groups end at the effective group ends
+    (``split_sizes.valid_group_ends``), then at ``rows``; past the last block, an empty range."""
     g = tl.arange(0, BLOCK_GROUPS)
     # start of group g = end of group g - 1, read one index back (0 for the first, rows past the ends)
     ends = tl.load(ends_ptr + g, mask=g < n_ends, other=rows)
     starts = tl.load(ends_ptr + g - 1, mask=(g >= 1) & (g <= n_ends), other=0)
     starts = tl.where(g > n_ends, rows, starts)
-    ends = tl.associative_scan(tl.minimum(tl.maximum(ends, 0), rows), 0, _maximum)
-    starts = tl.associative_scan(tl.minimum(tl.maximum(starts, 0), rows), 0, _maximum)
+    ends = valid_group_ends(ends, rows)
+    starts = valid_group_ends(starts, rows)
     blocks = (ends - starts + 31) // 32
     last_block = tl.cumsum(blocks, 0)  # one past each group's last block
     group = tl.sum((last_block <= row_block).to(tl.int32), 0)

@@ -28,6 +28,7 @@ from ..meta.mxfp8 import (
     mxfp8_quantize_outputs,
     mxfp8_round_trip_outputs,
 )
+from ..meta.split_sizes import valid_group_ends
 
 _BLOCK = MXFP8_BLOCK_SIZE
 
@@ -182,13 +183,14 @@ def mxfp8_dequantize(
 def group_block_rows(group_ends: torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:
     """Where each of ``rows`` rows goes when every group's rows start a new 32-row block.
 
-    Groups: the rows ``[end[g-1], end[g])`` for the effective ends ``end`` = the running maximum of
-    ``group_ends`` clamped to ``[0, rows]`` (``end[-1] = 0``), then the rows past the last end as one
-    more group, so that every row is in exactly one group. Returns (int64 (rows,) slots, padded rows):
+    Groups: the rows ``[end[g-1], end[g])`` for the effective ends ``end`` of ``group_ends`` (the rule
+    of every grouped op, ``meta.split_sizes.valid_group_ends``: an end outside ``[0, rows]`` is the last
+    valid end before it, ``end[-1] = 0``), then the rows past the last end as one more group, so that
+    every row is in exactly one group. Returns (int64 (rows,) slots, padded rows):
     row r's row in a zero-padded buffer of ``padded rows`` rows (a multiple of 32, fixed by ``rows`` and
     the number of groups) in which each group starts at a multiple of 32. On the device; no host read."""
     device = group_ends.device
-    ends = torch.cummax(group_ends.long().clamp(0, rows), dim=0).values
+    ends = valid_group_ends(group_ends, rows)
     ends = torch.cat([ends, ends.new_full((1,), rows)])
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     block_rows = (ends - starts + _BLOCK - 1) // _BLOCK * _BLOCK
