@@ -26,6 +26,7 @@ from torch._dynamo.utils import counters
 import lowp_ops
 from lowp_ops.meta.checks import check_float_dtype
 from lowp_ops.meta.mxfp8 import check_fp8_dtype, normalize_fp8_dtype
+from lowp_ops.meta.split_sizes import set_split_size_checks
 from lowp_ops.reference.mxfp8 import dequantize_multiplier, e8m0_from_amax, quantize_multiplier
 
 # Independent constants (docs/mxfp8.md#format): max normal, mantissa bits, exponent of the smallest subnormal.
@@ -975,7 +976,17 @@ def test_grouped_round_trip_blocks_each_group_as_its_own_tensor(ends):
     groups = [(start, stop) for start, stop in itertools.pairwise(effective) if stop > start]
     for group, (start, stop) in enumerate(groups):
         x[start:stop] *= 2.0 ** (20 * (group % 2))
-    row, col = torch.ops.lowp.mxfp8_round_trip(x, "e4m3", True, True, torch.tensor(ends, dtype=torch.int32))
+    group_ends = torch.tensor(ends, dtype=torch.int32)
+    if effective[1:-1] == ends:
+        row, col = torch.ops.lowp.mxfp8_round_trip(x, "e4m3", True, True, group_ends)
+    else:  # malformed: a CPU call raises, unless the host checks are off (as on CUDA)
+        with pytest.raises(ValueError, match="group_ends must be non-decreasing group ends in"):
+            torch.ops.lowp.mxfp8_round_trip(x, "e4m3", True, True, group_ends)
+        previous = set_split_size_checks("off")
+        try:
+            row, col = torch.ops.lowp.mxfp8_round_trip(x, "e4m3", True, True, group_ends)
+        finally:
+            set_split_size_checks(previous)
     assert torch.equal(row, torch.ops.lowp.mxfp8_round_trip(x, "e4m3", True, False)[0])
     for start, stop in groups:
         own = torch.ops.lowp.mxfp8_round_trip(x[start:stop], "e4m3", False, True)[1]

@@ -21,6 +21,7 @@ from ..formats import (
     round_up,
 )
 from .checks import check_bool, require
+from .split_sizes import check_group_end_values
 
 
 def flat_2d_dims(shape) -> tuple[int, int]:
@@ -230,7 +231,9 @@ def mxfp8_dequantize_output(
 
 
 def check_group_ends(group_ends: torch.Tensor | None, x: torch.Tensor) -> None:
-    """``group_ends`` of ``lowp::mxfp8_round_trip``: None, or a 1-D int32 tensor on x's device."""
+    """``group_ends`` of ``lowp::mxfp8_round_trip``: None, or a 1-D int32 tensor on x's device; its values
+    checked as every grouped op's (``meta.split_sizes``: on the host for CPU tensors by default, never
+    for CUDA ones, where the effective ends apply)."""
     if group_ends is None:
         return
     require(
@@ -247,6 +250,7 @@ def check_group_ends(group_ends: torch.Tensor | None, x: torch.Tensor) -> None:
         group_ends.device == x.device,
         lambda: f"group_ends must be on x's device ({x.device}), got {group_ends.device}",
     )
+    check_group_end_values(group_ends, flat_2d_dims(x.shape)[0], "group_ends")
 
 
 def mxfp8_round_trip_outputs(

@@ -139,9 +139,9 @@ def check_split_size_values(
         require(count <= rows, lambda: f"split_sizes must sum to at most the row count {rows}, got {count}")
 
 
-def check_group_end_values(offs: torch.Tensor, rows: int) -> None:
-    """Raise a ValueError unless the group ends ``offs`` are non-decreasing and within ``[0, rows]``.
-    Reads the values only when :func:`host_check_wanted`."""
+def check_group_end_values(offs: torch.Tensor, rows: int, name: str = "offs") -> None:
+    """Raise a ValueError naming ``name`` unless the group ends ``offs`` are non-decreasing and within
+    ``[0, rows]``. Reads the values only when :func:`host_check_wanted`."""
     if not host_check_wanted(offs):
         return
     ends = offs.tolist()
@@ -150,7 +150,7 @@ def check_group_end_values(offs: torch.Tensor, rows: int) -> None:
     require(
         bad is None,
         lambda: (
-            f"offs must be non-decreasing group ends in [0, {rows}], got {bounds[bad][1]} after "
+            f"{name} must be non-decreasing group ends in [0, {rows}], got {bounds[bad][1]} after "
             f"{bounds[bad][0]} (group {bad})"
         ),
     )
