@@ -148,7 +148,7 @@ def nvfp4_dequantize(
     if use == "rowwise":
         require(q.row_data is not None, lambda: "use='rowwise' but q holds no rowwise copy")
         values = library.nvfp4_dequantize(q.row_data, q.row_scale, q.amax_rowwise, dtype)
-        return values.view(q.shape)
+        return values if values.shape == q.shape else values.view(q.shape)
     require(q.col_data is not None, lambda: "use='columnwise' but q holds no columnwise copy")
     return library.nvfp4_dequantize(q.col_data, q.col_scale, q.amax_columnwise, dtype)
 

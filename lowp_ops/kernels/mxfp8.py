@@ -762,32 +762,57 @@ def launch_mxfp8_dequantize(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``lowp::mxfp8_dequantize`` on a CUDA (or interpreted CPU) tensor; ``out``: a contiguous buffer of
-    data's shape and ``dtype`` to write into instead of a new one (the LM head reuses a dead chunk)."""
-    out = mxfp8_dequantize_output(data, scale, fp8_dtype, use, scale_layout, dtype, out)
+    data's shape and ``dtype`` to write into instead of a new one (the LM head reuses a dead chunk).
+    From a plan per specialization (:data:`_DEQUANTIZE_PLANS`)."""
+    out_key = None if out is None else (out.shape, out.stride(), out.dtype, out.device)
+    key = (data.shape, data.stride(), data.dtype, data.device, scale.shape, scale.stride(), scale.dtype)
+    key += (scale.device, fp8_dtype, use, scale_layout, dtype, out_key)
+    args = (data, scale, fp8_dtype, use, scale_layout, dtype, out)
+    return _DEQUANTIZE_PLANS.get(key, _dequantize_plan, *args)(data, scale, out)
+
+
+# launch_mxfp8_dequantize's plans: the checks, grid and constexprs depend on the key alone.
+_DEQUANTIZE_PLANS = PlanCache()
+
+
+def _dequantize_plan(data, scale, fp8_dtype, use, scale_layout, dtype, out):
+    """The call of :func:`launch_mxfp8_dequantize` for arguments of these layouts: a function of
+    ``(data, scale, out)`` that allocates the output (unless given) and launches the kernel."""
+    mxfp8_dequantize_output(data, scale, fp8_dtype, use, scale_layout, dtype, out)  # the checks
     rows, cols = flat_2d_dims(data.shape)
+    shape = data.shape
+
+    def output(data, out):
+        return data.new_empty(shape, dtype=dtype) if out is None else out
+
     if rows == 0 or cols == 0:
-        return out
+        return lambda data, scale, out: output(data, out)
     block_cols = tile_cols(cols)
-    grid = (ceil_div(rows, TILE_ROWS), ceil_div(cols, block_cols))
     # Rows are read through their stride: the padded rows of MXFP8 data (mxfp8_data_pitch) too.
-    data2d = data if data.dim() == 2 else data.reshape(rows, cols)
-    if data2d.stride(1) != 1:
-        data2d = data2d.contiguous()
-    mxfp8_dequantize_kernel[grid](
-        data2d.view(FP8_DTYPES[fp8_dtype]),
-        data2d.stride(0),
-        scale.contiguous(),
-        out,
-        rows,
-        cols,
-        scale.shape[0],
-        scale.shape[1],
+    reshape = data.dim() != 2
+    copy = data.reshape(rows, cols).stride(1) != 1
+    data_stride = cols if copy else data.reshape(rows, cols).stride(0)
+    copy_scale = not scale.is_contiguous()
+    scale_rows, scale_cols = scale.shape
+    fp8 = FP8_DTYPES[fp8_dtype]
+    launch = mxfp8_dequantize_kernel.bind(
+        (ceil_div(rows, TILE_ROWS), ceil_div(cols, block_cols)),
         BLOCK_COLS=block_cols,
         COLUMNWISE=use == "columnwise",
         SWIZZLED=scale_layout == "swizzled",
         num_warps=4,
     )
-    return out
+
+    def call(data, scale, out):
+        result = output(data, out)
+        data2d = data.reshape(rows, cols) if reshape else data
+        if copy:
+            data2d = data2d.contiguous()
+        scale = scale.contiguous() if copy_scale else scale
+        launch(data2d.view(fp8), data_stride, scale, result, rows, cols, scale_rows, scale_cols)
+        return result
+
+    return call
 
 
 def launch_mxfp8_round_trip(

@@ -15,6 +15,8 @@ reference's fp32 roundings, in their order.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -27,9 +29,10 @@ from ..meta.nvfp4_decode import (
     nvfp4_group_decode_columns_output,
     nvfp4_scale_rows_output,
 )
+from ..meta.split_sizes import check_split_size_values
 from ..reference.nvfp4 import STAGED_AMAX_UNIT
 from .bf16_pairs import to_dtype_rne
-from .launch import cached_launch, rows_with_unit_stride
+from .launch import PlanCache, cached_launch, tensor_key
 from .split_sizes import effective_sizes, expert_of_rows, scale_col_start, tile_owner
 
 SCALE_COLS_MULTIPLE = tl.constexpr(SCALE_TILE_COLS)
@@ -342,60 +345,89 @@ def launch_nvfp4_decode_rows(
     data: torch.Tensor, scale: torch.Tensor, config: tuple | None = None
 ) -> torch.Tensor:
     """``lowp::nvfp4_decode_rows`` on CUDA (or interpreted CPU) tensors; ``config`` = (BLOCK_ROWS,
-    BLOCK_COLS, num_warps) overrides the launch configuration (benchmarks, tests)."""
-    out = nvfp4_decode_rows_output(data, scale)
-    rows, cols = out.shape[-2:]
+    BLOCK_COLS, num_warps) overrides the launch configuration (benchmarks, tests). From a plan per
+    specialization (:data:`_PLANS`)."""
+    key = ("rows", data.shape, data.stride(), data.dtype, data.device, scale.shape, scale.stride())
+    key += (scale.dtype, scale.device, config)
+    return _PLANS.get(key, _decode_rows_plan, data, scale, config)(data, scale)
+
+
+# The launchers' plans, one per specialization (shapes, strides, dtypes, devices, options): the checks
+# of the layouts, the grids and the constexprs depend on nothing else. Split-size values, where checked
+# on the host (meta.split_sizes), are checked on every call.
+_PLANS = PlanCache()
+
+
+def _decode_rows_plan(data: torch.Tensor, scale: torch.Tensor, config: tuple | None):
+    shape = nvfp4_decode_rows_output(data, scale).shape  # the checks
+    rows, cols = shape[-2:]
     batch = data.shape[0] if data.dim() == 3 else 1
-    if out.numel() == 0:
-        return out
+    if math.prod(shape) == 0:
+        return lambda data, scale: data.new_empty(shape, dtype=torch.bfloat16)
     data3 = data.reshape(-1, rows, data.shape[-1])
-    if data3.stride(-1) != 1:
-        data3 = data3.contiguous()
+    copy = data3.stride(-1) != 1
+    data3 = data3.contiguous() if copy else data3
     scale3 = scale.reshape(-1, *scale.shape[-2:])
     block_rows, block_cols, num_warps = config or decode_config(cols)
-    grid = (ceil_div(rows, block_rows), ceil_div(cols, block_cols), batch)
-    nvfp4_decode_rows_kernel[grid](
-        data3,
-        scale3,
-        out,
-        rows,
-        cols,
-        data3.stride(0),
-        data3.stride(1),
-        scale3.stride(0),
-        scale3.stride(1),
-        scale3.stride(2),
+    launch = nvfp4_decode_rows_kernel.bind(
+        (ceil_div(rows, block_rows), ceil_div(cols, block_cols), batch),
         BLOCK_ROWS=block_rows,
         BLOCK_COLS=block_cols,
         EVEN_COLS=cols % block_cols == 0,
         num_warps=num_warps,
     )
-    return out
+    strides = (*data3.stride()[:2], *scale3.stride())
+    data_rows = (-1, rows, data.shape[-1])
+    scale_rows = (-1, *scale.shape[-2:])
+
+    def call(data, scale):
+        out = data.new_empty(shape, dtype=torch.bfloat16)
+        data3 = data.reshape(data_rows)
+        launch(data3.contiguous() if copy else data3, scale.reshape(scale_rows), out, rows, cols, *strides)
+        return out
+
+    return call
 
 
 def launch_nvfp4_dequantize(
     data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """``lowp::nvfp4_dequantize`` on CUDA (or interpreted CPU) tensors: one launch."""
-    out = nvfp4_dequantize_output(data, scale, amax, dtype)
-    rows, cols = out.shape
-    if out.numel() == 0:
-        return out
+    """``lowp::nvfp4_dequantize`` on CUDA (or interpreted CPU) tensors: one launch, from a plan per
+    specialization (:data:`_DEQUANTIZE_PLANS`)."""
+    key = (data.shape, data.stride(), data.dtype, data.device, scale.shape, scale.stride(), scale.dtype)
+    key += (tensor_key(amax), dtype)
+    return _DEQUANTIZE_PLANS.get(key, _dequantize_plan, data, scale, amax, dtype)(data, scale, amax)
+
+
+# launch_nvfp4_dequantize's plans: the checks, grid and constexprs depend on the key alone.
+_DEQUANTIZE_PLANS = PlanCache()
+
+
+def _dequantize_plan(data, scale, amax, dtype):
+    """The call of :func:`launch_nvfp4_dequantize` for arguments of these layouts: a function of
+    ``(data, scale, amax)`` that allocates the output and launches."""
+    shape = nvfp4_dequantize_output(data, scale, amax, dtype).shape  # the checks
+    rows, cols = shape
+    if rows == 0 or cols == 0:
+        return lambda data, scale, amax: data.new_empty(shape, dtype=dtype)
+    copy = not data.is_contiguous()
     block_rows, block_cols, num_warps = decode_config(cols)
-    nvfp4_dequantize_kernel[(ceil_div(rows, block_rows), ceil_div(cols, block_cols))](
-        data.contiguous(),
-        scale,
-        amax.reshape(1),
-        out,
-        rows,
-        cols,
-        scale.stride(0),
+    launch = nvfp4_dequantize_kernel.bind(
+        (ceil_div(rows, block_rows), ceil_div(cols, block_cols)),
         BLOCK_ROWS=block_rows,
         BLOCK_COLS=block_cols,
         EVEN_COLS=cols % block_cols == 0,
         num_warps=num_warps,
     )
-    return out
+    scale_stride = scale.stride(0)
+
+    def call(data, scale, amax):
+        out = data.new_empty(shape, dtype=dtype)
+        # amax holds one element (checked): the kernel reads it at its data pointer, whatever its shape.
+        launch(data.contiguous() if copy else data, scale, amax, out, rows, cols, scale_stride)
+        return out
+
+    return call
 
 
 def launch_nvfp4_group_decode_columns(
@@ -410,57 +442,96 @@ def launch_nvfp4_group_decode_columns(
     the device: the grid covers the most token tiles any split can need, the experts' plus the tail's,
     ``(tokens + (E + 1) * (BLOCK_TOKENS - 1)) // BLOCK_TOKENS``. ``config`` = (BLOCK_ROWS, BLOCK_TOKENS,
     num_warps)."""
-    out = nvfp4_group_decode_columns_output(col_data, col_scale, split_sizes, hidden, tokens)
-    if out.numel() == 0:
-        return out
+    key = ("columns", col_data.shape, col_data.stride(), col_data.dtype, col_data.device, col_scale.shape)
+    key += (col_scale.stride(), col_scale.dtype, col_scale.device, tensor_key(split_sizes), hidden, tokens)
+    key += (config,)
+    args = (col_data, col_scale, split_sizes, hidden, tokens, config)
+    plan = _PLANS.get(key, _group_decode_columns_plan, *args)
+    check_split_size_values(  # values: every call
+        split_sizes, tokens, total="any", multiple=DECODE_SPLIT_MULTIPLE, why="two codes per byte"
+    )
+    return plan(col_data, col_scale, split_sizes)
+
+
+def _group_decode_columns_plan(col_data, col_scale, split_sizes, hidden, tokens, config):
+    nvfp4_group_decode_columns_output(col_data, col_scale, split_sizes, hidden, tokens)  # the checks
+    if hidden * tokens == 0:
+        return lambda col_data, col_scale, split_sizes: col_data.new_empty(
+            (hidden, tokens), dtype=torch.bfloat16
+        )
     experts = split_sizes.shape[0]
     block_rows, block_tokens, num_warps = config or (32, 128, 4)
     token_tiles = (tokens + (experts + 1) * (block_tokens - 1)) // block_tokens
-    grid = (token_tiles, ceil_div(hidden, block_rows))
-    nvfp4_group_decode_columns_kernel[grid](
-        col_data.contiguous(),
-        col_scale,
-        split_sizes.contiguous(),
-        out,
-        hidden,
-        tokens,
-        experts,
-        col_scale.stride(0),
-        col_scale.stride(1),
+    launch = nvfp4_group_decode_columns_kernel.bind(
+        (token_tiles, ceil_div(hidden, block_rows)),
         BLOCK_ROWS=block_rows,
         BLOCK_TOKENS=block_tokens,
         EXPERTS_POW2=max(2, next_power_of_2(experts)),
         num_warps=num_warps,
     )
-    return out
+    copy_data, copy_sizes = not col_data.is_contiguous(), not split_sizes.is_contiguous()
+    scale_strides = col_scale.stride()
+
+    def call(col_data, col_scale, split_sizes):
+        out = col_data.new_empty((hidden, tokens), dtype=torch.bfloat16)
+        launch(
+            col_data.contiguous() if copy_data else col_data,
+            col_scale,
+            split_sizes.contiguous() if copy_sizes else split_sizes,
+            out,
+            hidden,
+            tokens,
+            experts,
+            *scale_strides,
+        )
+        return out
+
+    return call
 
 
 def launch_nvfp4_scale_rows(
     y: torch.Tensor, amax_a: torch.Tensor, amax_b: torch.Tensor, ends: torch.Tensor | None
 ) -> torch.Tensor:
-    """``lowp::nvfp4_scale_rows`` on CUDA (or interpreted CPU) tensors: one launch, 16 x 256 tiles."""
-    out = nvfp4_scale_rows_output(y, amax_a, amax_b, ends)
+    """``lowp::nvfp4_scale_rows`` on CUDA (or interpreted CPU) tensors: one launch, 16 x 256 tiles, from a
+    plan per specialization."""
+    key = ("scale", y.shape, y.stride(), y.dtype, y.device, tensor_key(amax_a), tensor_key(amax_b))
+    key += (tensor_key(ends),)
+    return _PLANS.get(key, _scale_rows_plan, y, amax_a, amax_b, ends)(y, amax_a, amax_b, ends)
+
+
+def _scale_rows_plan(y, amax_a, amax_b, ends):
+    shape = nvfp4_scale_rows_output(y, amax_a, amax_b, ends).shape  # the checks
     rows, cols = y.shape
-    if out.numel() == 0:
-        return out
-    y = rows_with_unit_stride(y)
+    if rows * cols == 0:
+        return lambda y, amax_a, amax_b, ends: y.new_empty(shape)
+    copy = y.stride(1) != 1  # rows_with_unit_stride
+    y_stride = cols if copy else y.stride(0)
     experts = amax_a.shape[0]
     block_rows, block_cols, num_warps = decode_config(cols)
-    nvfp4_scale_rows_kernel[(ceil_div(rows, block_rows), ceil_div(cols, block_cols))](
-        y,
-        out,
-        amax_a,
-        amax_b,
-        amax_a if ends is None else ends,  # unused pointer without ends
-        rows,
-        cols,
-        y.stride(0),
-        experts,
-        max(1, rows // experts),
+    launch = nvfp4_scale_rows_kernel.bind(
+        (ceil_div(rows, block_rows), ceil_div(cols, block_cols)),
         BY_ENDS=ends is not None,
         EXPERTS_POW2=max(2, next_power_of_2(experts)),
         BLOCK_ROWS=block_rows,
         BLOCK_COLS=block_cols,
         num_warps=num_warps,
     )
-    return out
+    rows_per_expert = max(1, rows // experts)
+
+    def call(y, amax_a, amax_b, ends):
+        out = y.new_empty(shape)
+        launch(
+            y.contiguous() if copy else y,
+            out,
+            amax_a,
+            amax_b,
+            amax_a if ends is None else ends,  # unused pointer without ends
+            rows,
+            cols,
+            y_stride,
+            experts,
+            rows_per_expert,
+        )
+        return out
+
+    return call

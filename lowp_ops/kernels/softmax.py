@@ -20,7 +20,7 @@ import triton.language as tl
 from ..formats import next_power_of_2
 from ..meta.softmax import logsumexp_output, softmax_bwd_output, softmax_fwd_output
 from .bf16_pairs import to_dtype_rne
-from .launch import cached_launch, rows_with_unit_stride
+from .launch import PlanCache, cached_launch
 
 MAX_BLOCK = 4096
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -276,44 +276,83 @@ def _num_warps(block: int) -> int:
 
 def launch_logsumexp(x: torch.Tensor) -> torch.Tensor:
     """fp32 masked-safe log-sum-exp of each row of a 2-D ``x``."""
-    lse = logsumexp_output(x)
-    rows, n_cols = x.shape
-    if rows == 0:
-        return lse
-    x = rows_with_unit_stride(x)
-    block = row_block(n_cols)
-    logsumexp_kernel[(rows,)](x, x.stride(0), lse, n_cols, BLOCK=block, num_warps=_num_warps(block))
-    return lse
+    key = ("logsumexp", x.shape, x.stride(), x.dtype, x.device)
+    return _PLANS.get(key, _logsumexp_plan, x)(x)
 
 
 def launch_softmax_fwd(x: torch.Tensor, log: bool, masked_rows: str) -> torch.Tensor:
-    out = softmax_fwd_output(x, log, masked_rows)
+    key = ("fwd", x.shape, x.stride(), x.dtype, x.device, log, masked_rows)
+    return _PLANS.get(key, _fwd_plan, x, log, masked_rows)(x)
+
+
+def launch_softmax_bwd(out: torch.Tensor, grad: torch.Tensor, log: bool) -> torch.Tensor:
+    key = ("bwd", out.shape, out.stride(), out.dtype, out.device, grad.shape, grad.stride(), grad.dtype, log)
+    return _PLANS.get(key, _bwd_plan, out, grad, log)(out, grad)
+
+
+# The launchers' plans, one per specialization (shapes, strides, dtypes, devices, flags): the checks,
+# grids and constexprs depend on nothing else, so a call only allocates and launches. Plans hold no
+# tensor: compiled graphs trace these launchers (``inline_kernels``) and later eager calls reuse them.
+_PLANS = PlanCache()
+
+
+def _logsumexp_plan(x: torch.Tensor):
+    logsumexp_output(x)  # the checks
     rows, n_cols = x.shape
-    if rows == 0 or n_cols == 0:
-        return out
-    x = rows_with_unit_stride(x)
+    if rows == 0:
+        return lambda x: logsumexp_output(x)
+    copy = x.stride(1) != 1  # rows_with_unit_stride
+    x_stride = n_cols if copy else x.stride(0)
     block = row_block(n_cols)
-    softmax_fwd_kernel[(rows,)](
-        x,
-        x.stride(0),
-        out,
-        n_cols,
+    launch = logsumexp_kernel.bind((rows,), BLOCK=block, num_warps=_num_warps(block))
+
+    def call(x):
+        lse = x.new_empty((rows,), dtype=torch.float32)
+        launch(x.contiguous() if copy else x, x_stride, lse, n_cols)
+        return lse
+
+    return call
+
+
+def _fwd_plan(x: torch.Tensor, log: bool, masked_rows: str):
+    softmax_fwd_output(x, log, masked_rows)  # the checks
+    rows, n_cols = x.shape
+    shape = x.shape
+    if rows == 0 or n_cols == 0:
+        return lambda x: x.new_empty(shape)
+    copy = x.stride(1) != 1  # rows_with_unit_stride
+    x_stride = n_cols if copy else x.stride(0)
+    block = row_block(n_cols)
+    launch = softmax_fwd_kernel.bind(
+        (rows,),
         BLOCK=block,
         ONE_BLOCK=n_cols <= block,
         LOG=log,
         MASKED_ROWS_ZERO=masked_rows == "zero",
         num_warps=_num_warps(block),
     )
-    return out
+
+    def call(x):
+        out = x.new_empty(shape)
+        launch(x.contiguous() if copy else x, x_stride, out, n_cols)
+        return out
+
+    return call
 
 
-def launch_softmax_bwd(out: torch.Tensor, grad: torch.Tensor, log: bool) -> torch.Tensor:
-    dx = softmax_bwd_output(out, grad, log)
+def _bwd_plan(out: torch.Tensor, grad: torch.Tensor, log: bool):
+    softmax_bwd_output(out, grad, log)  # the checks
     rows, n_cols = out.shape
+    shape = out.shape
     if rows == 0 or n_cols == 0:
-        return dx
+        return lambda out, grad: out.new_empty(shape)
+    copy_out, copy_grad = not out.is_contiguous(), not grad.is_contiguous()
     block = row_block(n_cols)
-    softmax_bwd_kernel[(rows,)](
-        out.contiguous(), grad.contiguous(), dx, n_cols, BLOCK=block, LOG=log, num_warps=_num_warps(block)
-    )
-    return dx
+    launch = softmax_bwd_kernel.bind((rows,), BLOCK=block, LOG=log, num_warps=_num_warps(block))
+
+    def call(out, grad):
+        dx = out.new_empty(shape)
+        launch(out.contiguous() if copy_out else out, grad.contiguous() if copy_grad else grad, dx, n_cols)
+        return dx
+
+    return call

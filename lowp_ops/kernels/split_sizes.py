@@ -14,7 +14,7 @@ import triton.language as tl
 
 from ..formats import next_power_of_2
 from ..meta.split_sizes import group_ends_output
-from .launch import cached_launch
+from .launch import PlanCache, cached_launch
 
 
 @triton.jit
@@ -108,13 +108,31 @@ def group_ends_kernel(split_ptr, out_ptr, experts, rows, EXPERTS_POW2: tl.conste
 
 def launch_group_ends(split_sizes: torch.Tensor, rows: int, with_extended: bool = False) -> torch.Tensor:
     """``lowp::group_ends`` on the device: int32 (E,) effective ends of ``split_sizes``, or with
-    ``with_extended`` (2, E) with the extended row (one launch either way)."""
-    out = group_ends_output(split_sizes, rows, with_extended)
-    pow2 = max(2, next_power_of_2(split_sizes.shape[0]))
-    group_ends_kernel[(1,)](
-        split_sizes.contiguous(), out, split_sizes.shape[0], rows, EXPERTS_POW2=pow2, EXTENDED=with_extended
+    ``with_extended`` (2, E) with the extended row (one launch either way), from a plan per
+    specialization."""
+    key = ("ends", split_sizes.shape, split_sizes.stride(), split_sizes.dtype, split_sizes.device, rows)
+    key += (with_extended,)
+    return _PLANS.get(key, _group_ends_plan, split_sizes, rows, with_extended)(split_sizes)
+
+
+# The launchers' plans, one per specialization (shapes, strides, dtypes, devices, row counts).
+_PLANS = PlanCache()
+
+
+def _group_ends_plan(split_sizes: torch.Tensor, rows: int, with_extended: bool):
+    shape = group_ends_output(split_sizes, rows, with_extended).shape  # the checks
+    experts = split_sizes.shape[0]
+    copy = not split_sizes.is_contiguous()
+    launch = group_ends_kernel.bind(
+        (1,), EXPERTS_POW2=max(2, next_power_of_2(experts)), EXTENDED=with_extended
     )
-    return out
+
+    def call(split_sizes):
+        out = split_sizes.new_empty(shape, dtype=torch.int32)
+        launch(split_sizes.contiguous() if copy else split_sizes, out, experts, rows)
+        return out
+
+    return call
 
 
 def launch_valid_group_ends(offs: torch.Tensor, rows: int) -> torch.Tensor:

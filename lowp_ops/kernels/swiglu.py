@@ -23,10 +23,11 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ..formats import ceil_div, next_power_of_2
+from ..meta.split_sizes import check_split_size_values
 from ..meta.swiglu import dglu_outputs, swiglu_fwd_output
 from .bf16_pairs import to_dtype_rne
 from .launch import INTERPRETING_CONSTEXPR as INTERPRETING
-from .launch import cached_launch, rows_with_unit_stride
+from .launch import PlanCache, cached_launch, tensor_key
 from .nvfp4_math import max_keep_nan, maximum_keep_nan
 from .split_sizes import effective_bounds, expert_of_rows
 
@@ -197,23 +198,32 @@ def launch_swiglu_fwd(
     block_cols: int | None = None,
     num_warps: int = 4,
 ) -> torch.Tensor:
-    """``lowp::swiglu_fwd`` on a CUDA (or interpreted CPU) tensor; rows read through their stride."""
-    out = swiglu_fwd_output(c, probs, interleave, ends)
-    tokens, ffn = out.shape
+    """``lowp::swiglu_fwd`` on a CUDA (or interpreted CPU) tensor; rows read through their stride. From a
+    plan per specialization (:data:`_PLANS`)."""
+    key = ("fwd", c.shape, c.stride(), c.dtype, c.device, tensor_key(probs), interleave, tensor_key(ends))
+    key += (block_rows, block_cols, num_warps)
+    args = (c, probs, interleave, ends, block_rows, block_cols, num_warps)
+    return _PLANS.get(key, _swiglu_fwd_plan, *args)(c, probs, ends)
+
+
+# The launchers' plans, one per specialization (shapes, strides, dtypes, devices, options): the checks of
+# the layouts, the grids and the constexprs depend on nothing else. Split-size values, where checked on
+# the host (meta.split_sizes), are checked on every call.
+_PLANS = PlanCache()
+
+
+def _swiglu_fwd_plan(c, probs, interleave, ends, block_rows, block_cols, num_warps):
+    shape = swiglu_fwd_output(c, probs, interleave, ends).shape  # the checks
+    tokens, ffn = shape
     if tokens == 0:
-        return out
-    c = rows_with_unit_stride(c)
+        return lambda c, probs, ends: c.new_empty(shape)
+    copy = c.stride(1) != 1  # rows_with_unit_stride
+    c_stride = c.shape[1] if copy else c.stride(0)
+    copy_probs = not probs.is_contiguous()
     block_cols = block_cols or _block_cols(ffn, 256)
-    grid = (ceil_div(tokens, block_rows), ceil_div(ffn, block_cols))
-    swiglu_fwd_kernel[grid](
-        c,
-        probs.contiguous(),
-        out,
-        out if ends is None else ends,
-        0 if ends is None else ends.shape[0] - 1,
-        tokens,
-        ffn,
-        c.stride(0),
+    last_group = 0 if ends is None else ends.shape[0] - 1
+    launch = swiglu_fwd_kernel.bind(
+        (ceil_div(tokens, block_rows), ceil_div(ffn, block_cols)),
         BLOCK_T=block_rows,
         BLOCK_F=block_cols,
         INTERLEAVE=interleave,
@@ -222,7 +232,15 @@ def launch_swiglu_fwd(
         num_warps=num_warps,
         enable_fp_fusion=False,
     )
-    return out
+
+    def call(c, probs, ends):
+        out = c.new_empty(shape)
+        c = c.contiguous() if copy else c
+        probs = probs.contiguous() if copy_probs else probs
+        launch(c, probs, out, out if ends is None else ends, last_group, tokens, ffn, c_stride)
+        return out
+
+    return call
 
 
 def dglu_config(tokens: int, ffn: int) -> tuple[int, int, int]:
@@ -241,28 +259,33 @@ def launch_dglu(
     config: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``lowp::dglu`` on a CUDA (or interpreted CPU) tensor. ``config`` = (BLOCK_T, BLOCK_F, num_warps)
-    overrides :func:`dglu_config` (benchmarks, tests)."""
-    dc, dprobs, amax = dglu_outputs(grad, c, probs, split_sizes, interleave)
-    amax_bits = amax.view(torch.int32).zero_()
+    overrides :func:`dglu_config` (benchmarks, tests). From a plan per specialization (:data:`_PLANS`)."""
+    key = ("dglu", grad.shape, grad.stride(), grad.dtype, grad.device, c.shape, c.stride(), c.dtype)
+    key += (tensor_key(probs), tensor_key(split_sizes), interleave, config)
+    plan = _PLANS.get(key, _dglu_plan, grad, c, probs, split_sizes, interleave, config)
+    check_split_size_values(split_sizes, c.shape[0], total="at_most")  # values: every call
+    return plan(grad, c, probs, split_sizes)
+
+
+def _dglu_plan(grad, c, probs, split_sizes, interleave, config):
+    dglu_outputs(grad, c, probs, split_sizes, interleave)  # the checks
     tokens, ffn = grad.shape
-    if tokens == 0:
-        return dc, dprobs, amax
-    block_rows, block_cols, num_warps = config or dglu_config(tokens, ffn)
-    grad, c = rows_with_unit_stride(grad), rows_with_unit_stride(c)
     experts = split_sizes.shape[0]
-    dglu_kernel[(ceil_div(tokens, block_rows),)](
-        grad,
-        c,
-        probs.contiguous(),
-        split_sizes.contiguous(),
-        dc,
-        dprobs,
-        amax_bits,
-        tokens,
-        ffn,
-        experts,
-        grad.stride(0),
-        c.stride(0),
+
+    def outputs(c):
+        dc = c.new_empty(c.shape)
+        dprobs = c.new_empty((tokens,), dtype=torch.float32)
+        return dc, dprobs, c.new_zeros((experts,), dtype=torch.float32)  # the amaxes' accumulators
+
+    if tokens == 0:
+        return lambda grad, c, probs, split_sizes: outputs(c)
+    block_rows, block_cols, num_warps = config or dglu_config(tokens, ffn)
+    copy_grad, copy_c = grad.stride(1) != 1, c.stride(1) != 1  # rows_with_unit_stride
+    grad_stride = ffn if copy_grad else grad.stride(0)
+    c_stride = c.shape[1] if copy_c else c.stride(0)
+    copy_probs, copy_sizes = not probs.is_contiguous(), not split_sizes.is_contiguous()
+    launch = dglu_kernel.bind(
+        (ceil_div(tokens, block_rows),),
         BLOCK_T=block_rows,
         BLOCK_F=block_cols,
         EXPERTS_POW2=max(2, next_power_of_2(experts)),
@@ -271,4 +294,23 @@ def launch_dglu(
         num_warps=num_warps,
         enable_fp_fusion=False,
     )
-    return dc, dprobs, amax
+
+    def call(grad, c, probs, split_sizes):
+        dc, dprobs, amax = outputs(c)
+        launch(
+            grad.contiguous() if copy_grad else grad,
+            c.contiguous() if copy_c else c,
+            probs.contiguous() if copy_probs else probs,
+            split_sizes.contiguous() if copy_sizes else split_sizes,
+            dc,
+            dprobs,
+            amax.view(torch.int32),
+            tokens,
+            ffn,
+            experts,
+            grad_stride,
+            c_stride,
+        )
+        return dc, dprobs, amax
+
+    return call

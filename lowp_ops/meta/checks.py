@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..formats import HIGH_PRECISION_DTYPES
+
 
 def require(condition, message: Callable[[], str]) -> None:
     """Raise ``ValueError(message())`` unless ``condition`` holds."""
@@ -40,8 +42,8 @@ def check_real(value, name: str) -> None:
 def check_float_dtype(dtype, name: str = "dtype") -> None:
     """``dtype`` is torch.float32, bfloat16 or float16, or raise naming ``name`` (a string such as
     ``"bf16"`` is a TypeError, before any op schema sees it)."""
-    from ..formats import HIGH_PRECISION_DTYPES
-
+    if dtype in HIGH_PRECISION_DTYPES:  # the common call returns here
+        return
     if not isinstance(dtype, torch.dtype):
         raise TypeError(
             f"{name} must be a torch.dtype (torch.float32, torch.bfloat16 or torch.float16), got {dtype!r}"
