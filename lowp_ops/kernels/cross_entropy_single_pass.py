@@ -42,7 +42,7 @@ from .cross_entropy import (
 )
 from .cross_entropy_math import grad_of_logits, one_row_grad_terms, store_row_loss
 from .cross_entropy_wide_pass import launch_wide_pass, one_pass_folds_like_the_forward, wide_pass_applies
-from .launch import cached_launch
+from .launch import PlanCache, cached_launch
 from .softmax import finish_log_sum, fold_masked_block, masked_safe_shift
 
 SINGLE_PASS_MAX_COLS = FWD_BLOCK
@@ -225,8 +225,18 @@ def _launch_one_pass(
     if n_cols > SINGLE_PASS_MAX_COLS:
         launch_wide_pass(args, flags)
         return
+    key = (logits.shape[0], n_cols, *flags.values())
+    _ONE_PASS_LAUNCHES.get(key, _one_pass_launch, logits.shape[0], n_cols, flags)(*args)
+
+
+# The one-pass kernel bound to its grid and constexprs, per (rows, classes, flags): a call makes a
+# bound launch instead of a keyword one.
+_ONE_PASS_LAUNCHES = PlanCache()
+
+
+def _one_pass_launch(rows: int, n_cols: int, flags: dict):
     block, num_warps = fwd_config(n_cols)
-    cross_entropy_fwd_bwd_kernel[(logits.shape[0],)](*args, BLOCK=block, **flags, num_warps=num_warps)
+    return cross_entropy_fwd_bwd_kernel.bind((rows,), BLOCK=block, **flags, num_warps=num_warps)
 
 
 def _two_passes(logits, target, label_smoothing, ignore_index, reduction, weight, z_loss, softcap):

@@ -25,7 +25,7 @@ from .bf16_pairs import to_dtype_rne
 from .cross_entropy import launch_cross_entropy_bwd, launch_cross_entropy_bwd_mxfp8, launch_cross_entropy_fwd
 from .cross_entropy_columns import column_cross_entropy_bwd_in_place, column_cross_entropy_fwd
 from .cross_entropy_single_pass import launch_cross_entropy_rows_fwd_bwd_
-from .launch import cached_launch
+from .launch import PlanCache, cached_launch
 from .mxfp8 import launch_mxfp8_dequantize, launch_mxfp8_quantize
 from .mxfp8_gemm import mxfp8_gemm_into
 
@@ -219,4 +219,12 @@ def launch_scale_by_(x: torch.Tensor, scale: torch.Tensor) -> None:
     check_scale_by_args(x, scale)
     if x.numel() == 0:
         return
-    scale_by_kernel[(ceil_div(x.numel(), SCALE_BLOCK),)](x, scale, x.numel(), BLOCK=SCALE_BLOCK, num_warps=4)
+    _SCALE_LAUNCHES.get(x.numel(), _scale_by_launch, x.numel())(x, scale, x.numel())
+
+
+# scale_by_kernel bound to its grid, per element count.
+_SCALE_LAUNCHES = PlanCache()
+
+
+def _scale_by_launch(numel: int):
+    return scale_by_kernel.bind((ceil_div(numel, SCALE_BLOCK),), BLOCK=SCALE_BLOCK, num_warps=4)

@@ -36,9 +36,10 @@ from ..meta.mxfp8 import (
     mxfp8_round_trip_outputs,
     quantize_output_layout,
 )
+from ..meta.split_sizes import check_group_end_values
 from .bf16_pairs import to_dtype_rne
 from .launch import INTERPRETING_CONSTEXPR as INTERPRETING
-from .launch import PlanCache, cached_launch
+from .launch import PlanCache, cached_launch, tensor_key
 from .split_sizes import valid_group_ends
 
 TILE_ROWS = MXFP8_BLOCK_SIZE
@@ -820,29 +821,39 @@ def launch_mxfp8_round_trip(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``lowp::mxfp8_round_trip`` on a CUDA (or interpreted CPU) tensor: one read of x, one write per
     copy (the quantize kernel's tiles and configuration). ``group_ends``: the column-wise blocks restart
-    at each group (``reference.mxfp8.group_block_rows``), one more tile row per group."""
-    row_out, col_out = mxfp8_round_trip_outputs(x, fp8_dtype, rowwise, columnwise, group_ends)
-    rows, cols = flat_2d_dims(x.shape)
+    at each group (``reference.mxfp8.group_block_rows``), one more tile row per group. From a plan per
+    specialization (:data:`_ROUND_TRIP_PLANS`)."""
+    key = (x.shape, x.stride(), x.dtype, x.device, fp8_dtype, rowwise, columnwise, tensor_key(group_ends))
+    args = (x, fp8_dtype, rowwise, columnwise, group_ends)
+    plan = _ROUND_TRIP_PLANS.get(key, _round_trip_plan, *args)
+    if group_ends is not None:  # values: every call, where read on the host (meta.split_sizes)
+        check_group_end_values(group_ends, flat_2d_dims(x.shape)[0], "group_ends")
+    return plan(x, group_ends)
+
+
+# launch_mxfp8_round_trip's plans: the checks of the layouts, the grid and the constexprs.
+_ROUND_TRIP_PLANS = PlanCache()
+
+
+def _round_trip_plan(x, fp8_dtype, rowwise, columnwise, group_ends):
+    mxfp8_round_trip_outputs(x, fp8_dtype, rowwise, columnwise, group_ends)  # the checks
+    shape = x.shape
+
+    def outputs(x):
+        return tuple(x.new_empty(shape if wanted else (0,)) for wanted in (rowwise, columnwise))
+
+    rows, cols = flat_2d_dims(shape)
     if rows == 0 or cols == 0:
-        return row_out, col_out
-    x2d = x.reshape(rows, cols)
-    if x2d.stride(1) != 1:
-        x2d = x2d.contiguous()  # row-major tiles only, as launch_mxfp8_quantize
+        return lambda x, group_ends: outputs(x)
+    copy = x.reshape(rows, cols).stride(1) != 1  # row-major tiles only, as launch_mxfp8_quantize
+    row_stride = cols if copy else x.reshape(rows, cols).stride(0)
     block_cols, num_warps = quantize_config(cols, rowwise, columnwise)
     grouped = columnwise and group_ends is not None
-    if grouped and group_ends.stride(0) != 1:
-        group_ends = group_ends.contiguous()  # the kernel reads the ends at unit stride
+    copy_ends = grouped and group_ends.stride(0) != 1  # the kernel reads the ends at unit stride
     n_ends = group_ends.numel() if grouped else 0
     row_blocks = ceil_div(rows, TILE_ROWS) + (n_ends + 1 if grouped else 0)
-    mxfp8_round_trip_kernel[(row_blocks * ceil_div(cols, block_cols),)](
-        x2d,
-        x2d.stride(0),
-        rows,
-        cols,
-        row_out,
-        col_out,
-        group_ends if grouped else x2d,
-        n_ends,
+    launch = mxfp8_round_trip_kernel.bind(
+        (row_blocks * ceil_div(cols, block_cols),),
         BLOCK_COLS=block_cols,
         FP8_MAX=FP8_MAX[fp8_dtype],
         MAX_RCP=FP8_MAX_RCP[fp8_dtype],
@@ -853,4 +864,13 @@ def launch_mxfp8_round_trip(
         BLOCK_GROUPS=next_power_of_2(n_ends + 1) if grouped else 0,
         num_warps=num_warps,
     )
-    return row_out, col_out
+
+    def call(x, group_ends):
+        row_out, col_out = outputs(x)
+        x2d = x.reshape(rows, cols)
+        x2d = x2d.contiguous() if copy else x2d
+        ends = (group_ends.contiguous() if copy_ends else group_ends) if grouped else x2d
+        launch(x2d, row_stride, rows, cols, row_out, col_out, ends, n_ends)
+        return row_out, col_out
+
+    return call

@@ -19,7 +19,7 @@ import triton.language as tl
 from ..formats import ceil_div, next_power_of_2
 from ..meta.rms_norm import rms_norm_bwd_outputs, rms_norm_fwd_outputs
 from .bf16_pairs import to_dtype_rne
-from .launch import INTERPRETING, cached_launch, rows_with_unit_stride
+from .launch import INTERPRETING, PlanCache, cached_launch, tensor_key
 
 ELEMENTS_PER_PROGRAM = 4096
 
@@ -154,28 +154,10 @@ def _multiprocessors(device_index: int) -> int:
 def launch_rms_norm_fwd(
     x: torch.Tensor, weight: torch.Tensor, eps: float, round_normalized: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``lowp::rms_norm_fwd`` on a CUDA (or interpreted CPU) tensor; rows read through their stride."""
-    y, rstd = rms_norm_fwd_outputs(x, weight, eps, round_normalized)
-    rows, hidden = x.shape
-    if rows == 0:
-        return y, rstd
-    x = rows_with_unit_stride(x)
-    block_rows, block_h, num_warps = row_config(hidden)
-    rms_norm_fwd_kernel[(ceil_div(rows, block_rows),)](
-        x,
-        weight.contiguous(),
-        y,
-        rstd,
-        rows,
-        hidden,
-        x.stride(0),
-        eps,
-        BLOCK_ROWS=block_rows,
-        BLOCK_H=block_h,
-        ROUND_NORMALIZED=round_normalized,
-        num_warps=num_warps,
-    )
-    return y, rstd
+    """``lowp::rms_norm_fwd`` on a CUDA (or interpreted CPU) tensor; rows read through their stride. From
+    a plan per specialization (:data:`_PLANS`)."""
+    key = ("fwd", x.shape, x.stride(), x.dtype, x.device, tensor_key(weight), eps, round_normalized)
+    return _PLANS.get(key, _fwd_plan, x, weight, eps, round_normalized)(x, weight)
 
 
 def launch_rms_norm_bwd(
@@ -187,27 +169,72 @@ def launch_rms_norm_bwd(
     config: tuple[int, int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``lowp::rms_norm_bwd`` on a CUDA (or interpreted CPU) tensor. ``config`` overrides
-    :func:`bwd_config` (benchmarks, tests)."""
-    dx, dweight = rms_norm_bwd_outputs(grad, x, weight, rstd, round_normalized)
+    :func:`bwd_config` (benchmarks, tests). From a plan per specialization (:data:`_PLANS`)."""
+    key = ("bwd", grad.shape, grad.stride(), grad.dtype, grad.device, x.shape, x.stride(), x.dtype)
+    key += (tensor_key(weight), tensor_key(rstd), round_normalized, config)
+    return _PLANS.get(key, _bwd_plan, grad, x, weight, rstd, round_normalized, config)(grad, x, weight, rstd)
+
+
+# The launchers' plans, one per specialization (shapes, strides, dtypes, devices, options): the checks,
+# grids and constexprs depend on nothing else, so a call only allocates and launches.
+_PLANS = PlanCache()
+
+
+def _fwd_plan(x, weight, eps, round_normalized):
+    rms_norm_fwd_outputs(x, weight, eps, round_normalized)  # the checks
     rows, hidden = x.shape
+    shape = x.shape
+
+    def outputs(x):
+        return x.new_empty(shape), x.new_empty((rows,), dtype=torch.float32)
+
     if rows == 0:
-        return dx, dweight.zero_()
-    grad, x = rows_with_unit_stride(grad), rows_with_unit_stride(x)
+        return lambda x, weight: outputs(x)
+    copy = x.stride(1) != 1  # rows_with_unit_stride
+    x_stride = hidden if copy else x.stride(0)
+    copy_weight = not weight.is_contiguous()
+    block_rows, block_h, num_warps = row_config(hidden)
+    launch = rms_norm_fwd_kernel.bind(
+        (ceil_div(rows, block_rows),),
+        BLOCK_ROWS=block_rows,
+        BLOCK_H=block_h,
+        ROUND_NORMALIZED=round_normalized,
+        num_warps=num_warps,
+    )
+
+    def call(x, weight):
+        y, rstd = outputs(x)
+        x = x.contiguous() if copy else x
+        launch(x, weight.contiguous() if copy_weight else weight, y, rstd, rows, hidden, x_stride, eps)
+        return y, rstd
+
+    return call
+
+
+def _bwd_plan(grad, x, weight, rstd, round_normalized, config):
+    rms_norm_bwd_outputs(grad, x, weight, rstd, round_normalized)  # the checks
+    rows, hidden = x.shape
+    shape, weight_shape = x.shape, weight.shape
+
+    def outputs(x, weight):
+        return x.new_empty(shape), weight.new_empty(weight_shape)
+
+    if rows == 0:
+
+        def no_rows(grad, x, weight, rstd):
+            dx, dweight = outputs(x, weight)
+            return dx, dweight.zero_()
+
+        return no_rows
+    copy_grad, copy_x = grad.stride(1) != 1, x.stride(1) != 1  # rows_with_unit_stride
+    grad_stride = hidden if copy_grad else grad.stride(0)
+    x_stride = hidden if copy_x else x.stride(0)
+    copy_weight, copy_rstd = not weight.is_contiguous(), not rstd.is_contiguous()
     block_rows, num_warps, programs_per_sm, num_stages = config or bwd_config(hidden)
     block_h = next_power_of_2(hidden)
     programs = min(ceil_div(rows, block_rows), programs_per_sm * _multiprocessors(x.device.index or 0))
-    partial = torch.empty((programs, hidden), dtype=torch.float32, device=x.device)
-    rms_norm_bwd_kernel[(programs,)](
-        grad,
-        x,
-        weight.contiguous(),
-        rstd.contiguous(),
-        dx,
-        partial,
-        rows,
-        hidden,
-        grad.stride(0),
-        x.stride(0),
+    launch = rms_norm_bwd_kernel.bind(
+        (programs,),
         BLOCK_ROWS=block_rows,
         BLOCK_H=block_h,
         ROUND_NORMALIZED=round_normalized,
@@ -215,7 +242,26 @@ def launch_rms_norm_bwd(
         num_warps=num_warps,
     )
     block_cols = min(256, block_h)
-    sum_partials_kernel[(ceil_div(hidden, block_cols),)](
-        partial, dweight, programs, hidden, BLOCK_P=32, BLOCK_H=block_cols, num_warps=4
+    sum_launch = sum_partials_kernel.bind(
+        (ceil_div(hidden, block_cols),), BLOCK_P=32, BLOCK_H=block_cols, num_warps=4
     )
-    return dx, dweight
+
+    def call(grad, x, weight, rstd):
+        dx, dweight = outputs(x, weight)
+        partial = x.new_empty((programs, hidden), dtype=torch.float32)
+        launch(
+            grad.contiguous() if copy_grad else grad,
+            x.contiguous() if copy_x else x,
+            weight.contiguous() if copy_weight else weight,
+            rstd.contiguous() if copy_rstd else rstd,
+            dx,
+            partial,
+            rows,
+            hidden,
+            grad_stride,
+            x_stride,
+        )
+        sum_launch(partial, dweight, programs, hidden)
+        return dx, dweight
+
+    return call

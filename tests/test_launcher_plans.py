@@ -1,0 +1,134 @@
+"""The launchers that keep one plan per input specialization (``kernels.launch.PlanCache``) give, for
+calls of one shape with other strides, dtypes and options made one after another (each finding the
+plans of the calls before it), the bytes of the same call made with no plan stored.
+
+The cross-entropy launchers and the quantizers have tests of their own (``test_cross_entropy_kernels``,
+``test_mxfp8_kernels``, ``test_nvfp4_kernels``); these are the others: the dequantizers and decodes, the
+MXFP8 round trip, the softmax family, SwiGLU and dGLU, the group ends, RMSNorm, the in-place scaling and
+the LM head's one-pass loss step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+ROWS, COLS = 32, 128
+
+VARIANTS = [
+    {},
+    {"layout": "row-strided"},
+    {"layout": "column-major"},
+    {"dtype": torch.float32},
+    {"option": True},
+    {"layout": "row-strided", "option": True},
+    {},
+]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.contiguous().view(bits[t.element_size()])
+
+
+def _matrix(rows: int, cols: int, dtype: torch.dtype, device: str, layout: str, seed: int) -> torch.Tensor:
+    """A (rows, cols) matrix of the given layout: contiguous, rows of a wider matrix, or column-major."""
+    gen = torch.Generator().manual_seed(seed)
+    # Rows of magnitudes 0.01-10, so that blocks that restart at group ends get other scales.
+    values = torch.randn(rows, cols + 8, generator=gen) * torch.logspace(-2, 1, rows)[:, None]
+    values = values.to(dtype).to(device)
+    if layout == "row-strided":
+        return values[:, :cols]
+    if layout == "column-major":
+        return values[:, :cols].t().contiguous().t()
+    return values[:, :cols].contiguous()
+
+
+def launcher_outputs(variant: dict, device: str) -> list[torch.Tensor]:
+    """Every output of the planned launchers for one shape and ``variant``'s layout, dtype and option
+    (a flag of each launcher), as bit patterns."""
+    from lowp_ops.kernels import cross_entropy_single_pass as one_pass
+    from lowp_ops.kernels import linear_cross_entropy, mxfp8, nvfp4, nvfp4_decode, rms_norm, softmax, swiglu
+    from lowp_ops.kernels import split_sizes as split_kernels
+
+    layout, option = variant.get("layout", "contiguous"), variant.get("option", False)
+    dtype = variant.get("dtype", torch.bfloat16)
+    x = _matrix(ROWS, COLS, dtype, device, layout, seed=1)
+    grad = _matrix(ROWS, COLS, dtype, device, layout, seed=2)
+    out = []
+
+    # softmax / log_softmax / logsumexp
+    y = softmax.launch_softmax_fwd(x, option, "zero" if option else "nan")
+    out += [y, softmax.launch_softmax_bwd(y, grad, option), softmax.launch_logsumexp(x)]
+
+    # MXFP8: dequantize (into a given buffer with the option) and the round trip (grouped with it)
+    x16 = x.to(torch.bfloat16)
+    row_data, row_scale, col_data, col_scale = mxfp8.launch_mxfp8_quantize(x16, "e4m3", True, True, "compact")
+    buffer = torch.empty(ROWS, COLS, dtype=dtype, device=device) if option else None
+    rows_copy = (row_data, row_scale, "e4m3", "rowwise", "compact", dtype)
+    out.append(mxfp8.launch_mxfp8_dequantize(*rows_copy, out=buffer))
+    out.append(mxfp8.launch_mxfp8_dequantize(col_data, col_scale, "e4m3", "columnwise", "compact", dtype))
+    ends = torch.tensor([12, 12, 32], dtype=torch.int32, device=device) if option else None
+    fp8 = "e5m2" if dtype == torch.float32 else "e4m3"
+    out += list(mxfp8.launch_mxfp8_round_trip(x, fp8, True, True, ends))
+
+    # NVFP4: dequantize, the row decode (2-D and stacked), the grouped column decode, the row scaling
+    q = nvfp4.launch_nvfp4_quantize(x, True, True, False, None, None, False)
+    out.append(nvfp4_decode.launch_nvfp4_dequantize(q[0], q[1], q[4], dtype))
+    data = torch.stack([q[0], q[0]]) if option else q[0]
+    scale = torch.stack([q[1], q[1]]) if option else q[1]
+    out.append(nvfp4_decode.launch_nvfp4_decode_rows(data, scale))
+    splits = torch.tensor([16, 0, 16] if option else [32, 0, 0], device=device)
+    g = nvfp4.launch_nvfp4_group_quantize(x, splits, True, True, False, None, None)
+    out.append(nvfp4_decode.launch_nvfp4_group_decode_columns(g[2], g[3], splits, COLS, ROWS))
+    amaxes = torch.tensor([1.5, 2.0, 3.0], device=device)
+    row_ends = ends if option else None
+    y16 = x16 if option else x16[:30]  # without ends, rows split evenly over the experts
+    out.append(nvfp4_decode.launch_nvfp4_scale_rows(y16, amaxes, amaxes * 2, row_ends))
+
+    # SwiGLU forward, dGLU, group ends
+    probs = torch.linspace(0.1, 1.0, ROWS, device=device)
+    interleave = 32 if option else 0
+    group_ends = split_kernels.launch_group_ends(splits, ROWS, option)
+    out.append(group_ends)
+    out.append(swiglu.launch_swiglu_fwd(x, probs, interleave, group_ends.reshape(-1)[:3] if option else None))
+    out += list(swiglu.launch_dglu(grad[:, : COLS // 2], x, probs, splits, interleave))
+
+    # RMSNorm forward and backward
+    weight = torch.linspace(0.5, 1.5, COLS, device=device).to(dtype)
+    normed, rstd = rms_norm.launch_rms_norm_fwd(x, weight, 1e-6, option)
+    out += [normed, rstd, *rms_norm.launch_rms_norm_bwd(grad, x, weight, rstd, option)]
+
+    # the LM head's in-place scaling and one-pass loss step (in place: on copies)
+    scaled = x.contiguous()
+    linear_cross_entropy.launch_scale_by_(scaled, torch.tensor(0.75 if option else 1.5, device=device))
+    logits = x.contiguous()
+    target = torch.arange(ROWS, device=device) % COLS
+    grad_rows = torch.full((ROWS,), 0.5, device=device)
+    step = one_pass.launch_cross_entropy_rows_fwd_bwd_(logits, target, grad_rows, 0.1 * option, -100)
+    out += [scaled, *step]
+    return [_bits(t) for t in out]
+
+
+def plans_follow_layouts_and_options(device: str) -> None:
+    from lowp_ops.kernels.launch import clear_plans
+
+    in_sequence = [launcher_outputs(variant, device) for variant in VARIANTS]
+    for variant, got_outputs in zip(VARIANTS, in_sequence, strict=True):
+        clear_plans()
+        fresh = launcher_outputs(variant, device)
+        assert len(got_outputs) == len(fresh)
+        for index, (got, want) in enumerate(zip(got_outputs, fresh, strict=True)):
+            assert got.shape == want.shape and torch.equal(got, want), (variant, index)
+
+
+@pytest.mark.interp
+def test_interp_launcher_plans_follow_layouts_and_options():
+    plans_follow_layouts_and_options("cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_launcher_plans_follow_layouts_and_options():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    plans_follow_layouts_and_options("cuda")
