@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 from hypothesis import HealthCheck, Phase, settings
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -45,3 +46,19 @@ def assert_mxfp8_scale_padding_is_zero(row_scale, col_scale, rows: int, cols: in
         compact = reference.unswizzle_col_scales(col_scale.cpu()) if swizzled else col_scale.cpu()
         assert not compact[math.ceil(rows / 32) :].any(), "column-wise scales: blocks past the data are not 0"
         assert not compact[:, cols:].any(), "column-wise scales: columns past the data are not 0"
+
+
+def assert_plans_follow(outputs_of, variants: list[dict], device: str) -> None:
+    """Launchers that keep one plan per specialization: ``outputs_of(variant, device)`` (the outputs of
+    calls of one shape with the variant's layouts and options, as bit patterns) made for every variant
+    in sequence, each finding the plans of the calls before it, equals the same calls made with no plan
+    stored."""
+    from lowp_ops.kernels.launch import clear_plans
+
+    in_sequence = [outputs_of(variant, device) for variant in variants]
+    for variant, got_outputs in zip(variants, in_sequence, strict=True):
+        clear_plans()
+        fresh = outputs_of(variant, device)
+        assert len(got_outputs) == len(fresh), variant
+        for index, (got, want) in enumerate(zip(got_outputs, fresh, strict=True)):
+            assert got.shape == want.shape and torch.equal(got, want), (variant, index)

@@ -30,7 +30,7 @@ from ce_softmax_oracles import (
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_suites import assert_mxfp8_scale_padding_is_zero
+from kernel_suites import assert_mxfp8_scale_padding_is_zero, assert_plans_follow
 
 import lowp_ops
 from lowp_ops.reference import cross_entropy as ce_ref
@@ -638,14 +638,7 @@ def plans_follow_layouts_and_options(device: str) -> None:
     """The launchers keep one plan per specialization: calls of one shape with other strides, dtypes and
     options, one after another (each finding the earlier calls' plans), give the bytes of the same
     call made with no plan stored."""
-    from lowp_ops.kernels.launch import clear_plans
-
-    in_sequence = [launcher_outputs(variant, device) for variant in PLAN_VARIANTS]
-    for variant, got_outputs in zip(PLAN_VARIANTS, in_sequence, strict=True):
-        clear_plans()
-        fresh = launcher_outputs(variant, device)
-        for index, (got, want) in enumerate(zip(got_outputs, fresh, strict=True)):
-            assert got.shape == want.shape and torch.equal(got, want), (variant, index)
+    assert_plans_follow(launcher_outputs, PLAN_VARIANTS, device)
 
 
 @pytest.mark.interp

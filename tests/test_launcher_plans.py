@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_suites import assert_plans_follow
 
 ROWS, COLS = 32, 128
 
@@ -110,25 +111,13 @@ def launcher_outputs(variant: dict, device: str) -> list[torch.Tensor]:
     return [_bits(t) for t in out]
 
 
-def plans_follow_layouts_and_options(device: str) -> None:
-    from lowp_ops.kernels.launch import clear_plans
-
-    in_sequence = [launcher_outputs(variant, device) for variant in VARIANTS]
-    for variant, got_outputs in zip(VARIANTS, in_sequence, strict=True):
-        clear_plans()
-        fresh = launcher_outputs(variant, device)
-        assert len(got_outputs) == len(fresh)
-        for index, (got, want) in enumerate(zip(got_outputs, fresh, strict=True)):
-            assert got.shape == want.shape and torch.equal(got, want), (variant, index)
-
-
 @pytest.mark.interp
 def test_interp_launcher_plans_follow_layouts_and_options():
-    plans_follow_layouts_and_options("cpu")
+    assert_plans_follow(launcher_outputs, VARIANTS, "cpu")
 
 
 @pytest.mark.gpu
 def test_gpu_launcher_plans_follow_layouts_and_options():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    plans_follow_layouts_and_options("cuda")
+    assert_plans_follow(launcher_outputs, VARIANTS, "cuda")
