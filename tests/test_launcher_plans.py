@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_suites import assert_plans_follow
+from kernel_suites import SUITES, assert_plans_follow
 
 ROWS, COLS = 32, 128
 
@@ -121,3 +121,36 @@ def test_gpu_launcher_plans_follow_layouts_and_options():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     assert_plans_follow(launcher_outputs, VARIANTS, "cuda")
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_strided_vectors_read_as_their_contiguous_copies(suite, kernel_device):
+    """1-D arguments that the kernels read at unit stride (a grouped quantizer's given per-expert amaxes,
+    the SwiGLU forward's group ends, the row scaling's amaxes and ends) give, as every-other-element
+    views, the bytes of their contiguous copies."""
+    import lowp_ops
+    from lowp_ops import library
+
+    device = kernel_device
+    x = _matrix(64, COLS, torch.bfloat16, device, "contiguous", seed=3)
+    splits = torch.tensor([32, 32], device=device)
+    spaced = torch.tensor([3.0, 100.0, 5.0, 100.0], device=device)[::2]  # a 100 read here is wrong
+    strided = lowp_ops.nvfp4_group_quantize(
+        x, splits, columnwise=True, amax_rowwise=spaced, amax_columnwise=spaced
+    )
+    dense = spaced.contiguous()
+    want = lowp_ops.nvfp4_group_quantize(
+        x, splits, columnwise=True, amax_rowwise=dense, amax_columnwise=dense
+    )
+    for field in ("row_data", "row_scale", "col_data", "col_scale", "amax_rowwise", "amax_columnwise"):
+        assert torch.equal(getattr(strided, field), getattr(want, field)), field
+
+    ends = torch.tensor([10, 99, 20, 99, 64, 99], dtype=torch.int32, device=device)[::2]
+    probs = torch.linspace(0.1, 1.0, 64, device=device)
+    got = library.swiglu_fwd(x, probs, 0, ends)
+    assert torch.equal(got, library.swiglu_fwd(x, probs, 0, ends.contiguous()))
+    amaxes = torch.tensor([1.0, 9.0, 2.0, 9.0, 4.0, 9.0], device=device)[::2]
+    got = library.nvfp4_scale_rows(x, amaxes, amaxes, ends)
+    assert torch.equal(
+        got, library.nvfp4_scale_rows(x, amaxes.contiguous(), amaxes.contiguous(), ends.contiguous())
+    )

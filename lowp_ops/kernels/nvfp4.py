@@ -658,17 +658,18 @@ def _launch_plan(
             if amax_launch is not None:
                 amax_launch(*source, found.view(torch.int32))
             found_abs, found_rht = found[:experts], found[experts:]
-        # Where the kernel reads each amax from: a given one, or the one the amax kernel computed.
-        source_row = found_abs if given_row is None else given_row.reshape(experts)
+        # Where the kernel reads each amax from: a given one (contiguous: the plans see to it; the kernel
+        # reads expert e's at its data pointer + e), or the one the amax kernel computed.
+        source_row = found_abs if given_row is None else given_row
         if not columnwise:
             source_col = source_row
         elif given_col is not None:
-            source_col = given_col.reshape(experts)
+            source_col = given_col
         else:
             source_col = found_rht if rht else found_abs
         if empty:  # no quantize launch to copy them
-            amax_row.copy_(source_row)
-            amax_col.copy_(source_col)
+            amax_row.copy_(source_row.reshape(experts))
+            amax_col.copy_(source_col.reshape(experts))
             return
         sr_state = amax_row if sr_seed is None else sr_seed.reshape(2).contiguous()  # unused without SR
         row_scale_cols, col_scale_cols = row_scale.shape[1], col_scale.shape[1]
@@ -748,6 +749,7 @@ def _quantize_plan(x, rowwise, columnwise, rht, amax_rowwise, amax_columnwise, b
     def call(x, amax_rowwise, amax_columnwise, sr_seed):
         outputs = allocate_outputs(x, layout, 1)
         x2d = rows_with_unit_stride(x.reshape(rows, cols)) if reshape else x
+        # A given amax holds one element (checked): the kernel reads it at its data pointer.
         run(x2d, outputs[4], outputs, amax_rowwise, amax_columnwise, sr_seed)  # split sizes: unused
         return outputs
 
@@ -820,9 +822,15 @@ def _group_quantize_plan(
         split_full_tiles=tuned if split_full_tiles is None else split_full_tiles,
     )
 
+    # Given per-expert amaxes (E,) are read at unit stride: strided ones are copied first.
+    copy_row = amax_rowwise is not None and not amax_rowwise.is_contiguous()
+    copy_col = amax_columnwise is not None and not amax_columnwise.is_contiguous()
+
     def call(x, split_sizes, amax_rowwise, amax_columnwise, sr_seed):
         outputs = allocate_outputs(x, layout, experts)
         x2d = x.contiguous() if copy else x
+        amax_rowwise = amax_rowwise.contiguous() if copy_row else amax_rowwise
+        amax_columnwise = amax_columnwise.contiguous() if copy_col else amax_columnwise
         run(x2d, split_sizes.contiguous(), outputs, amax_rowwise, amax_columnwise, sr_seed)
         return outputs
 

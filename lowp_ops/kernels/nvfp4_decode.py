@@ -517,15 +517,20 @@ def _scale_rows_plan(y, amax_a, amax_b, ends):
         num_warps=num_warps,
     )
     rows_per_expert = max(1, rows // experts)
+    # The kernel reads the amaxes and ends at unit stride: strided ones are copied first.
+    copy_a, copy_b = not amax_a.is_contiguous(), not amax_b.is_contiguous()
+    copy_ends = ends is not None and not ends.is_contiguous()
 
     def call(y, amax_a, amax_b, ends):
         out = y.new_empty(shape)
+        amax_a = amax_a.contiguous() if copy_a else amax_a
+        amax_b = amax_b.contiguous() if copy_b else amax_b
         launch(
             y.contiguous() if copy else y,
             out,
             amax_a,
             amax_b,
-            amax_a if ends is None else ends,  # unused pointer without ends
+            amax_a if ends is None else ends.contiguous() if copy_ends else ends,  # unused without ends
             rows,
             cols,
             y_stride,

@@ -222,6 +222,7 @@ def _swiglu_fwd_plan(c, probs, interleave, ends, block_rows, block_cols, num_war
     copy_probs = not probs.is_contiguous()
     block_cols = block_cols or _block_cols(ffn, 256)
     last_group = 0 if ends is None else ends.shape[0] - 1
+    copy_ends = ends is not None and not ends.is_contiguous()  # the kernel reads ends[last] at unit stride
     launch = swiglu_fwd_kernel.bind(
         (ceil_div(tokens, block_rows), ceil_div(ffn, block_cols)),
         BLOCK_T=block_rows,
@@ -237,7 +238,8 @@ def _swiglu_fwd_plan(c, probs, interleave, ends, block_rows, block_cols, num_war
         out = c.new_empty(shape)
         c = c.contiguous() if copy else c
         probs = probs.contiguous() if copy_probs else probs
-        launch(c, probs, out, out if ends is None else ends, last_group, tokens, ffn, c_stride)
+        ends = out if ends is None else ends.contiguous() if copy_ends else ends
+        launch(c, probs, out, ends, last_group, tokens, ffn, c_stride)
         return out
 
     return call
