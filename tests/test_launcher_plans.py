@@ -125,9 +125,9 @@ def test_gpu_launcher_plans_follow_layouts_and_options():
 
 @pytest.mark.parametrize("suite", SUITES)
 def test_strided_vectors_read_as_their_contiguous_copies(suite, kernel_device):
-    """1-D arguments that the kernels read at unit stride (a grouped quantizer's given per-expert amaxes,
-    the SwiGLU forward's group ends, the row scaling's amaxes and ends) give, as every-other-element
-    views, the bytes of their contiguous copies."""
+    """Arguments that the kernels read at unit stride (a grouped quantizer's given per-expert amaxes, the
+    SwiGLU forward's group ends, the row scaling's amaxes and ends, a grouped GEMM's valid ends, an NVFP4
+    dequantize's scales) give, as strided views, the bytes of their contiguous copies."""
     import lowp_ops
     from lowp_ops import library
 
@@ -154,3 +154,15 @@ def test_strided_vectors_read_as_their_contiguous_copies(suite, kernel_device):
     assert torch.equal(
         got, library.nvfp4_scale_rows(x, amaxes.contiguous(), amaxes.contiguous(), ends.contiguous())
     )
+
+    a = x[:32].contiguous()
+    b = _matrix(2 * COLS, 32, torch.bfloat16, device, "contiguous", seed=4).reshape(2, COLS, 32)
+    ends = torch.tensor([10, 99, 24, 77], dtype=torch.int32, device=device)[::2]  # rows 24-31: no group
+    assert torch.equal(
+        library.grouped_mm(a, b, ends, True), library.grouped_mm(a, b, ends.contiguous(), True)
+    )
+
+    q = lowp_ops.nvfp4_quantize(x)
+    column_major = q.row_scale.t().contiguous().t()
+    got = library.nvfp4_dequantize(q.row_data, column_major, q.amax_rowwise, torch.float32)
+    assert torch.equal(got, library.nvfp4_dequantize(q.row_data, q.row_scale, q.amax_rowwise, torch.float32))

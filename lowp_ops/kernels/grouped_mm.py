@@ -99,7 +99,7 @@ def launch_grouped_mm(
         # No contraction, or no group: torch._grouped_mm rejects a zero-width operand or zero groups.
         return a.new_zeros(shape)
     if ends_valid and offs.dtype == torch.int32:
-        ends = offs
+        ends = offs if offs.is_contiguous() else offs.contiguous()  # zero_rows_past reads them at unit stride
     else:
         ends = launch_valid_group_ends(offs, a.shape[0] if rows_grouped else a.shape[1])
     if rows_grouped:

@@ -411,6 +411,7 @@ def _dequantize_plan(data, scale, amax, dtype):
     if rows == 0 or cols == 0:
         return lambda data, scale, amax: data.new_empty(shape, dtype=dtype)
     copy = not data.is_contiguous()
+    copy_scale = scale.stride(1) != 1  # the kernel reads a row's scales at unit stride
     block_rows, block_cols, num_warps = decode_config(cols)
     launch = nvfp4_dequantize_kernel.bind(
         (ceil_div(rows, block_rows), ceil_div(cols, block_cols)),
@@ -419,10 +420,11 @@ def _dequantize_plan(data, scale, amax, dtype):
         EVEN_COLS=cols % block_cols == 0,
         num_warps=num_warps,
     )
-    scale_stride = scale.stride(0)
+    scale_stride = scale.shape[1] if copy_scale else scale.stride(0)
 
     def call(data, scale, amax):
         out = data.new_empty(shape, dtype=dtype)
+        scale = scale.contiguous() if copy_scale else scale
         # amax holds one element (checked): the kernel reads it at its data pointer, whatever its shape.
         launch(data.contiguous() if copy else data, scale, amax, out, rows, cols, scale_stride)
         return out
