@@ -814,3 +814,15 @@ def test_mxfp8_launcher_arguments_bind_to_the_kernel_parameters(gluon, n_cols, s
     assert len(bound) == 1 and list(bound[0]) == params
     assert bound[0]["n_cols"] == n_cols and bound[0]["rows"] == 40
     assert bound[0]["row_scale_cols"] == math.ceil(math.ceil(n_cols / 32) / 4) * 4
+
+
+@pytest.mark.interp
+def test_interp_gluon_backward_refuses_rows_past_its_int32_offsets():
+    """The Gluon MXFP8 backward's in-tile offsets are int32: asked for it explicitly (``gluon=True``), rows
+    of 2^26 elements (32 rows past 2^31) raise instead of reading wrapped addresses."""
+    storage = torch.zeros(2**26 + 128, dtype=torch.bfloat16)  # 128 MiB: two rows 2^26 elements apart
+    logits = storage.as_strided((2, 128), (2**26, 1))
+    target, stats, grad_rows = torch.zeros(2, dtype=torch.int64), torch.zeros(2, 2), torch.ones(2)
+    args = (logits, target, stats, grad_rows, 0.0, IGNORE, "e4m3", True, True, "compact")
+    with pytest.raises(ValueError, match="gluon=False"):
+        ce_kernels.launch_cross_entropy_bwd_mxfp8(*args, gluon=True)

@@ -752,6 +752,10 @@ def _bwd_mxfp8_plan(
     contiguous_grad_rows = False
     if gluon:
         require(z_loss == 0 and softcap == 0, lambda: "the Gluon kernel has no z_loss / softcap: gluon=False")
+        require(
+            32 * max(data_stride, row_stride) < 2**31,
+            lambda: "the Gluon kernel's in-tile offsets are int32: rows this wide need gluon=False",
+        )
         kernel = cross_entropy_gluon.cross_entropy_bwd_mxfp8_gluon_kernel
         block_cols, num_warps = cross_entropy_gluon.BLOCK_COLS, cross_entropy_gluon.NUM_WARPS
         per_16_bytes = 16 // logits.element_size()
