@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ce_softmax_oracles import bits
 from kernel_suites import SUITES, assert_plans_follow
 
 ROWS, COLS = 32, 128
@@ -25,11 +26,6 @@ VARIANTS = [
     {"layout": "row-strided", "option": True},
     {},
 ]
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    return t.contiguous().view(bits[t.element_size()])
 
 
 def _matrix(rows: int, cols: int, dtype: torch.dtype, device: str, layout: str, seed: int) -> torch.Tensor:
@@ -108,7 +104,7 @@ def launcher_outputs(variant: dict, device: str) -> list[torch.Tensor]:
     grad_rows = torch.full((ROWS,), 0.5, device=device)
     step = one_pass.launch_cross_entropy_rows_fwd_bwd_(logits, target, grad_rows, 0.1 * option, -100)
     out += [scaled, *step]
-    return [_bits(t) for t in out]
+    return [bits(t) for t in out]
 
 
 @pytest.mark.interp

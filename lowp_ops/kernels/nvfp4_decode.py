@@ -366,7 +366,8 @@ def _decode_rows_plan(data: torch.Tensor, scale: torch.Tensor, config: tuple | N
         return lambda data, scale: data.new_empty(shape, dtype=torch.bfloat16)
     data3 = data.reshape(-1, rows, data.shape[-1])
     copy = data3.stride(-1) != 1
-    data3 = data3.contiguous() if copy else data3
+    # A copied batch is contiguous: (rows * C/2, C/2).
+    data_strides = (rows * data.shape[-1], data.shape[-1]) if copy else data3.stride()[:2]
     scale3 = scale.reshape(-1, *scale.shape[-2:])
     block_rows, block_cols, num_warps = config or decode_config(cols)
     launch = nvfp4_decode_rows_kernel.bind(
@@ -376,7 +377,7 @@ def _decode_rows_plan(data: torch.Tensor, scale: torch.Tensor, config: tuple | N
         EVEN_COLS=cols % block_cols == 0,
         num_warps=num_warps,
     )
-    strides = (*data3.stride()[:2], *scale3.stride())
+    strides = (*data_strides, *scale3.stride())
     data_rows = (-1, rows, data.shape[-1])
     scale_rows = (-1, *scale.shape[-2:])
 
