@@ -162,3 +162,81 @@ def test_strided_vectors_read_as_their_contiguous_copies(suite, kernel_device):
     column_major = q.row_scale.t().contiguous().t()
     got = library.nvfp4_dequantize(q.row_data, column_major, q.amax_rowwise, torch.float32)
     assert torch.equal(got, library.nvfp4_dequantize(q.row_data, q.row_scale, q.amax_rowwise, torch.float32))
+
+
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` whose first element sits one element past the start of its storage, so that its
+    base pointer is not 16-byte aligned (the allocator's blocks are)."""
+    storage = t.new_empty(t.numel() + 1)
+    view = storage[1:].view(t.shape)
+    view.copy_(t)
+    assert view.data_ptr() % 16 != 0
+    return view
+
+
+def _flat_bits(result) -> list[torch.Tensor]:
+    """The bit patterns of every tensor in ``result`` (a tensor, a tuple, or an MXFP8 / NVFP4 container)."""
+    import dataclasses
+
+    if isinstance(result, torch.Tensor):
+        return [bits(result)]
+    if dataclasses.is_dataclass(result):
+        result = [getattr(result, f.name) for f in dataclasses.fields(result)]
+    return [
+        t
+        for part in result
+        if isinstance(part, (torch.Tensor, tuple, list)) or dataclasses.is_dataclass(part)
+        for t in _flat_bits(part)
+    ]
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_misaligned_base_pointers_give_the_bytes_of_aligned_copies(suite, kernel_device):
+    """Every public call on inputs whose base pointer is not 16-byte aligned (a view at a storage offset
+    of one element) gives the bytes of the same call on an aligned copy, gradients included: launches
+    specialize on each pointer's alignment, and no kernel may assume it from the shapes alone."""
+    import lowp_ops
+
+    device = kernel_device
+    gen = torch.Generator().manual_seed(11)
+
+    def randn(*shape, dtype=torch.bfloat16):
+        return (torch.randn(*shape, generator=gen) * 3).to(dtype).to(device)
+
+    def fwd_bwd(fn, *inputs):
+        leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
+        out = fn(*leaves)
+        out.float().sum().backward()
+        return [out, *(leaf.grad for leaf in leaves if leaf.requires_grad)]
+
+    wide, odd = randn(64, 4096), randn(48, 1000)
+    target_wide = torch.randint(0, 4096, (64,), generator=gen).to(device)
+    target_odd = torch.randint(0, 1000, (48,), generator=gen).to(device)
+    hidden, head = randn(64, 256), randn(1000, 256)
+    c, probs = randn(64, 512), torch.rand(64, generator=gen).to(device)
+    norm_weight = randn(4096)
+    ce, mxfp8_loss = lowp_ops.cross_entropy, lowp_ops.cross_entropy_with_mxfp8_grad
+    calls = {
+        "cross_entropy 64x4096": (lambda x: ce(x, target_wide), [wide], True),
+        "cross_entropy 48x1000": (lambda x: ce(x, target_odd, label_smoothing=0.1), [odd], True),
+        "cross_entropy_with_mxfp8_grad": (lambda x: mxfp8_loss(x, target_wide), [wide], False),
+        "cross_entropy_with_mxfp8_grad odd": (lambda x: mxfp8_loss(x, target_odd), [odd], False),
+        "softmax": (lambda x: lowp_ops.softmax(x, -1), [wide], True),
+        "log_softmax": (lambda x: lowp_ops.log_softmax(x, -1), [odd], True),
+        "logsumexp": (lambda x: lowp_ops.logsumexp(x, -1), [wide], False),
+        "mxfp8_quantize": (lambda x: lowp_ops.mxfp8_quantize(x), [wide], False),
+        "mxfp8_quantize odd": (lambda x: lowp_ops.mxfp8_quantize(x, "e5m2"), [odd], False),
+        "nvfp4_quantize": (lambda x: lowp_ops.nvfp4_quantize(x, columnwise=True, rht=True), [wide], False),
+        "rms_norm": (lambda x, w: lowp_ops.rms_norm(x, w), [wide, norm_weight], True),
+        "linear_cross_entropy": (
+            lambda h, w: lowp_ops.linear_cross_entropy(h, w, target_odd.repeat(2)[:64]), [hidden, head], True,
+        ),
+        "swiglu": (lambda c, p: lowp_ops.swiglu(c, p), [c, probs], True),
+    }  # fmt: skip
+    for name, (fn, inputs, differentiable) in calls.items():
+        run = (lambda *t, fn=fn: fwd_bwd(fn, *t)) if differentiable else fn
+        want = _flat_bits(run(*(t.contiguous() for t in inputs)))
+        got = _flat_bits(run(*(_misaligned(t) for t in inputs)))
+        assert len(got) == len(want), name
+        for index, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert torch.equal(a, b), f"{name}: output {index} differs"
