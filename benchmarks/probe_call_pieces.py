@@ -29,12 +29,12 @@ def host_us(fn, calls: int, repeats: int) -> float:
 
 
 def captured_launches(fn) -> list[tuple]:
-    """The (kernel, grid, args, meta) of every Triton launch one call of ``fn`` makes."""
+    """The (kernel, grid, args, meta, bound launch or None) of every Triton launch one call of ``fn`` makes."""
     real, seen = launch.CachedLaunch.launch, []
 
-    def record(self, grid, args, meta):
-        seen.append((self, grid, args, meta))
-        return real(self, grid, args, meta)
+    def record(self, grid, args, meta, bound=None):
+        seen.append((self, grid, args, meta, bound))
+        return real(self, grid, args, meta, bound)
 
     launch.CachedLaunch.launch = record
     try:
@@ -47,7 +47,7 @@ def captured_launches(fn) -> list[tuple]:
 def without_launches(fn):
     def call():
         real = launch.CachedLaunch.launch
-        launch.CachedLaunch.launch = lambda self, grid, args, meta: None
+        launch.CachedLaunch.launch = lambda self, grid, args, meta, bound=None: None
         try:
             fn()
         finally:
@@ -96,16 +96,16 @@ def main() -> None:
             python_only = host_us(without_launches(fn), args.calls, args.repeats)
             alone = [
                 host_us(
-                    lambda k=k, g=g, a=a, m=m: launch.CachedLaunch.launch(k, g, a, m),
+                    lambda k=k, g=g, a=a, m=m, b=b: launch.CachedLaunch.launch(k, g, a, m, b),
                     args.calls,
                     args.repeats,
                 )
-                for k, g, a, m in launches
+                for k, g, a, m, b in launches
             ]
             names = [k.jit_function.__name__ for k, *_ in launches]
             line += f" | without launches {python_only:6.1f} | launches " + ", ".join(
                 f"{n} {t:.1f} ({len(a)} args)"
-                for n, t, (_, _, a, _) in zip(names, alone, launches, strict=True)
+                for n, t, (_, _, a, _, _) in zip(names, alone, launches, strict=True)
             )
         print(line, flush=True)
 

@@ -4,7 +4,9 @@ Each row is one callable timed as ``bench_host_overhead.py`` times a call (calls
 synchronize at the end, median of loops): the public call, the launchers the op runs, their output
 allocation, the bare Triton launch, the backward alone (``retain_graph=True``, on the caller's thread and
 on autograd's worker thread), and floors: an ``autograd.Function`` whose forward makes one Triton launch
-(a copy kernel) and whose backward makes one Triton launch, one aten launch, or none.
+(a copy kernel) and whose backward makes one Triton launch, one aten launch, or none, each launch made
+through Triton's own launch path and, as the library makes it, through a bound launch
+(``kernels.launch.CachedLaunch.bind``).
 ``probe_autograd_thread.py`` times such backwards around a view (softmax shapes, no forward launch);
 these floors are loss-shaped and timed in the same run as ``F.cross_entropy``, which the targets name.
 
@@ -23,6 +25,7 @@ import triton.language as tl
 import lowp_ops
 from lowp_ops import library
 from lowp_ops.kernels import cross_entropy as ce
+from lowp_ops.kernels.launch import CachedLaunch
 from lowp_ops.meta.cross_entropy import cross_entropy_fwd_outputs
 
 try:
@@ -41,6 +44,32 @@ def _copy(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(x)
     _copy_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
     return out
+
+
+_BOUND_COPIES: dict = {}
+
+
+def _bound_copy(x: torch.Tensor) -> torch.Tensor:
+    """``_copy`` through a bound launch, one per element count (the library's launch path)."""
+    out = torch.empty_like(x)
+    launch = _BOUND_COPIES.get(x.numel())
+    if launch is None:
+        launch = CachedLaunch(_copy_kernel).bind((triton.cdiv(x.numel(), 1024),), BLOCK=1024)
+        _BOUND_COPIES[x.numel()] = launch
+    launch(x, out, x.numel())
+    return out
+
+
+class _BoundLaunchEach(torch.autograd.Function):
+    """Forward: one bound launch; backward: one bound launch (the floor of a loss node built as ours)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return _bound_copy(x[:1].float()).sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _bound_copy(torch.empty((512, 32000), device="cuda", dtype=torch.bfloat16))
 
 
 class _OneLaunchEach(torch.autograd.Function):
@@ -147,6 +176,11 @@ def main() -> None:
         "floor bwd alone": backward(floor),
         "floor bwd alone, caller thread": one_thread(backward(floor)),
         "floor fwd alone, graph": lambda: _OneLaunchEach.apply(logits),
+        "floor, bound launches: fwd+bwd": fwd_bwd(lambda: _BoundLaunchEach.apply(logits)),
+        "floor, bound launches: fwd+bwd, caller thread": one_thread(
+            fwd_bwd(lambda: _BoundLaunchEach.apply(logits))
+        ),
+        "floor, bound launches: fwd, no_grad": no_grad(lambda: _BoundLaunchEach.apply(logits)),
         "no launch in bwd: fwd+bwd": fwd_bwd(lambda: _LaunchInForwardOnly.apply(logits)),
         "no launch in bwd: fwd+bwd, caller thread": one_thread(
             fwd_bwd(lambda: _LaunchInForwardOnly.apply(logits))
@@ -158,6 +192,7 @@ def main() -> None:
             fwd_bwd(lambda: lowp_ops.cross_entropy(logits, target))
         ),
         "one Triton launch (copy kernel)": lambda: _copy(plain),
+        "one bound launch (copy kernel)": lambda: _bound_copy(plain),
     }
     print(f"{'piece':<48} {'host us':>9} {'wall us':>9}")
     for name, fn in pieces.items():
