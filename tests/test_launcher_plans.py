@@ -205,11 +205,11 @@ def _values(result) -> list[torch.Tensor]:
 def test_misaligned_base_pointers_give_the_results_of_aligned_copies(suite, kernel_device):
     """Public calls on inputs whose base pointer is not 16-byte aligned (a view at a storage offset of one
     element) against the same calls on aligned copies, gradients included. The quantizers (element-wise
-    and block maxima) give the same bytes. Calls that sum along rows give the same values within a unit
-    in the last place of each output's dtype, 2^-16 relative for fp32 outputs (an MXFP8 gradient's
-    dequantized copies: one E4M3 step):
-    Triton lays a block out in registers by the alignment it can prove, so a misaligned row is summed in
-    another order, as rows that are not 16-byte aligned are (docs/cross_entropy.md)."""
+    and block maxima) give the same bytes. Calls that sum along rows give the same values within one
+    unit in the last place of each output's dtype (2^-16 relative for fp32 outputs; one E4M3 step for
+    an MXFP8 gradient's dequantized copies): Triton lays a block out in registers by the alignment it
+    can prove, so a misaligned row is summed in another order, as rows that are not 16-byte aligned are
+    (docs/cross_entropy.md)."""
     import lowp_ops
 
     device = kernel_device
@@ -266,7 +266,7 @@ def test_misaligned_base_pointers_give_the_results_of_aligned_copies(suite, kern
                 if not torch.equal(bits(a), bits(b))
             ]
             continue
-        # fp32 outputs: the row sums' roundoff (~2^-16) more than a unit in the last place
+        # fp32 outputs carry the row sums' roundoff (up to ~2^-16 relative), more than one unit
         ulp_of = [max(torch.finfo(t.dtype).eps, 2**-16) for t in _tensors(want) if t.is_floating_point()]
         values = zip(_values(got), _values(want), strict=True)
         for index, (a, b) in enumerate(values):
