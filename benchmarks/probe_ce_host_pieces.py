@@ -60,28 +60,22 @@ def _bound_copy(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class _BoundLaunchEach(torch.autograd.Function):
-    """Forward: one bound launch; backward: one bound launch (the floor of a loss node built as ours)."""
+def _one_launch_each(copy, name: str) -> type[torch.autograd.Function]:
+    """An ``autograd.Function`` whose forward and backward each make one launch of ``copy`` (``_copy``:
+    Triton's launch path; ``_bound_copy``: the library's): the floor of a Python loss node."""
 
-    @staticmethod
     def forward(ctx, x):
-        return _bound_copy(x[:1].float()).sum()
+        return copy(x[:1].float()).sum()
 
-    @staticmethod
     def backward(ctx, grad):
-        return _bound_copy(torch.empty((512, 32000), device="cuda", dtype=torch.bfloat16))
+        return copy(torch.empty((512, 32000), device="cuda", dtype=torch.bfloat16))
+
+    namespace = {"forward": staticmethod(forward), "backward": staticmethod(backward)}
+    return type(name, (torch.autograd.Function,), namespace)
 
 
-class _OneLaunchEach(torch.autograd.Function):
-    """Forward: one Triton launch; backward: one Triton launch (the floor of a Python loss node)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return _copy(x[:1].float()).sum()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _copy(torch.empty((512, 32000), device="cuda", dtype=torch.bfloat16))
+_OneLaunchEach = _one_launch_each(_copy, "_OneLaunchEach")
+_BoundLaunchEach = _one_launch_each(_bound_copy, "_BoundLaunchEach")
 
 
 class _LaunchInForwardOnly(torch.autograd.Function):
