@@ -29,7 +29,7 @@ def host_us(fn, calls: int, repeats: int) -> float:
 
 
 def captured_launches(fn) -> list[tuple]:
-    """The (kernel, grid, args, meta, bound launch or None) of every Triton launch one call of ``fn`` makes."""
+    """The (kernel, grid, args, meta, bound launch or None) of each Triton launch a call of ``fn`` makes."""
     real, seen = launch.CachedLaunch.launch, []
 
     def record(self, grid, args, meta, bound=None):
